@@ -1,0 +1,6 @@
+"""megatrain_nb: full-parameter LLM training on a device far smaller than the model, in notebooks."""
+from .config import EngineConfig, OptimConfig
+from .session import Session, StepResult
+
+__all__ = ["Session", "StepResult", "EngineConfig", "OptimConfig"]
+__version__ = "0.1.0"

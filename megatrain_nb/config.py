@@ -1,0 +1,117 @@
+"""Settings of a training session: small kw_only dataclasses that validate themselves."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW's epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to every parameter as ``torch.optim.AdamW(model.parameters())`` does."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value, as ``clip_grad_norm_``. Costs overlap: every
+    gradient must reach the host before any update."""
+    lr_schedule: str = "constant"
+    """"constant", "linear" (to 0 at total_steps) or "cosine" (to 0 at total_steps), after warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 (as transformers' schedules: the first step uses lr 0 when > 0)."""
+    total_steps: int | None = None
+    """Length of the decay for "linear" and "cosine"."""
+
+    def __post_init__(self):
+        if not (isinstance(self.lr, (int, float)) and self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr!r}: must be a finite number >= 0")
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas={self.betas!r}: each must be in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"eps={self.eps!r}: must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r}: must be >= 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip={self.grad_clip!r}: must be > 0, or None for no clipping")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: choose one of {SCHEDULES}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r}: must be >= 0")
+        if self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} needs total_steps > warmup_steps "
+                             f"(got total_steps={self.total_steps!r}, warmup_steps={self.warmup_steps})")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of 0-based update ``step``; the formulas of transformers' get_*_schedule_with_warmup."""
+        if step < self.warmup_steps:
+            return self.lr * step / max(1, self.warmup_steps)
+        if self.lr_schedule == "constant":
+            return self.lr
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        if self.lr_schedule == "linear":
+            return self.lr * max(0.0, 1.0 - progress)
+        return self.lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineConfig:
+    device: str = "cpu"
+    """"cpu" or "cuda[:i]". On "cpu" the same code path runs with copies for transfers."""
+    dtype: torch.dtype | None = None
+    """Compute dtype of streamed weights and activations; None: bf16 on CUDA, fp32 on CPU.
+    Master weights and Adam moments are always fp32 on the host."""
+    checkpoint_every: int | None = None
+    """Recompute blocks of this many layers from a saved layer input. None: keep every layer's
+    activations that fit in device memory (``activation_budget``) and recompute the rest one layer
+    at a time. 0: keep all, recompute nothing."""
+    micro_batch_size: int | None = None
+    """Split the batch into micro-batches of this many sequences inside each layer (its weights are
+    loaded once for all of them). None: the whole batch at once."""
+    loss_chunk_tokens: int = 1024
+    """Sequence positions per chunk of final norm + lm_head + cross-entropy: the full logits never exist."""
+    weight_slots: int = 2
+    """Device buffers for streamed layer weights (>= 2: one computes while the next loads)."""
+    pinned_budget_bytes: int = 2 << 30
+    """Host pinned staging for transfers (CUDA only), split into ``transfer_chunk_bytes`` buffers."""
+    transfer_chunk_bytes: int = 64 << 20
+    """Size of one staging buffer; >= 16 MB reaches full PCIe bandwidth."""
+    activation_budget: float = 0.85
+    """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
+    overlap_optimizer: bool = True
+    """Run host AdamW in a worker as each layer's gradients land (False: after the whole backward)."""
+    trace: bool = True
+    """Record spans and counters of each step (``Session.trace``)."""
+
+    def __post_init__(self):
+        dev = torch.device(self.device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch.cuda.is_available() is False; use device='cpu'")
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype={self.dtype!r}: use torch.float32, torch.bfloat16 or torch.float16")
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0):
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: an int >= 1, 0 (keep all) or None (auto)")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: must be >= 1 or None")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r}: must be >= 1")
+        if self.weight_slots < 2:
+            raise ValueError(f"weight_slots={self.weight_slots!r}: need at least 2 (one computing, one loading)")
+        if self.transfer_chunk_bytes < (1 << 20):
+            raise ValueError(f"transfer_chunk_bytes={self.transfer_chunk_bytes!r}: use at least 1 MiB")
+        if self.pinned_budget_bytes < 2 * self.transfer_chunk_bytes:
+            raise ValueError(f"pinned_budget_bytes={self.pinned_budget_bytes!r}: must hold at least two "
+                             f"transfer chunks of {self.transfer_chunk_bytes} bytes")
+        if not 0 < self.activation_budget <= 1:
+            raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

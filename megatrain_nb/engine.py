@@ -1,0 +1,473 @@
+"""Runs one training step through the device: the only module that creates streams and events.
+
+Why this module is long (~450 lines): it holds every cross-stream and host/device dependency of a
+step in one place, so that each wait can be read next to the work it orders.
+
+Three streams (CUDA; on "cpu" they are the calling thread and copies are synchronous):
+  compute  — prelude, layer forward / recompute / backward, loss chunks;
+  h2d      — weights in: a host *packer* thread casts fp32 master slabs into pinned chunks and
+             enqueues their copies into a device weight slot;
+  d2h      — gradients out: a host *unpacker* thread enqueues the copy of a grad slot into pinned
+             chunks and moves them into the host grad slab, then tells the Adam worker.
+Every dependency is an event: the compute stream waits for a slot's "loaded" event; a load waits
+(on the h2d stream) for the "released" event of the slot's previous layer; a grad slot is reused
+only after its "copied out" event. The CPU waits only in worker threads, and in the driver at the
+named points: ``_ready`` (a load's copies were enqueued), ``_grad_slot`` (a grad copy was
+enqueued) and the end of the step (the loss and the trace are read).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from .binding import Layout, SlotRefs, call, grads_into
+from .config import EngineConfig, OptimConfig
+from .host_store import HostStore
+from .hf import Architecture
+from .optim import HostAdamW
+from .schedule import Load, Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .workers import AdamWorker, Box, Worker
+
+
+class _Dev:
+    """Streams and events; every method is a no-op or a plain call on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.compute = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def record(self, stream):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    @staticmethod
+    def wait(stream, event) -> None:  # the stream waits; the CPU does not
+        if event is not None:
+            stream.wait_event(event)
+
+    def host_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+
+
+def _chunks(n: int, size: int):
+    for a in range(0, n, size):
+        yield a, min(n, a + size)
+
+
+class Engine:
+    """Streams a model's layers through the device for forward, loss and backward; host Adam overlaps."""
+
+    def __init__(self, arch: Architecture, store: HostStore, optim: HostAdamW, ecfg: EngineConfig,
+                 ocfg: OptimConfig, recorder):
+        self.arch, self.store, self.optim, self.cfg, self.ocfg, self.rec = arch, store, optim, ecfg, ocfg, recorder
+        self.dev = dev = _Dev(torch.device(ecfg.device))
+        self.dtype = ecfg.dtype
+        L = self.L = arch.num_layers
+        self.abort = threading.Event()
+        n_layer = max(store.units[i].layout.numel for i in range(L))
+        head_params = arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else [])
+        self.head_layout = Layout.build(head_params)  # the head unit, then the tied embedding
+        mk = lambda n: torch.empty(n, dtype=self.dtype, device=dev.device)  # noqa: E731
+        self.slots = [mk(n_layer) for _ in range(ecfg.weight_slots)]
+        self.gslots = [mk(n_layer) for _ in range(2)]
+        self.head_slot, self.head_gslot = mk(self.head_layout.numel), mk(self.head_layout.numel)
+        self.slot_layer: list[int | None] = [None] * len(self.slots)  # driver's view of what each slot holds
+        self.refs = SlotRefs(self.slots, self)
+        self.chunk = ecfg.transfer_chunk_bytes // torch.tensor([], dtype=self.dtype).element_size()
+        n_pinned = max(2, ecfg.pinned_budget_bytes // ecfg.transfer_chunk_bytes - 2) if dev.cuda else 0
+        self.staging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_pinned)]
+        self.staging_free = [None] * n_pinned  # event after which each staging buffer may be refilled
+        self.staging_next = 0
+        self.gstaging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(2 if dev.cuda else 0)]
+        self.norm_dev = torch.zeros(L + 2, dtype=torch.float32, device=dev.device)  # per-unit grad norms
+        self.norm_host = dev.host_buffer(L + 2, torch.float32)
+        self.loss_host = dev.host_buffer(1, torch.float32)
+        self.slot_box = [Box(ready=True) for _ in self.slots]  # event of each slot's latest use
+        self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
+        self.gslot_box = [Box(ready=True) for _ in self.gslots]
+        self._gnext = 0
+        self.packer = Worker("host-pack", self.abort)
+        self.unpacker = Worker("host-unpack", self.abort)
+        self.adam = AdamWorker(store.order, self._update, self.abort)
+        self.steps_done = 0
+        self.keep: list[bool] | None = None  # activation policy, fixed at the first step
+
+    # ---- SlotRefs' view of residency (driver thread) -------------------------------------
+    def layer_in(self, slot: int) -> int:
+        return self.slot_layer[slot]
+
+    def slot_of(self, layer: int) -> int:
+        return self.slot_layer.index(layer)
+
+    # ---- host side: optimizer ------------------------------------------------------------
+    def _update(self, unit: int, grad_scale: float) -> None:
+        with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
+            self.optim.update(unit, self.ocfg.lr_at(self._lr_step), grad_scale)
+
+    # ---- loads (packer thread) -----------------------------------------------------------
+    def _submit_load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str) -> Box:
+        """segments: [(unit, src_fn, dst_offset)]; src_fn() -> host fp32 flat tensor (after its update)."""
+        version = self.steps_done
+
+        def job():
+            for unit, _, _ in segments:
+                if unit is not None:
+                    self.adam.wait_version(unit, version)  # host wait: the unit's last update
+            prev = after.get()  # host wait until the driver recorded the slot's release
+            nbytes = sum(s().numel() for _, s, _ in segments) * dst.element_size()
+            with self.dev.on(self.dev.h2d):
+                self.dev.wait(self.dev.h2d, prev)
+                tok = self.rec.cuda_begin("h2d", "h2d", layer, phase, nbytes, self.dev.h2d)
+                for _, src_fn, off in segments:
+                    src = src_fn()
+                    for a, b in _chunks(src.numel(), self.chunk):
+                        if not self.dev.cuda:
+                            with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
+                                dst[off + a:off + b].copy_(src[a:b])
+                            continue
+                        k = self.staging_next
+                        self.staging_next = (k + 1) % len(self.staging)
+                        if self.staging_free[k] is not None:
+                            self.staging_free[k].synchronize()  # host wait (packer): buffer k's copy done
+                        buf = self.staging[k][:b - a]
+                        with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
+                            buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
+                        dst[off + a:off + b].copy_(buf, non_blocking=True)
+                        self.staging_free[k] = self.dev.record(self.dev.h2d)
+                self.rec.cuda_end(tok, self.dev.h2d)
+                return self.dev.record(self.dev.h2d)
+
+        return self.packer.submit(job)
+
+    def _master(self, unit: int):
+        return lambda: self.store.units[unit].master
+
+    def _ready(self, box: Box) -> None:
+        """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
+        self.dev.wait(self.dev.compute, box.get())
+
+    # ---- grads out (unpacker thread) -----------------------------------------------------
+    def _submit_grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
+                      host_fn=None) -> Box:
+        """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``."""
+
+        def job():
+            with self.dev.on(self.dev.d2h):
+                self.dev.wait(self.dev.d2h, done_event)
+                nbytes = sum(n for _, n, _ in segments) * src.element_size()
+                tok = self.rec.cuda_begin("d2h", "d2h", unit, phase, nbytes, self.dev.d2h)
+                pending: list = []
+                for off, n, host in segments:
+                    for a, b in _chunks(n, self.chunk):
+                        if not self.dev.cuda:
+                            host[a:b].copy_(src[off + a:off + b])
+                            continue
+                        if len(pending) == len(self.gstaging):
+                            self._flush(pending.pop(0), unit, phase)
+                        buf = self.gstaging[self._gnext][:b - a]
+                        self._gnext = (self._gnext + 1) % len(self.gstaging)
+                        buf.copy_(src[off + a:off + b], non_blocking=True)
+                        pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
+                if unit != -1:
+                    self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
+                self.rec.cuda_end(tok, self.dev.d2h)
+                done = self.dev.record(self.dev.d2h)
+            for p in pending:
+                self._flush(p, unit, phase)
+            if done is not None:
+                done.synchronize()  # host wait (unpacker): this unit's gradients are in host memory
+            norm = host_fn() if host_fn is not None else float(self.norm_host[unit + 1])
+            self.adam.land(unit, norm)
+            return done
+
+        return self.unpacker.submit(job)
+
+    def _flush(self, item, unit, phase) -> None:
+        ev, buf, host = item
+        ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
+        with self.rec.span("host-unpack", "unpack", unit, phase, buf.numel() * buf.element_size()):
+            host.copy_(buf)
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self, mbs: list[dict], n_valid: int) -> dict:
+        """Forward, loss and backward of one batch (already split into micro-batches).
+
+        Args:
+            mbs: micro-batches, each {"input_ids": (b, T) long, "attention_mask": (b, T) or None,
+                 "shift_labels": (b, T) long with -100 where unsupervised}; all on the host.
+            n_valid: supervised tokens in the whole batch (the loss divides by it).
+        Returns:
+            {"loss": float, "kept_layers": int, "recomputed_layers": int}
+        """
+        L, dev, rec = self.L, self.dev, self.rec
+        self._lr_step = self.steps_done
+        rec.begin_step(self.steps_done)
+        loss_box = Box(self.abort)
+        self.adam.begin(step=self.steps_done, gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
+                        clip=self.optim.clip_factor, loss=loss_box)
+        with dev.on(dev.compute):
+            embeds = [self._gather(mb) for mb in mbs]
+            fops = forward_ops(L)
+            fboxes = self._plan(fops, [None] * len(self.slots))
+            head_box = self._load_head()
+            state = self._forward(mbs, embeds, fops, fboxes)
+            hL_grads = self._loss(mbs, state.pop("hL"), n_valid, head_box, loss_box)
+            blocks = make_blocks(L, self.keep, self.cfg.checkpoint_every or 1)
+            bops = backward_ops(blocks)
+            bboxes = self._plan(bops, list(self.slot_layer))
+            last = self._backward(mbs, bops, bboxes, state, hL_grads)
+        last.get()  # driver waits: the embedding's gradients landed, so every unit's have
+        loss = float(loss_box.get())
+        rec.counter("device_mem.allocated", torch.cuda.memory_allocated(dev.device) if dev.cuda else 0)
+        self.trace = rec.end_step()
+        self.steps_done += 1
+        return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep)}
+
+    def _gather(self, mb: dict) -> tuple[torch.Tensor, Box]:
+        """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves)."""
+        ids = mb["input_ids"]
+        H = self.arch.embed.weight.shape[1]
+        dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
+        rows = lambda: self.store.units[-1].master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
+        box = self._submit_load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd")
+        return dst.view(*ids.shape, H), box
+
+    def _plan(self, ops: list[Op], resident: list) -> dict:
+        """Submit every load ``ops`` need to the packer, in order of use.
+
+        Returns {"loads": op index -> (Load, box), "rel": op index -> Box of that op's slot release,
+        "slot": op index -> slot}. A load waits for the release of its slot's previous use: in this
+        plan (``Load.after``) or in an earlier one (``self.slot_box``).
+        """
+        loads, _, slot_of_op = plan_loads(ops, len(self.slots), resident)
+        rel = {k: Box(self.abort) for k in slot_of_op}
+        boxes = {}
+        for ld in loads:
+            after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
+            box = self._submit_load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
+                                    ops[ld.before].phase)
+            boxes[ld.before] = (ld, box)
+        for k, s in sorted(slot_of_op.items()):
+            self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
+        return {"loads": boxes, "rel": rel, "slot": slot_of_op}
+
+    def _use(self, plan: dict, k: int) -> torch.Tensor:
+        """Driver: the weight slot op k computes from; the compute stream waits for its load."""
+        if k in plan["loads"]:
+            ld, box = plan["loads"][k]
+            self._ready(box)
+            self.slot_layer[ld.slot] = ld.layer
+        return self.slots[plan["slot"][k]]
+
+    def _done(self, plan: dict, k: int) -> None:
+        """Driver: op k no longer needs its slot once the compute stream passes this point."""
+        plan["rel"][k].put(self.dev.record(self.dev.compute))
+
+    def _load_head(self) -> Box:
+        L = self.L
+        segs = [(L, self._master(L), 0)]
+        if self.arch.tied:
+            segs.append((-1, self._master(-1), self.store.units[L].layout.numel))
+        return self._submit_load(L, self.head_slot, segs, self.head_box, "loss")
+
+    # ---- compute (driver thread, compute stream) -------------------------------------------
+    def _template(self, i: int):
+        return self.arch.templates[self.arch.template_of[i]]
+
+    def _keep_now(self, i: int, first: bool) -> bool:
+        """Activation policy for layer i (see EngineConfig.checkpoint_every)."""
+        if self.keep is not None:
+            return self.keep[i]
+        if self.cfg.checkpoint_every is not None:
+            return self.cfg.checkpoint_every == 0
+        if not self.dev.cuda:
+            return True  # host memory holds activations on "cpu": keep all
+        total = torch.cuda.get_device_properties(self.dev.device).total_memory
+        used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
+        return used + 2 * self._act_bytes + (4 << 30) < self.cfg.activation_budget * total
+
+    def _forward(self, mbs, embeds, fops, plan) -> dict:
+        arch, rec, dev = self.arch, self.rec, self.dev
+        st = {"E": [], "h0": [], "calls": [], "ckpt": {}, "kept": {}, "masks": []}
+        hs = []
+        for mb, (E, box) in zip(mbs, embeds):
+            self._ready(box)
+            mask = mb["attention_mask"]
+            mask = None if mask is None else mask.to(dev.device, non_blocking=True)
+            E.requires_grad_()
+            with torch.enable_grad():
+                h0, calls = arch.prelude(E, mask)
+            st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
+            hs.append(h0.detach())
+        deciding = self.keep is None
+        keep, K = [], self.cfg.checkpoint_every or 1
+        self._act_bytes = 0
+        for k, op in enumerate(fops[:-1]):
+            i = op.layer
+            slot = self._use(plan, k)
+            layout = self.store.units[i].layout
+            before = torch.cuda.memory_allocated(dev.device) if dev.cuda else 0
+            kept = self._keep_now(i, deciding)
+            keep.append(kept)
+            tok = rec.cuda_begin("compute", "fwd", i, "fwd", 0, dev.compute)
+            if kept:
+                params = layout.views(slot, requires_grad=True)
+                xs, outs = [], []
+                with self.refs.hooks(), torch.enable_grad():
+                    for m, calls in enumerate(st["calls"]):
+                        x = hs[m].detach().requires_grad_()
+                        out = call(self._template(i), params, x, *calls[i][0], **calls[i][1])
+                        xs.append(x), outs.append(out)
+                        hs[m] = out.detach()
+                st["kept"][i] = (params, xs, outs)
+                self._act_bytes = (torch.cuda.memory_allocated(dev.device) - before) if dev.cuda else 0
+            else:
+                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-K])) >= K
+                if run_start:
+                    st["ckpt"][i] = list(hs)  # Note: block inputs are the only activations a recompute block keeps
+                params = layout.views(slot)
+                with torch.no_grad():
+                    for m, calls in enumerate(st["calls"]):
+                        hs[m] = call(self._template(i), params, hs[m], *calls[i][0], **calls[i][1])
+            rec.cuda_end(tok, dev.compute)
+            self._done(plan, k)
+        if deciding:
+            self.keep = keep
+        st["hL"] = hs
+        return st
+
+    def _loss(self, mbs, hs, n_valid: int, head_box: Box, loss_box: Box) -> list[torch.Tensor]:
+        """Final norm + lm_head + cross-entropy in sequence chunks, each with its own backward."""
+        arch, dev, L, lay = self.arch, self.dev, self.L, self.head_layout
+        self._ready(head_box)
+        self.dev.wait(dev.compute, self.head_gbox.get())  # last step's head grads were copied out
+        tok = self.rec.cuda_begin("compute", "loss", L, "loss", 0, dev.compute)
+        self.head_gslot.zero_()
+        params = lay.views(self.head_slot, requires_grad=True)
+        grads_into(params, self.head_gslot, lay)
+        norm_p = {n[len(arch.norm_prefix):]: p for n, p in params.items() if n.startswith(arch.norm_prefix)}
+        W = params[arch.embed_name if arch.tied else arch.head_name]
+        total = torch.zeros((), dtype=torch.float32, device=dev.device)
+        grads = []
+        for mb, h in zip(mbs, hs):
+            labels = mb["shift_labels"].to(dev.device, non_blocking=True)
+            g = torch.empty_like(h)
+            for a, b in _chunks(h.shape[1], self.cfg.loss_chunk_tokens):
+                with torch.enable_grad():
+                    x = h[:, a:b].detach().requires_grad_()
+                    logits = F.linear(call(arch.norm, norm_p, x), W)
+                    if arch.softcap:
+                        logits = torch.tanh(logits / arch.softcap) * arch.softcap
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(),
+                                           ignore_index=-100, reduction="sum") / n_valid
+                    loss.backward()
+                g[:, a:b] = x.grad
+                total += loss.detach()
+            grads.append(g)
+        n_head = self.store.units[L].layout.numel
+        self.norm_dev[L + 1].copy_(torch.linalg.vector_norm(self.head_gslot[:n_head], dtype=torch.float32))
+        self.rec.cuda_end(tok, dev.compute)
+        done = dev.record(dev.compute)
+        self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
+        self.unpacker.submit(lambda: self._read_loss(total, done, loss_box))
+        segs = [(0, n_head, self.store.units[L].grad)]
+        if arch.tied:
+            segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
+        self.head_gbox = self._submit_grads(L, self.head_gslot, segs, done, "loss")
+        return grads
+
+    def _read_loss(self, total: torch.Tensor, done, box: Box) -> None:
+        with self.dev.on(self.dev.d2h):
+            self.dev.wait(self.dev.d2h, done)
+            self.loss_host.copy_(total.view(1), non_blocking=True)
+            ev = self.dev.record(self.dev.d2h)
+        if ev is not None:
+            ev.synchronize()  # host wait (unpacker): the loss value
+        box.put(float(self.loss_host[0]))
+
+    def _backward(self, mbs, bops, plan, st, gs) -> Box:
+        dev, rec, kept, gi = self.dev, self.rec, st["kept"], 0
+        for k, op in enumerate(bops):
+            i = op.layer
+            if op.kind == "recompute":
+                slot = self._use(plan, k)
+                hs = st["ckpt"].pop(i) if i in st["ckpt"] else [o.detach() for o in kept[i - 1][2]]
+                params = self.store.units[i].layout.views(slot, requires_grad=True)
+                tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
+                xs, outs = [], []
+                with self.refs.hooks(), torch.enable_grad():
+                    for m, calls in enumerate(st["calls"]):
+                        x = hs[m].detach().requires_grad_()
+                        outs.append(call(self._template(i), params, x, *calls[i][0], **calls[i][1]))
+                        xs.append(x)
+                kept[i] = (params, xs, outs)
+                rec.cuda_end(tok, dev.compute)
+                self._done(plan, k)
+            elif op.kind == "bwd":
+                self._use(plan, k)
+                params, xs, outs = kept.pop(i)
+                layout = self.store.units[i].layout
+                g = self.gslots[gi][:layout.numel]
+                dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until the copy-out was enqueued
+                tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
+                g.zero_()
+                grads_into(params, g, layout)
+                for m in range(len(outs)):
+                    torch.autograd.backward(outs[m], gs[m])
+                    gs[m] = xs[m].grad
+                self.norm_dev[i + 1].copy_(torch.linalg.vector_norm(g, dtype=torch.float32))
+                rec.cuda_end(tok, dev.compute)
+                done = dev.record(dev.compute)
+                self._done(plan, k)
+                self.gslot_box[gi] = self._submit_grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done, "bwd")
+                gi ^= 1
+                del params, xs, outs
+            else:
+                tok = rec.cuda_begin("compute", "embed_bwd", -1, "bwd", 0, dev.compute)
+                dE = []
+                for m, h0 in enumerate(st["h0"]):
+                    torch.autograd.backward(h0, gs[m])
+                    dE.append(st["E"][m].grad.flatten())
+                dE = torch.cat(dE) if len(dE) > 1 else dE[0]
+                rec.cuda_end(tok, dev.compute)
+                done = dev.record(dev.compute)
+                host = torch.empty(dE.numel(), dtype=dE.dtype)
+                ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
+                return self._submit_grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
+                                          host_fn=lambda: self._embed_grads(ids, host, dE))
+        raise AssertionError("backward_ops always ends with embed_bwd")
+
+    def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive) -> float:
+        """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
+        unit = self.store.units[-1]
+        H = self.arch.embed.weight.shape[1]
+        grad = unit.grad.view(-1, H)
+        with self.rec.span("host-unpack", "embed_grad", -1, "bwd", dE.numel() * dE.element_size()):
+            if not self.arch.tied:
+                grad.zero_()  # tied: the head's gradient already landed here
+            rows = dE.view(-1, H).float()
+            pad = self.arch.embed.padding_idx
+            if pad is not None:
+                rows[ids == pad] = 0  # nn.Embedding gives padding_idx no gradient
+            grad.index_add_(0, ids, rows)
+            return float(torch.linalg.vector_norm(unit.grad))
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Block until every update of every finished step is applied to the host masters."""
+        self.adam.wait_all(self.steps_done)
+
+    def close(self) -> None:
+        self.abort.set()
+        self.packer.close(), self.unpacker.close()

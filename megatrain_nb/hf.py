@@ -1,0 +1,229 @@
+"""Find the pieces of a Hugging Face decoder-only model and make weightless templates of them.
+
+Owns: building the model skeleton with parameters on the meta device (buffers such as rotary
+``inv_freq`` stay real and small), locating embed / layers / final norm / lm_head, grouping layers
+into distinct structures (one template each), the *prelude* (everything the HF model computes
+between the embedding and the first layer: masks, position ids, rotary tables, Gemma's embedding
+scale) and the checkpoint-name mapping of transformers' own weight conversions.
+Does not own: any weight values, devices, streams or the training loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "gpt_oss")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture lacks something the streaming engine needs."""
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Create every nn.Parameter on the meta device while buffers stay real (rotary tables)."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+class _StopPrelude(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer i: records the arguments HF passes it, returns its input."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: list, last: bool):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)  # not a submodule: its params stay out of the shell
+        self.index, self.sink, self.last = index, sink, last
+
+    def __getattr__(self, name):  # HF reads e.g. `decoder_layer.attention_type` (Gemma2)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink.append((hidden_states, args, kwargs))
+        if self.last:
+            raise _StopPrelude
+        return hidden_states
+
+
+@dataclasses.dataclass(kw_only=True)
+class Architecture:
+    """The located parts of one HF causal LM, all weightless."""
+
+    config: Any
+    model: nn.Module  # the whole skeleton (params on meta)
+    base: nn.Module  # model.model: the decoder stack
+    embed: nn.Embedding
+    layers: list  # the original layer modules, on meta
+    norm: nn.Module
+    head: nn.Module  # lm_head (nn.Linear); its weight is the embedding's when tied
+    tied: bool
+    embed_name: str  # "model.embed_tokens.weight"
+    norm_prefix: str  # "model.norm."
+    head_name: str  # "lm_head.weight"
+    layer_prefix: str  # "model.layers."
+    template_of: list  # layer index -> template index
+    templates: list  # one weightless module per distinct layer structure
+    softcap: float | None  # Gemma2's final_logit_softcapping
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_params(self, i: int) -> list[tuple[str, torch.Size]]:
+        """(name, shape) of layer i's parameters, in the template's order."""
+        return [(n, p.shape) for n, p in self.layers[i].named_parameters()]
+
+    def head_params(self) -> list[tuple[str, torch.Size]]:
+        """(name relative to the model, shape) of the head unit: final norm, then lm_head unless tied."""
+        out = [(self.norm_prefix + n, p.shape) for n, p in self.norm.named_parameters()]
+        if not self.tied:
+            out.append((self.head_name, self.head.weight.shape))
+        return out
+
+    def prelude(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None):
+        """Run HF's own code from the embedding output to layer 0's input.
+
+        Args:
+            inputs_embeds: (B, T, H) compute dtype, the embedding rows (may require grad).
+            attention_mask: (B, T) 0/1 or None.
+        Returns:
+            (h0, calls): h0 is layer 0's input (B, T, H) — e.g. Gemma scales the embedding — and
+            calls[i] = (args, kwargs) that HF passes to layer i besides the hidden states.
+        """
+        sink: list = []
+        n = self.num_layers
+        recorders = nn.ModuleList(_Recorder(layer, i, sink, i == n - 1) for i, layer in enumerate(self.layers))
+        saved = self.base.layers
+        self.base.layers = recorders
+        try:
+            self.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False)
+        except _StopPrelude:
+            pass
+        finally:
+            self.base.layers = saved
+        if len(sink) != n:
+            raise UnsupportedModelError(
+                f"{type(self.base).__name__}.forward called {len(sink)} of its {n} layers; the engine "
+                "needs every layer called once, in order")
+        return sink[0][0], [(a, k) for _, a, k in sink]
+
+
+def _simple_attrs(module: nn.Module) -> tuple:
+    """Plain attributes of a module tree that change behaviour (sliding window, layer type, ...)."""
+    out = []
+    for name, m in module.named_modules():
+        for k, v in sorted(vars(m).items()):
+            if k.startswith("_") or k in ("layer_idx", "training"):
+                continue
+            if isinstance(v, (int, float, str, bool, type(None))):
+                out.append((name, k, v))
+    return tuple(out)
+
+
+def load_architecture(config) -> Architecture:
+    """Build a weightless skeleton of ``config``'s causal LM and locate its parts.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` of a decoder-only causal LM.
+    Returns:
+        Architecture with one template per distinct layer structure.
+    Raises:
+        UnsupportedModelError: names the class and the missing part.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{type(config).__name__} is encoder-decoder; only decoder-only causal LMs stream")
+    for attr in ("logits_scaling", "logit_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"{type(config).__name__} scales logits by {attr}; not supported yet")
+    try:
+        with params_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:
+        raise UnsupportedModelError(f"transformers has no causal-LM class for {type(config).__name__}: {e}") from e
+    cls = type(model).__name__
+    base = getattr(model, "model", None)
+    missing = [n for n, ok in (("model.model", base is not None),
+                               ("model.layers", base is not None and isinstance(getattr(base, "layers", None), nn.ModuleList)),
+                               ("model.embed_tokens", base is not None and isinstance(getattr(base, "embed_tokens", None), nn.Embedding)),
+                               ("model.norm", base is not None and hasattr(base, "norm")),
+                               ("lm_head", isinstance(getattr(model, "lm_head", None), nn.Linear))) if not ok]
+    if missing:
+        raise UnsupportedModelError(f"{cls} has no {', '.join(missing)}; supported families: {', '.join(SUPPORTED)}")
+    embed = base.embed_tokens
+    if type(embed).forward is not nn.Embedding.forward:
+        raise UnsupportedModelError(f"{cls}'s embedding {type(embed).__name__} overrides forward; not supported yet")
+    if model.lm_head.bias is not None:
+        raise UnsupportedModelError(f"{cls}'s lm_head has a bias; not supported yet")
+    tied = model.lm_head.weight is embed.weight
+    known = {id(p) for p in base.layers.parameters()} | {id(embed.weight), id(model.lm_head.weight)}
+    known |= {id(p) for p in base.norm.parameters()}
+    stray = [n for n, p in model.named_parameters() if id(p) not in known]
+    if stray:
+        raise UnsupportedModelError(f"{cls} has parameters outside embed/layers/norm/lm_head: {stray[:4]}")
+
+    layers = list(base.layers)
+    keys, templates, template_of = {}, [], []
+    for layer in layers:
+        sig = (type(layer).__name__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()),
+               _simple_attrs(layer))
+        if sig not in keys:
+            keys[sig] = len(templates)
+            templates.append(layer)
+        template_of.append(keys[sig])
+    return Architecture(
+        config=config, model=model, base=base, embed=embed, layers=layers, norm=base.norm,
+        head=model.lm_head, tied=tied, embed_name="model.embed_tokens.weight", norm_prefix="model.norm.",
+        head_name="lm_head.weight", layer_prefix="model.layers.", template_of=template_of,
+        templates=templates, softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def checkpoint_map(arch: Architecture, params: dict[str, tuple[int, torch.Size]]) -> dict[str, Any]:
+    """Where each checkpoint tensor of these parameters lands in their unit's flat slab.
+
+    transformers stores some families differently on disk than in memory (Mixtral's per-expert
+    w1/w3 become one fused ``gate_up_proj``). Rather than re-implementing those conversions, run
+    transformers' own reverse conversion on index tensors: each checkpoint tensor then says, element
+    by element, which flat position it fills.
+
+    Args:
+        params: model parameter name -> (offset in the flat slab, shape).
+    Returns:
+        checkpoint name -> (offset, shape) for a tensor stored as-is, or a LongTensor of flat
+        positions, shaped like the checkpoint tensor.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    probe = revert_weight_conversion(arch.model, {n: torch.empty(s, device="meta") for n, (_, s) in params.items()})
+    if set(probe) == set(params):
+        return dict(params)
+    index = {n: torch.arange(o, o + s.numel()).view(s) for n, (o, s) in params.items()}
+    return revert_weight_conversion(arch.model, index)
+
+
+def convert_to_checkpoint(arch: Architecture, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model-named tensors -> checkpoint-named tensors, as transformers' ``save_pretrained`` writes them."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(arch.model, dict(tensors))

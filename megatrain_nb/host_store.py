@@ -1,0 +1,224 @@
+"""Per-unit contiguous slabs in host RAM: fp32 master weights, gradients and fp32 Adam moments.
+
+Owns: allocating the slabs, filling them from safetensors (tensor by tensor, never the whole model
+twice) or a seeded random init, writing them back as a Hugging Face directory, and the byte report.
+Does not own: devices, streams or the optimizer's arithmetic. Knows nothing of CUDA except that it
+may pin its memory.
+
+Units: -1 embedding, 0..L-1 decoder layers, L head (final norm, then lm_head unless tied).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .binding import Layout
+from .hf import Architecture, checkpoint_map, convert_to_checkpoint
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Unit:
+    """One unit's slabs; every tensor is flat with ``layout.numel`` elements."""
+
+    layer: int
+    layout: Layout
+    master: torch.Tensor  # (numel,) fp32
+    grad: torch.Tensor  # (numel,) grad dtype: fp32 for the embedding, else the compute dtype
+    exp_avg: torch.Tensor  # (numel,) fp32
+    exp_avg_sq: torch.Tensor  # (numel,) fp32
+    prefix: str  # checkpoint-name prefix of layout names ("model.layers.3." or "")
+
+
+class HostStore:
+    """All trainable state of a model, in host memory, packed per unit."""
+
+    def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32, pin: bool = False):
+        self.arch = arch
+        self.num_layers = L = arch.num_layers
+        self.pinned = pin
+        e = arch.embed.weight
+        layouts = {-1: (Layout.build([(arch.embed_name, e.shape)]), "")}
+        for i in range(L):
+            layouts[i] = (Layout.build(arch.layer_params(i)), f"{arch.layer_prefix}{i}.")
+        layouts[L] = (Layout.build(arch.head_params()), "")
+        self.units: dict[int, Unit] = {}
+        for u, (layout, prefix) in layouts.items():
+            g = torch.float32 if u == -1 else grad_dtype
+            self.units[u] = Unit(layer=u, layout=layout, prefix=prefix,
+                                 master=self._alloc(layout.numel, torch.float32, zero=True),
+                                 grad=self._alloc(layout.numel, g, zero=True),
+                                 exp_avg=self._alloc(layout.numel, torch.float32, zero=True),
+                                 exp_avg_sq=self._alloc(layout.numel, torch.float32, zero=True))
+
+    def _alloc(self, n: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        t = torch.zeros(n, dtype=dtype) if zero else torch.empty(n, dtype=dtype)
+        return t.pin_memory() if self.pinned else t
+
+    @property
+    def order(self) -> list[int]:
+        return [-1, *range(self.num_layers), self.num_layers]
+
+    def num_params(self) -> int:
+        """Trainable parameters, as ``sum(p.numel() for p in model.parameters())`` counts them."""
+        return sum(s.numel() for u in self.units.values() for s in u.layout.shapes)
+
+    def bytes_report(self) -> dict[str, float]:
+        """Bytes by category (master, grads, exp_avg, exp_avg_sq, total) and bytes per parameter."""
+        rep = {k: sum(getattr(u, k).numel() * getattr(u, k).element_size() for u in self.units.values())
+               for k in ("master", "grad", "exp_avg", "exp_avg_sq")}
+        rep["total"] = sum(rep.values())
+        rep["params"] = self.num_params()
+        rep["bytes_per_param"] = rep["total"] / rep["params"]
+        return rep
+
+    def views(self, u: int) -> dict[str, torch.Tensor]:
+        """Model-named views of unit ``u``'s master weights (names as in ``model.named_parameters``)."""
+        unit = self.units[u]
+        return {unit.prefix + n: v for n, v in unit.layout.views(unit.master).items()}
+
+    # ---- loading -------------------------------------------------------------------------
+    def load_safetensors(self, path: str | os.PathLike) -> None:
+        """Fill the master slabs from an HF directory (single file or sharded), tensor by tensor.
+
+        Raises:
+            FileNotFoundError: no safetensors in ``path`` or a shard the index names is missing.
+            ValueError: a corrupt file, a shape mismatch, or missing weights (names them).
+        """
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        files = self._files(path)
+        targets = self._targets()
+        done: set[str] = set()
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    for key in fh.keys():
+                        if key not in targets:
+                            if key == self.arch.head_name and self.arch.tied:
+                                continue  # some tied checkpoints store lm_head too
+                            raise ValueError(f"{f.name} holds {key!r}, which {type(self.arch.model).__name__} "
+                                             "does not have: is this directory's config.json the right one?")
+                        self._put(targets[key], fh.get_tensor(key), key, f)
+                        done.add(key)
+            except SafetensorError as e:
+                raise ValueError(f"{f} is not a readable safetensors file ({e}); re-save or re-download it") from e
+        missing = sorted(set(targets) - done)
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} weights, e.g. {missing[:3]}; the checkpoint does not "
+                             "match config.json")
+
+    @staticmethod
+    def _files(path: Path) -> list[Path]:
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+        if (path / INDEX).exists():
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise FileNotFoundError(f"{path / INDEX} names shards that are missing: {missing}")
+            return files
+        if (path / SINGLE).exists():
+            return [path / SINGLE]
+        raise FileNotFoundError(f"{str(path)!r} has no {SINGLE} or {INDEX} (found: "
+                                f"{sorted(p.name for p in path.iterdir())[:8]})")
+
+    def _targets(self) -> dict[str, tuple[int, object]]:
+        """checkpoint name -> (unit, (offset, shape) or LongTensor of flat positions)."""
+        out, cache = {}, {}
+        for u, unit in self.units.items():
+            key = ("layer", self.arch.template_of[u]) if 0 <= u < self.num_layers else ("unit", u)
+            if key not in cache:  # one conversion probe per distinct structure, renamed per layer
+                params = {unit.prefix + n: (o, s) for n, s, o in unit.layout.items()}
+                cache[key] = (unit.prefix, checkpoint_map(self.arch, params))
+            prefix, mapping = cache[key]
+            for name, where in mapping.items():
+                out[unit.prefix + name[len(prefix):] if prefix else name] = (u, where)
+        return out
+
+    def _put(self, target, tensor: torch.Tensor, key: str, f: Path) -> None:
+        u, where = target
+        master = self.units[u].master
+        if isinstance(where, torch.Tensor):
+            if tuple(where.shape) != tuple(tensor.shape):
+                raise ValueError(f"{f.name}:{key} has shape {tuple(tensor.shape)}, config.json implies {tuple(where.shape)}")
+            master[where.flatten()] = tensor.flatten().to(torch.float32)
+        else:
+            off, shape = where
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{f.name}:{key} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}")
+            master[off:off + shape.numel()].view(shape).copy_(tensor)
+
+    def init_random(self, seed: int) -> None:
+        """Initialise like the HF model's own ``_init_weights``, one unit at a time (no full model in RAM).
+
+        Each unit draws from its own seed (seed, unit), so the result does not depend on order.
+        """
+        import copy
+
+        arch, L = self.arch, self.num_layers
+        for u in self.order:
+            torch.manual_seed(seed * 1_000_003 + u + 1)
+            if 0 <= u < L:
+                mod = copy.deepcopy(arch.layers[u]).to_empty(device="cpu")
+                mod.apply(arch.model._init_weights)
+                named = {self.units[u].prefix + n: p for n, p in mod.named_parameters()}
+            elif u == -1:
+                mod = copy.deepcopy(arch.embed).to_empty(device="cpu")
+                mod.apply(arch.model._init_weights)
+                named = {arch.embed_name: mod.weight}
+            else:
+                norm = copy.deepcopy(arch.norm).to_empty(device="cpu")
+                norm.apply(arch.model._init_weights)
+                named = {arch.norm_prefix + n: p for n, p in norm.named_parameters()}
+                if not arch.tied:
+                    head = copy.deepcopy(arch.head).to_empty(device="cpu")
+                    head.apply(arch.model._init_weights)
+                    named[arch.head_name] = head.weight
+            views = self.views(u)
+            with torch.no_grad():
+                for n, p in named.items():
+                    views[n].copy_(p)
+
+    # ---- saving --------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                        max_shard_bytes: int = 5 << 30) -> None:
+        """Write config.json + safetensors (sharded above ``max_shard_bytes``) that transformers loads."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        shards, current, size = [], {}, 0
+        for u in self.order:
+            tensors = {n: v.to(dtype).clone() for n, v in self.views(u).items()}
+            for name, t in convert_to_checkpoint(self.arch, tensors).items():
+                nbytes = t.numel() * t.element_size()
+                if current and size + nbytes > max_shard_bytes:
+                    shards.append(current)
+                    current, size = {}, 0
+                current[name] = t.contiguous()
+                size += nbytes
+        shards.append(current)
+        for old in list(out.glob("model*.safetensors")) + list(out.glob(INDEX)):
+            old.unlink()  # a stale shard or index would be loaded beside the new ones
+        if len(shards) == 1:
+            save_file(shards[0], str(out / SINGLE), metadata={"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for k, shard in enumerate(shards):
+                name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(out / name), metadata={"format": "pt"})
+                weight_map.update({n: name for n in shard})
+                total += sum(t.numel() * t.element_size() for t in shard.values())
+            (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        cfg = self.arch.config
+        cfg.dtype = dtype
+        cfg.save_pretrained(str(out))

@@ -1,0 +1,190 @@
+"""Session: load a model into host slabs and train it step by step through the streaming engine.
+
+Wires config -> hf -> host_store -> optim -> engine -> trace. Holds no phase logic: a step is
+"validate the batch, split it, hand it to the engine, record the result".
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig, OptimConfig
+from .engine import Engine
+from .hf import load_architecture
+from .host_store import HostStore
+from .optim import HostAdamW
+from .trace import Recorder
+
+_OPTIM = {f.name for f in dataclasses.fields(OptimConfig)}
+_ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one ``Session.step`` did."""
+
+    step: int  # 1-based index of this step
+    loss: float  # HF's loss: mean cross-entropy over supervised tokens
+    tokens: int  # tokens in the batch (B*T)
+    seconds: float  # wall time of the step call
+    lr: float  # learning rate this step's update uses
+    tflops: float  # model TFLOPS: 6 * params * tokens / seconds / 1e12
+    recomputed_layers: int
+
+
+class Session:
+    """A model held in host memory, trained one streamed step at a time.
+
+    Example:
+        >>> s = Session.from_pretrained("my-model", device="cpu", lr=1e-4)   # doctest: +SKIP
+        >>> r = s.step({"input_ids": ids, "labels": ids})                    # doctest: +SKIP
+        >>> s.save_pretrained("my-model-tuned")                              # doctest: +SKIP
+    """
+
+    def __init__(self, config, *, _init, **settings):
+        unknown = set(settings) - _OPTIM - _ENGINE
+        if unknown:
+            raise TypeError(f"unknown setting(s) {sorted(unknown)}; optimizer settings: {sorted(_OPTIM)}, "
+                            f"engine settings: {sorted(_ENGINE)}")
+        self.optim_cfg = OptimConfig(**{k: v for k, v in settings.items() if k in _OPTIM})
+        self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
+        self.config = config
+        self.arch = load_architecture(config)
+        self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype)
+        _init(self.store)
+        self.optim = HostAdamW(self.store, self.optim_cfg)
+        self.recorder = Recorder(enabled=self.engine_cfg.trace, device=self.engine_cfg.device)
+        self.engine = Engine(self.arch, self.store, self.optim, self.engine_cfg, self.optim_cfg, self.recorder)
+        self.history: list[StepResult] = []
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **settings) -> "Session":
+        """Load an HF causal-LM directory (config.json + safetensors) into host slabs.
+
+        Args:
+            path: directory with config.json and model.safetensors or a sharded index.
+            **settings: OptimConfig fields (lr, betas, eps, weight_decay, grad_clip, lr_schedule,
+                warmup_steps, total_steps) and EngineConfig fields (device, dtype, checkpoint_every,
+                micro_batch_size, weight_slots, ...).
+        Raises:
+            FileNotFoundError: the directory, config.json or the weights are missing.
+            ValueError: corrupt weights, an unsupported architecture, a bad setting.
+        """
+        from transformers import AutoConfig
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{str(path)!r} has no config.json; pass an HF model directory")
+        config = AutoConfig.from_pretrained(str(path))
+        HostStore._files(path)  # fail on missing weights before allocating anything
+        return cls(config, _init=lambda store: store.load_safetensors(path), **settings)
+
+    @classmethod
+    def from_config(cls, config, *, seed: int = 0, **settings) -> "Session":
+        """Randomly initialise a model from a transformers config, one unit at a time (tests, teaching)."""
+        return cls(config, _init=lambda store: store.init_random(seed), **settings)
+
+    # ---- training ----------------------------------------------------------------------
+    def step(self, batch: dict) -> StepResult:
+        """Train on one batch: forward, loss, backward, AdamW on every parameter.
+
+        Args:
+            batch: {"input_ids": LongTensor [B, T], "labels": LongTensor [B, T] (optional: defaults
+                to input_ids; -100 = ignored), "attention_mask": [B, T] of 0/1 (optional)}.
+        Returns:
+            StepResult; ``loss`` is HF's (labels shifted inside, mean over supervised tokens).
+        Raises:
+            TypeError / ValueError: a malformed batch, before any state changes.
+        """
+        mbs, n_valid, tokens = self._prepare(batch)
+        t0 = time.perf_counter()
+        lr = self.optim_cfg.lr_at(self.engine.steps_done)
+        out = self.engine.step(mbs, n_valid)
+        dt = time.perf_counter() - t0
+        r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
+                       tflops=6 * self.store.num_params() * tokens / dt / 1e12,
+                       recomputed_layers=out["recomputed_layers"])
+        self.history.append(r)
+        return r
+
+    def _prepare(self, batch: dict) -> tuple[list[dict], int, int]:
+        """Validate and split a batch; raises before anything is touched."""
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise TypeError("batch must be a dict with 'input_ids' (and optionally 'labels', 'attention_mask')")
+        ids = _as_long(batch["input_ids"], "input_ids")
+        labels = _as_long(batch.get("labels", ids), "labels")
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(ids.shape)}; expected [batch, seq]")
+        if ids.numel() == 0:
+            raise ValueError(f"input_ids has shape {tuple(ids.shape)}: the batch is empty")
+        if labels.shape != ids.shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)} but input_ids has {tuple(ids.shape)}; "
+                             "they must match (use -100 where no loss applies)")
+        V = self.arch.embed.weight.shape[0]
+        if ids.min() < 0 or ids.max() >= V:
+            bad = ids[(ids < 0) | (ids >= V)][0].item()
+            raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {V}); check the tokenizer")
+        lab_ok = (labels == -100) | ((labels >= 0) & (labels < V))
+        if not bool(lab_ok.all()):
+            bad = labels[~lab_ok][0].item()
+            raise ValueError(f"labels holds {bad}: each label must be in [0, {V}) or -100 (ignored)")
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            mask = torch.as_tensor(mask)
+            if mask.shape != ids.shape:
+                raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(ids.shape)}")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("attention_mask must hold only 0 and 1")
+            mask = mask.to(torch.long)
+        shift = torch.full_like(labels, -100)
+        shift[:, :-1] = labels[:, 1:]  # HF shifts inside: position t predicts token t+1
+        n_valid = int((shift != -100).sum())
+        if n_valid == 0:
+            raise ValueError("no supervised tokens: every label after shifting is -100, so the loss is undefined")
+        B = ids.shape[0]
+        mb = self.engine_cfg.micro_batch_size or B
+        mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
+                "attention_mask": None if mask is None else mask[a:a + mb]} for a in range(0, B, mb)]
+        return mbs, n_valid, ids.numel()
+
+    # ---- results -----------------------------------------------------------------------
+    @property
+    def trace(self):
+        """The last step's Trace (spans, counters, slot occupancy)."""
+        return getattr(self.engine, "trace", None)
+
+    def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
+        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates)."""
+        self.engine.drain()
+        self.store.save_pretrained(out_dir, dtype=dtype)
+
+    def memory_report(self) -> dict:
+        """Host bytes by category and bytes per parameter of the store."""
+        return self.store.bytes_report()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        n = self.store.num_params()
+        return (f"Session({type(self.arch.model).__name__}, {n / 1e6:.1f}M params, {self.arch.num_layers} layers, "
+                f"device={self.engine_cfg.device}, dtype={str(self.engine_cfg.dtype).replace('torch.', '')}, "
+                f"steps={self.engine.steps_done})")
+
+
+def _as_long(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} has dtype {t.dtype}; token ids must be integers (torch.long)")
+    return t.to(torch.long)
+
+
+del math

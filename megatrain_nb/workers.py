@@ -1,0 +1,194 @@
+"""Host worker threads and the one-shot handoffs between them and the step's driver.
+
+Owns: ``Box`` (a value handed from one thread to another exactly once), ``Worker`` (a thread that
+runs jobs in submission order), and ``AdamWorker`` (runs per-unit updates as gradients land, in the
+order that lets the next step start soonest). Torch CPU ops release the GIL, so threads overlap.
+Does not own: CUDA streams or events (the engine passes them in), nor any tensor arithmetic.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from typing import Any, Callable
+
+
+class Aborted(RuntimeError):
+    """A step was abandoned; workers drop what they were waiting for."""
+
+
+class Box:
+    """A value put once and read many times; ``get`` blocks the calling thread (never a stream)."""
+
+    __slots__ = ("_event", "_value", "_error", "_abort")
+
+    def __init__(self, abort: threading.Event | None = None, value: Any = None, ready: bool = False):
+        self._event, self._value, self._error, self._abort = threading.Event(), value, None, abort
+        if ready:
+            self._event.set()
+
+    def put(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def get(self) -> Any:
+        while not self._event.wait(0.05):  # poll so an aborted step never leaves a thread hanging
+            if self._abort is not None and self._abort.is_set():
+                raise Aborted("step abandoned")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Worker:
+    """One daemon thread running submitted jobs in order; a job's result or error lands in its Box."""
+
+    def __init__(self, name: str, abort: threading.Event):
+        self.name, self.abort = name, abort
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"megatrain-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Box:
+        box = Box(self.abort)
+        self.jobs.put((fn, box))
+        return box
+
+    def _run(self) -> None:
+        while True:
+            fn, box = self.jobs.get()
+            if fn is None:
+                return
+            if self.abort.is_set():
+                box.fail(Aborted("step abandoned"))
+                continue
+            try:
+                box.put(fn())
+            except BaseException as e:  # handed to whoever waits on the box
+                box.fail(e)
+
+    def drain(self) -> None:
+        """Block until every job submitted so far has run."""
+        self.submit(lambda: None).get()
+
+    def close(self) -> None:
+        self.jobs.put((None, None))
+
+
+class AdamWorker:
+    """Runs one optimizer update per unit per step, as each unit's gradients land.
+
+    Note: [Update order] while the backward still produces gradients, units update in the order
+    they land (head, L-1, ..., 0); once every unit has landed, the rest go in forward order
+    (embedding, 0, 1, ...), so the next step's forward of layer 0 waits for one update, not all.
+    When ``gate`` is set (gradient clipping, or overlap off) no unit updates before all have landed:
+    the global norm needs every gradient.
+    """
+
+    def __init__(self, order: list[int], update: Callable[[int, float], None], abort: threading.Event):
+        self.order = order  # forward order of units
+        self.update = update  # update(unit, grad_scale)
+        self.abort = abort
+        self.cond = threading.Condition()
+        self.version = {u: 0 for u in order}  # updates processed (applied or skipped) per unit
+        self.landed: dict[int, float] = {}  # unit -> grad L2 norm, this step
+        self.arrivals: list[int] = []
+        self.step_cfg: dict | None = None
+        self.error: BaseException | None = None
+        self.stats: dict = {}
+        self.thread = threading.Thread(target=self._run, name="megatrain-host-adam", daemon=True)
+        self.thread.start()
+
+    def begin(self, *, step: int, gate: bool, clip: Callable[[dict], tuple[float, float]], loss: Box) -> None:
+        """Open step ``step``'s updates: ``loss`` yields the step's loss (a non-finite one skips the step)."""
+        with self.cond:
+            self.landed, self.arrivals = {}, []
+            self.step_cfg = dict(step=step, gate=gate, clip=clip, loss=loss)
+            self.cond.notify_all()
+
+    def land(self, unit: int, norm: float) -> None:
+        with self.cond:
+            self.landed[unit] = norm
+            self.arrivals.append(unit)
+            self.cond.notify_all()
+
+    def wait_version(self, unit: int, version: int) -> None:
+        """Block until ``unit`` has processed ``version`` updates (the next forward may read it)."""
+        with self.cond:
+            while self.version[unit] < version:
+                if self.error is not None:
+                    raise self.error
+                if self.abort.is_set():
+                    raise Aborted("step abandoned")
+                self.cond.wait(0.05)
+
+    def wait_all(self, version: int) -> None:
+        for u in self.order:
+            self.wait_version(u, version)
+
+    def _next(self, done: set) -> int | None:
+        todo = [u for u in self.arrivals if u not in done]
+        if not todo:
+            return None
+        if len(self.landed) == len(self.order):
+            return min(todo, key=self.order.index)
+        return todo[0]
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while self.step_cfg is None:
+                    self.cond.wait()
+                cfg = self.step_cfg
+            try:
+                self._one_step(cfg)
+            except Aborted:
+                pass
+            except BaseException as e:  # surfaced by wait_version in the driver
+                with self.cond:
+                    self.error = e
+                    self.cond.notify_all()
+            with self.cond:
+                if self.step_cfg is cfg:
+                    self.step_cfg = None
+
+    def _one_step(self, cfg: dict) -> None:
+        loss = cfg["loss"].get()  # lands with the head's gradients, before any other unit
+        skip = not math.isfinite(loss)
+        scale, total = 1.0, float("nan")
+        done: set = set()
+        applied = 0
+        if cfg["gate"]:
+            with self.cond:
+                while len(self.landed) < len(self.order):
+                    if self.abort.is_set():
+                        raise Aborted("step abandoned")
+                    self.cond.wait(0.05)
+            total, scale = cfg["clip"](dict(self.landed))
+            skip = skip or not math.isfinite(total)
+        while len(done) < len(self.order):
+            with self.cond:
+                u = self._next(done)
+                while u is None:
+                    if self.abort.is_set():
+                        raise Aborted("step abandoned")
+                    self.cond.wait(0.05)
+                    u = self._next(done)
+                norm = self.landed[u]
+            if not skip and not math.isfinite(norm):
+                skip = True  # Note: [Non-finite gradients] see docs/engine.md: later units are skipped too
+            if not skip:
+                self.update(u, scale)
+                applied += 1
+            done.add(u)
+            with self.cond:
+                self.version[u] += 1
+                self.cond.notify_all()
+        if not cfg["gate"]:
+            total = math.sqrt(sum(n * n for n in self.landed.values()))
+        with self.cond:
+            self.stats = dict(step=cfg["step"], skipped=skip, applied=applied, grad_norm=total)
