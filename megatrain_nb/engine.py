@@ -85,11 +85,16 @@ class Engine:
         self.slot_layer: list[int | None] = [None] * len(self.slots)  # driver's view of what each slot holds
         self.refs = SlotRefs(self.slots, self)
         self.chunk = ecfg.transfer_chunk_bytes // torch.tensor([], dtype=self.dtype).element_size()
-        n_pinned = max(2, ecfg.pinned_budget_bytes // ecfg.transfer_chunk_bytes - 2) if dev.cuda else 0
-        self.staging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_pinned)]
-        self.staging_free = [None] * n_pinned  # event after which each staging buffer may be refilled
+        # Note: [Staging] a fixed pool of transfer_chunk_bytes buffers (pinned on CUDA; plain on the CPU,
+        # where the same code runs and copies complete at once): 3/4 for weights in, 1/4 for grads out.
+        n_chunks = max(4, ecfg.pinned_budget_bytes // ecfg.transfer_chunk_bytes)
+        n_out = max(2, n_chunks // 4)
+        largest = max(u.layout.numel for u in store.units.values())
+        self.chunk = min(self.chunk, -(-largest // 64) * 64)  # no buffer larger than the largest unit
+        self.staging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_chunks - n_out)]
+        self.staging_free = [None] * len(self.staging)  # event after which each buffer may be refilled
         self.staging_next = 0
-        self.gstaging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(2 if dev.cuda else 0)]
+        self.gstaging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_out)]
         self.norm_dev = torch.zeros(L + 2, dtype=torch.float32, device=dev.device)  # per-unit grad norms
         self.norm_host = dev.host_buffer(L + 2, torch.float32)
         self.loss_host = dev.host_buffer(1, torch.float32)
@@ -102,6 +107,7 @@ class Engine:
         self.adam = AdamWorker(store.order, self._update, self.abort)
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, fixed at the first step
+        self.delays: dict = {}  # lane -> deliberate delay, for tests that prove ordering (see _delay)
 
     # ---- SlotRefs' view of residency (driver thread) -------------------------------------
     def layer_in(self, slot: int) -> int:
@@ -112,6 +118,7 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, grad_scale: float) -> None:
+        self._delay("host-adam")
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, self.ocfg.lr_at(self._lr_step), grad_scale)
 
@@ -125,17 +132,15 @@ class Engine:
                 if unit is not None:
                     self.adam.wait_version(unit, version)  # host wait: the unit's last update
             prev = after.get()  # host wait until the driver recorded the slot's release
-            nbytes = sum(s().numel() for _, s, _ in segments) * dst.element_size()
+            self._delay("host-pack")
+            srcs = [(src_fn(), off) for _, src_fn, off in segments]
+            nbytes = sum(src.numel() for src, _ in srcs) * dst.element_size()
             with self.dev.on(self.dev.h2d):
                 self.dev.wait(self.dev.h2d, prev)
+                self._delay("h2d")
                 tok = self.rec.cuda_begin("h2d", "h2d", layer, phase, nbytes, self.dev.h2d)
-                for _, src_fn, off in segments:
-                    src = src_fn()
+                for src, off in srcs:
                     for a, b in _chunks(src.numel(), self.chunk):
-                        if not self.dev.cuda:
-                            with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
-                                dst[off + a:off + b].copy_(src[a:b])
-                            continue
                         k = self.staging_next
                         self.staging_next = (k + 1) % len(self.staging)
                         if self.staging_free[k] is not None:
@@ -150,6 +155,18 @@ class Engine:
 
         return self.packer.submit(job)
 
+    def _delay(self, lane: str) -> None:
+        """Test hook: a deliberate delay on one stream (GPU cycles) or host worker (seconds)."""
+        d = self.delays.get(lane)
+        if not d:
+            return
+        if lane in ("h2d", "d2h", "compute"):
+            if self.dev.cuda:
+                torch.cuda._sleep(int(d))  # enqueued on the current stream: delays it, not the CPU
+        else:
+            import time
+            time.sleep(d)
+
     def _master(self, unit: int):
         return lambda: self.store.units[unit].master
 
@@ -160,19 +177,30 @@ class Engine:
     # ---- grads out (unpacker thread) -----------------------------------------------------
     def _submit_grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
                       host_fn=None) -> Box:
-        """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``."""
+        """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``.
+
+        Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
+        and of the unit's arrival in host memory.
+        """
+        enqueued = Box(self.abort)
 
         def job():
+            try:
+                return copy_out()
+            except BaseException as e:
+                enqueued.fail(e)
+                raise
+
+        def copy_out():
+            self._delay("host-unpack")
             with self.dev.on(self.dev.d2h):
                 self.dev.wait(self.dev.d2h, done_event)
+                self._delay("d2h")
                 nbytes = sum(n for _, n, _ in segments) * src.element_size()
                 tok = self.rec.cuda_begin("d2h", "d2h", unit, phase, nbytes, self.dev.d2h)
                 pending: list = []
                 for off, n, host in segments:
                     for a, b in _chunks(n, self.chunk):
-                        if not self.dev.cuda:
-                            host[a:b].copy_(src[off + a:off + b])
-                            continue
                         if len(pending) == len(self.gstaging):
                             self._flush(pending.pop(0), unit, phase)
                         buf = self.gstaging[self._gnext][:b - a]
@@ -183,6 +211,7 @@ class Engine:
                     self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
                 self.rec.cuda_end(tok, self.dev.d2h)
                 done = self.dev.record(self.dev.d2h)
+            enqueued.put(done)
             for p in pending:
                 self._flush(p, unit, phase)
             if done is not None:
@@ -191,11 +220,12 @@ class Engine:
             self.adam.land(unit, norm)
             return done
 
-        return self.unpacker.submit(job)
+        return enqueued, self.unpacker.submit(job)
 
     def _flush(self, item, unit, phase) -> None:
         ev, buf, host = item
-        ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
+        if ev is not None:
+            ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
         with self.rec.span("host-unpack", "unpack", unit, phase, buf.numel() * buf.element_size()):
             host.copy_(buf)
 
@@ -212,11 +242,11 @@ class Engine:
         """
         L, dev, rec = self.L, self.dev, self.rec
         self._lr_step = self.steps_done
-        rec.begin_step(self.steps_done)
         loss_box = Box(self.abort)
         self.adam.begin(step=self.steps_done, gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
                         clip=self.optim.clip_factor, loss=loss_box)
         with dev.on(dev.compute):
+            rec.begin_step(self.steps_done)
             embeds = [self._gather(mb) for mb in mbs]
             fops = forward_ops(L)
             fboxes = self._plan(fops, [None] * len(self.slots))
@@ -320,6 +350,7 @@ class Engine:
             before = torch.cuda.memory_allocated(dev.device) if dev.cuda else 0
             kept = self._keep_now(i, deciding)
             keep.append(kept)
+            self._delay("compute")
             tok = rec.cuda_begin("compute", "fwd", i, "fwd", 0, dev.compute)
             if kept:
                 params = layout.views(slot, requires_grad=True)
@@ -384,7 +415,7 @@ class Engine:
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        self.head_gbox = self._submit_grads(L, self.head_gslot, segs, done, "loss")
+        self.head_gbox, _ = self._submit_grads(L, self.head_gslot, segs, done, "loss")
         return grads
 
     def _read_loss(self, total: torch.Tensor, done, box: Box) -> None:
@@ -419,7 +450,8 @@ class Engine:
                 params, xs, outs = kept.pop(i)
                 layout = self.store.units[i].layout
                 g = self.gslots[gi][:layout.numel]
-                dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until the copy-out was enqueued
+                dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
+                self._delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
                 g.zero_()
                 grads_into(params, g, layout)
@@ -430,7 +462,8 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 self._done(plan, k)
-                self.gslot_box[gi] = self._submit_grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done, "bwd")
+                self.gslot_box[gi], _ = self._submit_grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done,
+                                                           "bwd")
                 gi ^= 1
                 del params, xs, outs
             else:
@@ -445,7 +478,7 @@ class Engine:
                 host = torch.empty(dE.numel(), dtype=dE.dtype)
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
                 return self._submit_grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
-                                          host_fn=lambda: self._embed_grads(ids, host, dE))
+                                          host_fn=lambda: self._embed_grads(ids, host, dE))[1]
         raise AssertionError("backward_ops always ends with embed_bwd")
 
     def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive) -> float:
@@ -469,5 +502,9 @@ class Engine:
         self.adam.wait_all(self.steps_done)
 
     def close(self) -> None:
-        self.abort.set()
-        self.packer.close(), self.unpacker.close()
+        """Finish pending updates, then stop the worker threads."""
+        try:
+            self.drain()
+        finally:
+            self.abort.set()
+            self.packer.close(), self.unpacker.close(), self.adam.close()

@@ -77,6 +77,7 @@ class Worker:
 
     def close(self) -> None:
         self.jobs.put((None, None))
+        self.thread.join(timeout=5)
 
 
 class AdamWorker:
@@ -100,6 +101,7 @@ class AdamWorker:
         self.step_cfg: dict | None = None
         self.error: BaseException | None = None
         self.stats: dict = {}
+        self.closed = False
         self.thread = threading.Thread(target=self._run, name="megatrain-host-adam", daemon=True)
         self.thread.start()
 
@@ -130,6 +132,12 @@ class AdamWorker:
         for u in self.order:
             self.wait_version(u, version)
 
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join(timeout=5)
+
     def _next(self, done: set) -> int | None:
         todo = [u for u in self.arrivals if u not in done]
         if not todo:
@@ -141,8 +149,10 @@ class AdamWorker:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while self.step_cfg is None:
+                while self.step_cfg is None and not self.closed:
                     self.cond.wait()
+                if self.closed:
+                    return
                 cfg = self.step_cfg
             try:
                 self._one_step(cfg)

@@ -1,0 +1,117 @@
+"""Throughput of the streaming engine on Qwen2.5-shaped random models: one JSON line per (shape, batch).
+
+Run on the GPU machine, e.g.:
+    python bench/throughput.py --shape 3b --batch 1 4 8 --seq 4096 --steps 4 --out out/bench.jsonl
+Reports model TFLOPS = 6 * N * tokens / step time (N = all parameters, MegaTrain's formula), tokens/s,
+compute-stream busy share, compute time waiting per cause (from the step trace), peak GPU memory,
+host RSS and host bytes/param.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shapes import qwen_config  # noqa: E402
+
+from megatrain_nb import Session  # noqa: E402
+from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="3b")
+    ap.add_argument("--layers", type=int, default=None, help="override the depth (GPU memory vs depth check)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per batch, after one warm-up step")
+    ap.add_argument("--checkpoint-every", type=int, default=None)
+    ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--pinned-gb", type=float, default=2.0)
+    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--save-trace", default=None, help="directory: save the last step's trace per batch")
+    ap.add_argument("--out", default=None, help="append JSON lines here")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s")
+    a = ap.parse_args(argv)
+
+    if a.stacks_every:
+        import faulthandler
+        faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
+    cfg = qwen_config(a.shape, layers=a.layers, seq=a.seq)
+    t0 = time.perf_counter()
+    s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, checkpoint_every=a.checkpoint_every,
+                            micro_batch_size=a.micro_batch, weight_slots=a.slots,
+                            pinned_budget_bytes=int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
+                            trace=not a.no_trace)
+    init_s = time.perf_counter() - t0
+    rep = s.memory_report()
+    print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
+          f"host {rep['total'] / 2**30:.1f} GiB ({rep['bytes_per_param']:.2f} B/param), init {init_s:.0f}s", flush=True)
+    g = torch.Generator().manual_seed(0)
+    for B in a.batch:
+        s.engine.keep = None  # re-derive the activation policy for this batch size
+        cuda = a.device.startswith("cuda")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times, losses, summaries, waits = [], [], [], []
+        for k in range(a.steps + 1):
+            ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
+            r = s.step({"input_ids": ids})
+            losses.append(r.loss)
+            print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
+            if k == 0:
+                continue
+            times.append(r.seconds)
+            if s.trace is not None and len(s.trace.to_dataframe()):
+                df = s.trace.to_dataframe()
+                summaries.append(summarize(df))
+                st = find_stalls(df)
+                waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
+        t = statistics.median(times)
+        tokens = B * a.seq
+        N = rep["params"]
+        row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, batch=B, seq=a.seq, tokens=tokens,
+                   step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
+                   model_tflops=round(6 * N * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
+                   recomputed_layers=r.recomputed_layers,
+                   peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                   host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
+                   loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
+                   checkpoint_every=a.checkpoint_every, slots=a.slots, overlap=not a.no_overlap,
+                   gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
+        if summaries:
+            sm = summaries[-1]
+            row["compute_busy_share"] = round(sm.get("compute_busy_share", float("nan")), 3)
+            row["trace_step_ms"] = round(sm.get("step_ms", float("nan")), 1)
+            row["waits_ms"] = {k: round(v, 1) for k, v in waits[-1].items()}
+            row["h2d_GBps"] = round(sm.get("h2d_GBps", float("nan")), 1)
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if a.save_trace and s.trace is not None:
+            os.makedirs(a.save_trace, exist_ok=True)
+            s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))
+            s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_b{B}.json.gz"))
+    s.close()
+
+
+if __name__ == "__main__":
+    main()
