@@ -91,7 +91,10 @@ class EngineConfig:
     """Record spans and counters of each step (``Session.trace``)."""
 
     def __post_init__(self):
-        dev = torch.device(self.device)
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={self.device!r} is not a device torch knows; use 'cpu' or 'cuda'") from e
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: use 'cpu' or 'cuda'")
         if dev.type == "cuda" and not torch.cuda.is_available():

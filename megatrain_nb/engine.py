@@ -117,10 +117,10 @@ class Engine:
         return self.slot_layer.index(layer)
 
     # ---- host side: optimizer ------------------------------------------------------------
-    def _update(self, unit: int, grad_scale: float) -> None:
+    def _update(self, unit: int, lr: float, grad_scale: float) -> None:
         self._delay("host-adam")
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
-            self.optim.update(unit, self.ocfg.lr_at(self._lr_step), grad_scale)
+            self.optim.update(unit, lr, grad_scale)
 
     # ---- loads (packer thread) -----------------------------------------------------------
     def _submit_load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str) -> Box:
@@ -241,9 +241,8 @@ class Engine:
             {"loss": float, "kept_layers": int, "recomputed_layers": int}
         """
         L, dev, rec = self.L, self.dev, self.rec
-        self._lr_step = self.steps_done
         loss_box = Box(self.abort)
-        self.adam.begin(step=self.steps_done, gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
+        self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
                         clip=self.optim.clip_factor, loss=loss_box)
         with dev.on(dev.compute):
             rec.begin_step(self.steps_done)
@@ -335,9 +334,9 @@ class Engine:
             self._ready(box)
             mask = mb["attention_mask"]
             mask = None if mask is None else mask.to(dev.device, non_blocking=True)
-            E.requires_grad_()
+            E.requires_grad_()  # (B*T*H,) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad():
-                h0, calls = arch.prelude(E, mask)
+                h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask)
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
             hs.append(h0.detach())
         deciding = self.keep is None

@@ -100,11 +100,32 @@ class Architecture:
             out.append((self.head_name, self.head.weight.shape))
         return out
 
+    def embed_rows(self, rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The embedding module's own forward over rows already gathered for each token.
+
+        Args:
+            rows: (B*T, H) compute dtype: row k is the table row of token k (may require grad).
+        Returns:
+            (B, T, H): what ``embed_tokens(input_ids)`` returns — scaled where the family scales
+            (Gemma2's ``Gemma2TextScaledWordEmbedding``), so its code, not a copy of it, runs.
+        """
+        local = torch.arange(rows.shape[0], device=rows.device).view(shape)
+        plain = self._plain_embed()
+        return torch.func.functional_call(plain, {"weight": rows}, (local,))
+
+    def _plain_embed(self):
+        """A shallow copy of the embedding without padding_idx (its rows are re-indexed per token)."""
+        if getattr(self, "_plain", None) is None:
+            import copy
+            self._plain = copy.copy(self.embed)
+            self._plain.padding_idx = None
+        return self._plain
+
     def prelude(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None):
         """Run HF's own code from the embedding output to layer 0's input.
 
         Args:
-            inputs_embeds: (B, T, H) compute dtype, the embedding rows (may require grad).
+            inputs_embeds: (B, T, H) compute dtype, the embedding module's output (may require grad).
             attention_mask: (B, T) 0/1 or None.
         Returns:
             (h0, calls): h0 is layer 0's input (B, T, H) — e.g. Gemma scales the embedding — and
@@ -172,8 +193,6 @@ def load_architecture(config) -> Architecture:
     if missing:
         raise UnsupportedModelError(f"{cls} has no {', '.join(missing)}; supported families: {', '.join(SUPPORTED)}")
     embed = base.embed_tokens
-    if type(embed).forward is not nn.Embedding.forward:
-        raise UnsupportedModelError(f"{cls}'s embedding {type(embed).__name__} overrides forward; not supported yet")
     if model.lm_head.bias is not None:
         raise UnsupportedModelError(f"{cls}'s lm_head has a bias; not supported yet")
     tied = model.lm_head.weight is embed.weight

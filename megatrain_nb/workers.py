@@ -90,32 +90,33 @@ class AdamWorker:
     the global norm needs every gradient.
     """
 
-    def __init__(self, order: list[int], update: Callable[[int, float], None], abort: threading.Event):
+    def __init__(self, order: list[int], update: Callable[[int, float, float], None], abort: threading.Event):
         self.order = order  # forward order of units
-        self.update = update  # update(unit, grad_scale)
+        self.update = update  # update(unit, lr, grad_scale)
         self.abort = abort
         self.cond = threading.Condition()
         self.version = {u: 0 for u in order}  # updates processed (applied or skipped) per unit
-        self.landed: dict[int, float] = {}  # unit -> grad L2 norm, this step
+        self.steps: list[dict] = []  # open steps, oldest first; each: landed (unit -> grad norm), arrivals
+        self.landed: dict[int, float] = {}  # of the step being updated
         self.arrivals: list[int] = []
-        self.step_cfg: dict | None = None
         self.error: BaseException | None = None
         self.stats: dict = {}
         self.closed = False
         self.thread = threading.Thread(target=self._run, name="megatrain-host-adam", daemon=True)
         self.thread.start()
 
-    def begin(self, *, step: int, gate: bool, clip: Callable[[dict], tuple[float, float]], loss: Box) -> None:
+    def begin(self, *, step: int, lr: float, gate: bool, clip: Callable[[dict], tuple[float, float]], loss: Box) -> None:
         """Open step ``step``'s updates: ``loss`` yields the step's loss (a non-finite one skips the step)."""
-        with self.cond:
-            self.landed, self.arrivals = {}, []
-            self.step_cfg = dict(step=step, gate=gate, clip=clip, loss=loss)
+        with self.cond:  # Note: the previous step's updates may still be running: its state stays its own
+            self.steps.append(dict(step=step, lr=lr, gate=gate, clip=clip, loss=loss, landed={}, arrivals=[]))
             self.cond.notify_all()
 
     def land(self, unit: int, norm: float) -> None:
+        """Unit's gradients for the newest step are in host memory (a step begins after the last one landed)."""
         with self.cond:
-            self.landed[unit] = norm
-            self.arrivals.append(unit)
+            st = self.steps[-1]
+            st["landed"][unit] = norm
+            st["arrivals"].append(unit)
             self.cond.notify_all()
 
     def wait_version(self, unit: int, version: int) -> None:
@@ -149,11 +150,12 @@ class AdamWorker:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while self.step_cfg is None and not self.closed:
+                while not self.steps and not self.closed:
                     self.cond.wait()
                 if self.closed:
                     return
-                cfg = self.step_cfg
+                cfg = self.steps[0]
+                self.landed, self.arrivals = cfg["landed"], cfg["arrivals"]
             try:
                 self._one_step(cfg)
             except Aborted:
@@ -163,8 +165,8 @@ class AdamWorker:
                     self.error = e
                     self.cond.notify_all()
             with self.cond:
-                if self.step_cfg is cfg:
-                    self.step_cfg = None
+                if self.steps and self.steps[0] is cfg:
+                    self.steps.pop(0)
 
     def _one_step(self, cfg: dict) -> None:
         loss = cfg["loss"].get()  # lands with the head's gradients, before any other unit
@@ -192,7 +194,7 @@ class AdamWorker:
             if not skip and not math.isfinite(norm):
                 skip = True  # Note: [Non-finite gradients] see docs/engine.md: later units are skipped too
             if not skip:
-                self.update(u, scale)
+                self.update(u, cfg["lr"], scale)
                 applied += 1
             done.add(u)
             with self.cond:

@@ -1,0 +1,445 @@
+"""Memory and step-time model of a layer-streaming configuration, and its simulated timeline.
+
+This module owns `Hardware` (measured or illustrative rates), `model_shape` (parameter counts from a
+transformers config) and `plan` (host/device bytes, activation checkpointing, per-layer times, a
+simulated step). It touches no device: a plan is arithmetic plus a small list-scheduling
+simulation of the engine's own operation order and slot assignment (`schedule.py`, pure Python),
+whose spans have the columns of `Trace.to_dataframe`, so `viz.timeline` and `trace.find_stalls`
+work on a plan exactly as on a recorded step. Why ~440 lines: the simulation follows the engine
+closely enough (chunked copies, packer/unpacker queues, grad-slot reuse) that its stalls read like
+a recorded trace's; `_simulate` is the part to split out if it grows.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from .schedule import backward_ops, forward_ops, make_blocks, plan_loads
+from .trace import Trace
+
+_GIB = 1 << 30
+_DEVICE_RESERVE = 2 * _GIB  # CUDA context, cuBLAS / attention workspaces, allocator slack
+_KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
+_GRAD_SLOTS = 2  # the engine alternates two device grad slots
+
+
+@dataclass(kw_only=True)
+class Hardware:
+    """Rates and capacities of one machine (GB = 1e9 bytes, TFLOP = 1e12 FLOP)."""
+
+    name: str
+    """What the figures describe and where they come from."""
+    h2d_GBps: float
+    """Host-to-device copy rate from pinned memory."""
+    d2h_GBps: float
+    """Device-to-host copy rate into pinned memory."""
+    duplex_GBps: float
+    """Total rate when h2d and d2h run at once (each direction gets half)."""
+    pageable_GBps: float
+    """Copy rate from/to pageable (unpinned) host memory."""
+    bf16_tflops: float
+    """Effective decoder-layer fwd+bwd rate, counted as 6 * layer params * tokens."""
+    host_adam_params_per_s: float
+    """Fused CPU AdamW over fp32 master weights and moments."""
+    host_cast_elems_per_s: float
+    """Host fp32 -> bf16 cast into pinned buffers (also used for copying grads out)."""
+    device_mem_bytes: int
+    """Usable device memory."""
+    host_mem_bytes: int
+    """Host RAM."""
+    gemm_tflops: float | None = None
+    """Plain bf16 GEMM rate, used for the lm_head; None means `bf16_tflops`."""
+
+    def __post_init__(self):
+        for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
+                     "host_adam_params_per_s", "host_cast_elems_per_s", "device_mem_bytes", "host_mem_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)!r}.")
+        if self.gemm_tflops is not None and not self.gemm_tflops > 0:
+            raise ValueError(f"Hardware.gemm_tflops must be > 0 or None, got {self.gemm_tflops!r}.")
+        if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
+            raise ValueError(f"Hardware.duplex_GBps ({self.duplex_GBps}) must be at least max(h2d_GBps, "
+                             f"d2h_GBps) = {max(self.h2d_GBps, self.d2h_GBps)}.")
+
+
+H200 = Hardware(
+    name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
+         "fused CPU AdamW)",
+    h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
+    bf16_tflops=490.0, gemm_tflops=774.0,
+    host_adam_params_per_s=3.76e9, host_cast_elems_per_s=12e9,
+    device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
+)
+CPU_LAPTOP = Hardware(
+    name="Illustrative CPU laptop (guessed figures, not measured; 'device' is a share of the same RAM)",
+    h2d_GBps=10.0, d2h_GBps=10.0, duplex_GBps=12.0, pageable_GBps=5.0,
+    bf16_tflops=0.5, gemm_tflops=1.0,
+    host_adam_params_per_s=0.5e9, host_cast_elems_per_s=3e9,
+    device_mem_bytes=8 * _GIB, host_mem_bytes=16 * _GIB,
+)
+
+_MISSING = object()
+
+
+def _get(config, name: str, default=_MISSING):
+    """Field `name` of a config object or dict; ValueError naming it when missing and no default."""
+    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+    if value is _MISSING or (value is None and default is _MISSING):
+        raise ValueError(f"config lacks '{name}', which the planner needs; pass a decoder config "
+                         f"(transformers PretrainedConfig or dict) that sets it.")
+    return value
+
+
+def model_shape(config) -> dict:
+    """Sizes and parameter counts of a decoder-only transformer.
+
+    Counts: attention q/k/v/o (+ q/k/v bias when `attention_bias` or Qwen2, + q/k norms for Qwen3),
+    SwiGLU MLP (3 matrices) or MoE experts + router (+ shared expert), two RMSNorms per layer,
+    embedding, final norm, and lm_head unless tied. All layers are taken to be alike.
+
+    Args:
+        config: a transformers config (its text config is used for multimodal ones) or a dict
+            with the same field names.
+
+    Returns:
+        dict: hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied, experts,
+        experts_per_tok, params_per_layer, active_params_per_layer (per token, for FLOPs),
+        embed_params, head_params (lm_head unless tied, plus final norm), n_params.
+
+    Raises:
+        ValueError: a required field is missing (the message names it).
+
+    Example:
+        >>> s = model_shape(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, vocab_size=100, tie_word_embeddings=True))
+        >>> s["params_per_layer"], s["n_params"]
+        (41088, 88640)
+    """
+    if not isinstance(config, dict) and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    model_type = str(_get(config, "model_type", ""))
+    h = int(_get(config, "hidden_size"))
+    layers = int(_get(config, "num_hidden_layers"))
+    heads = int(_get(config, "num_attention_heads"))
+    kv = int(_get(config, "num_key_value_heads", None) or heads)
+    hd = int(_get(config, "head_dim", None) or h // heads)
+    vocab = int(_get(config, "vocab_size"))
+    tied = bool(_get(config, "tie_word_embeddings", False))
+    experts = int(_get(config, "num_experts", None) or _get(config, "num_local_experts", None) or 0)
+    bias = _get(config, "attention_bias", None)
+    bias = model_type in ("qwen2", "qwen2_moe") if bias is None else bool(bias)
+    attn = h * heads * hd * 2 + h * kv * hd * 2 + (heads * hd + 2 * kv * hd if bias else 0)
+    attn += 2 * hd if model_type.startswith("qwen3") else 0
+    if experts:
+        inter = int(_get(config, "moe_intermediate_size", None) or _get(config, "intermediate_size"))
+        top_k = int(_get(config, "num_experts_per_tok"))
+        shared = int(_get(config, "shared_expert_intermediate_size", None) or 0)
+        shared_p = 3 * h * shared + (h if shared else 0)
+        mlp, active_mlp = experts * 3 * h * inter + h * experts + shared_p, top_k * 3 * h * inter + h * experts + shared_p
+    else:
+        inter, top_k = int(_get(config, "intermediate_size")), 0
+        mlp = active_mlp = 3 * h * inter
+    per_layer, embed = attn + mlp + 2 * h, vocab * h
+    head = (0 if tied else vocab * h) + h
+    return dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
+                vocab=vocab, tied=tied, experts=experts, experts_per_tok=top_k,
+                params_per_layer=per_layer, active_params_per_layer=attn + active_mlp + 2 * h,
+                embed_params=embed, head_params=head, n_params=layers * per_layer + embed + head)
+
+
+# Note: [Activation estimate]
+# Bytes autograd keeps per token for one HF-style decoder layer (d = dtype_bytes, q = heads*head_dim,
+# kv = kv_heads*head_dim, I = intermediate, or experts_per_tok * moe size):
+#   2 RMSNorms (HF eager keeps an fp32 copy of the input, the cast and the scaled output): 2*(4+2d)*hidden
+#   attention (flash SDPA keeps q, k, v after rotary and its output; o_proj keeps a copy): d*(3q + 2kv)
+#   SwiGLU MLP (gate, silu(gate), up, product):                                             4*d*I
+# A recompute block keeps only its input, d*hidden per token. A loss chunk holds its logits in compute
+# dtype plus fp32 logits and their fp32 gradient: (d + 8)*vocab per token of the chunk.
+
+
+def _act_bytes_per_token(s: dict, d: int) -> int:
+    """Per-token activation bytes of one layer; see Note: [Activation estimate]."""
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    inter = s["intermediate"] * (s["experts_per_tok"] or 1)
+    return 2 * (4 + 2 * d) * s["hidden"] + d * (3 * q + 2 * kv) + 4 * d * inter
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """Predicted memory and step time of one configuration; times in ms, sizes in bytes."""
+
+    shape: dict
+    """`model_shape` of the model."""
+    hardware: Hardware
+    """Rates used."""
+    settings: dict
+    """batch, seq, tokens and every plan() keyword as used."""
+    host_bytes: dict
+    """master_fp32, adam_moments, grads, pinned_pool."""
+    host_bytes_per_param: float
+    """Host bytes per parameter excluding the pinned pool (12 + dtype_bytes)."""
+    device_bytes: dict
+    """weight_slots, grad_slots, head_slots, embedding_rows, activations_kept, checkpoints,
+    recompute_workspace, logits, reserve."""
+    keep: list[bool]
+    """keep[i]: layer i's activations stay from the forward (else it is recomputed)."""
+    layer_ms: dict
+    """Per decoder layer: pack, h2d, h2d_bwd (while d2h runs), fwd, bwd, d2h, unpack, adam."""
+    step_ms: float
+    """Simulated step from its start to the last AdamW update (the next step's first load waits for it)."""
+    busy_ms: dict
+    """Work of each simulated lane (a copy waiting for its chunks to be packed counts only its transfer)."""
+    model_tflops: float
+    """6 * (layer params + lm_head matmul params) * tokens / step time (recompute not counted)."""
+    bottleneck: str
+    """Resource with the most work: "compute", "pcie", "host-pack", "host-unpack" or "host-adam"."""
+    fits_device: bool
+    """Every device category together fits `hardware.device_mem_bytes`."""
+    fits_host: bool
+    """Host bytes, pinned pool included, fit `hardware.host_mem_bytes`."""
+    spans: list[tuple] = field(repr=False, default_factory=list)
+    """Simulated spans (Trace.spans layout)."""
+
+    h2d_ms = property(lambda self: self.layer_ms["h2d"], doc="Per-layer weight copy in forward (ms).")
+    fwd_ms = property(lambda self: self.layer_ms["fwd"], doc="Per-layer forward (ms).")
+    bwd_ms = property(lambda self: self.layer_ms["bwd"], doc="Per-layer backward, recompute excluded (ms).")
+    d2h_ms = property(lambda self: self.layer_ms["d2h"], doc="Per-layer grad copy out (ms).")
+    adam_ms = property(lambda self: self.layer_ms["adam"], doc="Per-layer CPU AdamW (ms).")
+
+    @property
+    def kept_layers(self) -> int:
+        return sum(self.keep)
+
+    @property
+    def recomputed_layers(self) -> int:
+        return len(self.keep) - sum(self.keep)
+
+    def simulate(self) -> pd.DataFrame:
+        """Returns the simulated step as a span DataFrame with the columns of `Trace.to_dataframe`."""
+        return Trace(step=0, spans=self.spans).to_dataframe()
+
+    def summary(self) -> dict:
+        """Returns the headline numbers as a flat dict."""
+        s = self.settings
+        return {"batch": s["batch"], "seq": s["seq"], "tokens": s["tokens"], "step_ms": self.step_ms,
+                "tokens_per_s": s["tokens"] / self.step_ms * 1e3, "model_tflops": self.model_tflops,
+                "bottleneck": self.bottleneck, "kept_layers": self.kept_layers,
+                "recomputed_layers": self.recomputed_layers, "compute_ms": self.busy_ms.get("compute", 0.0),
+                "host_GiB": sum(self.host_bytes.values()) / _GIB,
+                "device_GiB": sum(self.device_bytes.values()) / _GIB,
+                "fits_device": self.fits_device, "fits_host": self.fits_host}
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """Returns every number of the plan as rows: section, quantity, value, unit."""
+        rows = [("host", k, v / _GIB, "GiB") for k, v in self.host_bytes.items()]
+        rows += [("device", k, v / _GIB, "GiB") for k, v in self.device_bytes.items()]
+        rows += [("layer", k, v, "ms") for k, v in self.layer_ms.items()]
+        rows += [("busy", k, v, "ms") for k, v in self.busy_ms.items()]
+        rows += [("step", k, v, "") for k, v in self.summary().items()]
+        return pd.DataFrame(rows, columns=["section", "quantity", "value", "unit"])
+
+
+def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
+         checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
+         transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
+         overlap_optimizer: bool = True, grad_clip: bool = False) -> Plan:
+    """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
+
+    Follows the engine: the host keeps fp32 master + Adam moments + grads in compute dtype; a packer
+    thread casts each load into pinned chunks whose copies overlap the packing; weight slots are
+    assigned by `schedule.plan_loads` over `forward_ops` / `backward_ops`; embedding rows are
+    gathered on the host; the head slot holds final norm + lm_head (the embedding when tied); an
+    unpacker thread copies each unit's grads out chunk by chunk, then CPU AdamW updates that unit
+    (after the whole backward with `grad_clip` or without `overlap_optimizer`). Lanes run
+    concurrently, each in issue order; host lanes are taken not to slow each other.
+
+    Args:
+        config: transformers config or dict (see `model_shape`).
+        batch: sequences per step.
+        seq: tokens per sequence.
+        hardware: rates and capacities.
+        dtype_bytes: compute dtype size (2 for bf16).
+        checkpoint_every: as `EngineConfig.checkpoint_every`: k >= 1 recomputes every layer in blocks
+            of k, 0 keeps all, None keeps layers from the first while `activation_budget` allows.
+        weight_slots: device weight slots (>= 2).
+        pinned_budget_bytes: pinned staging pool; below two chunks means pageable copies (what-if:
+            the engine always stages through pinned memory).
+        transfer_chunk_bytes: size of one staging chunk.
+        loss_chunk_tokens: sequence positions per lm_head + cross-entropy chunk.
+        activation_budget: with checkpoint_every=None, fraction of device memory allocations may fill.
+        overlap_optimizer: run AdamW on each unit as its grads land.
+        grad_clip: clip by global norm (AdamW then waits for every grad).
+
+    Returns:
+        Plan.
+
+    Raises:
+        ValueError: an argument is out of range or the config lacks a field (the message names it).
+
+    Example:
+        >>> p = plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, vocab_size=100), batch=1, seq=16)
+        >>> p.host_bytes_per_param, list(p.simulate().columns)[:3]
+        (14.0, ['step', 'lane', 'op'])
+    """
+    for name, value, low in (("batch", batch, 1), ("seq", seq, 1), ("dtype_bytes", dtype_bytes, 1),
+                             ("weight_slots", weight_slots, 2), ("pinned_budget_bytes", pinned_budget_bytes, 0),
+                             ("checkpoint_every", 0 if checkpoint_every is None else checkpoint_every, 0),
+                             ("transfer_chunk_bytes", transfer_chunk_bytes, 1), ("loss_chunk_tokens", loss_chunk_tokens, 1)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+    if not 0 < activation_budget <= 1:
+        raise ValueError(f"activation_budget must be a fraction in (0, 1], got {activation_budget!r}.")
+    s, hw = model_shape(config), hardware
+    L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
+                           s["params_per_layer"], s["n_params"])
+    settings = dict(batch=batch, seq=seq, tokens=T, dtype_bytes=d, checkpoint_every=checkpoint_every,
+                    weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
+                    transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
+                    activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip)
+    host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N, "pinned_pool": pinned_budget_bytes}
+
+    # device memory; keep[] mirrors Engine._keep_now
+    act, boundary = T * _act_bytes_per_token(s, d), T * h * d
+    device = {"weight_slots": weight_slots * P * d, "grad_slots": _GRAD_SLOTS * P * d,
+              "head_slots": 2 * (V * h + h) * d, "embedding_rows": 2 * T * h * d}
+    if checkpoint_every is None:
+        keep, used = [], sum(device.values())
+        for i in range(L):
+            keep.append(used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
+            used += act if keep[-1] else boundary
+    else:
+        keep = [checkpoint_every == 0] * L
+    blocks = [b for b in make_blocks(L, keep, checkpoint_every or 1) if b.recompute]
+    device.update(activations_kept=sum(keep) * act, checkpoints=len(blocks) * boundary,
+                  recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
+                  logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
+
+    # rates (ms); copies in both directions at once share the duplex rate
+    pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
+    up, down = (hw.h2d_GBps, hw.d2h_GBps) if pinned else (hw.pageable_GBps, hw.pageable_GBps)
+    both_up, both_down = (min(up, hw.duplex_GBps / 2), min(down, hw.duplex_GBps / 2)) if pinned else (up, down)
+    cast, adam, rate = hw.host_cast_elems_per_s / 1e3, hw.host_adam_params_per_s / 1e3, hw.bf16_tflops * 1e9
+    fwd = 2 * s["active_params_per_layer"] * T / rate
+    t = dict(pack=P / cast, h2d=P * d / up / 1e6, h2d_bwd=P * d / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
+             d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
+    head_n = V * h + h  # head slot elements, tied or not
+    units = {  # unit -> (elements loaded, pack ms, h2d ms, grad elements, d2h ms, unpack ms, adam ms)
+        -1: (T * h, T * h / cast, T * h * d / up / 1e6, T * h, T * h * d / both_down / 1e6,
+             (T * h + V * h * (1 if s["tied"] else 2)) / cast, s["embed_params"] / adam),
+        L: (head_n, head_n / cast, head_n * d / up / 1e6, head_n, head_n * d / both_down / 1e6,
+            head_n / cast, s["head_params"] / adam),
+    }
+    loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
+    spans, busy = _simulate(L, P, d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
+                            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes,
+                            overlap_optimizer and not grad_clip)
+    step_ms = max(b for *_, b, _ in spans)
+    work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
+            "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
+            "host-adam": busy.get("host-adam", 0.0)}
+    matmul_params = L * s["active_params_per_layer"] + V * h
+    p = Plan(shape=s, hardware=hw, settings=settings, host_bytes=host, host_bytes_per_param=12.0 + d,
+             device_bytes=device, keep=keep, layer_ms=t, step_ms=step_ms, busy_ms=busy,
+             model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
+             fits_device=sum(device.values()) <= hw.device_mem_bytes,
+             fits_host=sum(host.values()) <= hw.host_mem_bytes, spans=spans)
+    if not p.fits_device:
+        warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
+                      f"{hw.device_mem_bytes / _GIB:.1f}; lower batch, seq or loss_chunk_tokens, or set "
+                      f"checkpoint_every=1.", stacklevel=2)
+    if not p.fits_host:
+        warnings.warn(f"plan does not fit host RAM: {sum(host.values()) / _GIB:.1f} GiB of "
+                      f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool); "
+                      f"lower pinned_budget_bytes or use a smaller model.", stacklevel=2)
+    return p
+
+
+def _simulate(L, P, d, t, units, loss_ms, keep, block, S, budget, chunk, overlap) -> tuple[list[tuple], dict]:
+    """List-schedules one step from cold; each lane runs its ops in issue order.
+    Returns (Trace.spans rows, lane -> work ms)."""
+    free: dict[str, float] = {}
+    work: dict[str, float] = {}
+    spans: list[tuple] = []
+    loads: list[tuple] = []  # (h2d end, bytes) per load in packer order: the pinned ring
+    landed: list[tuple] = []  # (unit, unpack end, adam ms) in landing order
+    gslot_free = [0.0] * _GRAD_SLOTS
+
+    def put(lane, op, layer, phase, a, b, nbytes=0, busy=None):
+        free[lane] = b
+        work[lane] = work.get(lane, 0.0) + (b - a if busy is None else busy)
+        spans.append((lane, op, layer, phase, round(a, 4), round(b, 4), int(nbytes)))
+        return b
+
+    def load(unit, phase, elems, pack_ms, h2d_ms, slot_free=0.0):
+        nbytes, ring, acc = elems * d, 0.0, elems * d
+        for end, b in reversed(loads):  # pinned chunks still waiting for their copy
+            acc += b
+            if acc > budget:
+                ring = end
+                break
+        c = max(1, math.ceil(nbytes / chunk))  # chunks: a copy starts once its chunk is packed
+        p0 = max(free.get("host-pack", 0.0), ring)
+        put("host-pack", "pack", unit, phase, p0, p0 + pack_ms, nbytes)
+        h0 = max(free.get("h2d", 0.0), slot_free, p0 + pack_ms / c)
+        loads.append((put("h2d", "h2d", unit, phase, h0, max(h0 + h2d_ms, p0 + pack_ms + h2d_ms / c), nbytes, h2d_ms),
+                      nbytes))
+        return loads[-1][0]
+
+    def grads(unit, phase, ready, elems, d2h_ms, unpack_ms, adam_ms, op="unpack"):
+        nbytes, c = elems * d, max(1, math.ceil(elems * d / chunk))
+        a = max(ready, free.get("host-unpack", 0.0))  # the unpacker finishes one unit before the next
+        b = put("d2h", "d2h", unit, phase, a, a + d2h_ms, nbytes)
+        u0 = a + d2h_ms / c
+        u = put("host-unpack", op, unit, phase, u0, max(u0 + unpack_ms, b + unpack_ms / c), nbytes, unpack_ms)
+        landed.append((unit, u, adam_ms))
+        if overlap:
+            a = max(u, free.get("host-adam", 0.0))
+            put("host-adam", "adam", unit, "optim", a, a + adam_ms, 0)
+        return u
+
+    def compute(op, layer, phase, dur, *after):
+        a = max([free.get("compute", 0.0), *after])
+        return put("compute", op, layer, phase, a, a + dur)
+
+    rows = load(-1, "fwd", *units[-1][:3])  # embedding rows gathered on the host
+    fops, bops = forward_ops(L), backward_ops(make_blocks(L, keep, block))
+    f_loads, resident, f_slot = plan_loads(fops, S, [None] * S)
+    b_loads, _, b_slot = plan_loads(bops, S, resident)
+    slot_end = [0.0] * S  # compute end of each weight slot's latest user
+    have = [0.0] * S  # h2d end of each slot's current weights
+
+    def use(k, op, lds, slot_of, h2d_ms, end):
+        """Issues op k's load if it has one (its slot is released by op `after`); returns its slot."""
+        ld = lds.get(k)
+        if ld is not None:
+            rel = slot_end[ld.slot] if ld.after is None else end[ld.after]
+            have[ld.slot] = load(op.layer, op.phase, P, t["pack"], h2d_ms, rel)
+        return slot_of[k]
+
+    end: dict[int, float] = {}
+    at = {ld.before: ld for ld in f_loads}
+    for k, op in enumerate(fops[:-1]):
+        s = use(k, op, at, f_slot, t["h2d"], end)
+        end[k] = slot_end[s] = compute("fwd", op.layer, "fwd", t["fwd"], have[s], rows)
+    head = load(L, "loss", *units[L][:3])  # the packer takes the head after every forward load
+    grads(L, "loss", compute("loss", L, "loss", loss_ms, head), *units[L][3:])
+    end, at, gi = {}, {ld.before: ld for ld in b_loads}, 0
+    for k, op in enumerate(bops[:-1]):
+        s = use(k, op, at, b_slot, t["h2d_bwd"], end)
+        if op.kind == "recompute":
+            end[k] = slot_end[s] = compute("recompute", op.layer, "recompute", t["fwd"], have[s])
+            continue
+        end[k] = slot_end[s] = compute("bwd", op.layer, "bwd", t["bwd"], have[s], gslot_free[gi])
+        gslot_free[gi] = grads(op.layer, "bwd", end[k], P, t["d2h"], t["unpack"], t["adam"])  # slot reusable
+        gi ^= 1
+    grads(-1, "bwd", compute("embed_bwd", -1, "bwd", 0.0), *units[-1][3:], op="embed_grad")
+    if not overlap:  # clipping / no overlap: AdamW starts once every unit's grads have landed
+        a = max(u for _, u, _ in landed)
+        for unit, _, ms in landed:
+            a = put("host-adam", "adam", unit, "optim", a, a + ms)
+    return spans, work

@@ -1,0 +1,183 @@
+"""Pure functions DataFrame -> plotly Figure for traces, buffers, memory and run history.
+
+This module owns the pictures only: every function takes the DataFrames of `trace.py` (or
+`Plan.simulate()`, or a run-history table) and returns a `go.Figure`. It never calls `.show()`,
+never computes analysis itself (stalls come from `trace.find_stalls`) and keeps no state, so
+notebooks and the dashboard can call it on every update.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .trace import PHASES, lane_order, slot_segments
+
+_GIB = float(1 << 30)
+PHASE_COLORS = dict(zip(PHASES, ("#4C78A8", "#B279A2", "#72B7B2", "#F58518", "#54A24B", "#9D755D")))
+STATE_COLORS = {"loading": "#9D755D", "ready": "#72B7B2", "computing": "#F58518", "free": "#DDDDDD"}
+_SLOT_KINDS = ("weight", "grad", "pinned")
+_OTHER = "#888888"
+
+
+def _bars(df: pd.DataFrame, *, y: pd.Series, name: str, color: str, label_ms: float) -> go.Bar:
+    """Horizontal bars from start_ms/end_ms rows, labelled with the layer when wide enough."""
+    dur = df.end_ms - df.start_ms
+    text = [str(ly) if w >= label_ms else "" for ly, w in zip(df.layer, dur)]
+    extra = df.op if "op" in df else df.state
+    nbytes = df.bytes if "bytes" in df else pd.Series(0, index=df.index)
+    return go.Bar(
+        x=dur, y=y, base=df.start_ms, orientation="h", name=name, marker_color=color,
+        marker_line_width=0, text=text, textposition="inside", insidetextanchor="middle",
+        customdata=list(zip(extra.astype(str), df.layer.astype(str), nbytes.astype(int), df.start_ms)),
+        hovertemplate="%{customdata[0]} · layer %{customdata[1]}<br>%{customdata[3]:.3f} ms + %{x:.3f} ms"
+                      "<br>%{customdata[2]:,} bytes<extra>%{fullData.name}</extra>")
+
+
+def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: str | None = None) -> go.Figure:
+    """Gantt view of a step: one row per lane, bars coloured by phase, layer numbers on wide bars.
+
+    Args:
+        spans: `Trace.to_dataframe()` or `Plan.simulate()`.
+        stalls: `trace.find_stalls(spans)`; drawn as translucent bands on the compute row with the
+            diagnosis on hover.
+        title: figure title.
+
+    Returns:
+        A Figure with one Bar trace per phase present (PHASES order), plus one "stalls" Scatter
+        when stalls are given; y is categorical with one category per lane, compute on top.
+
+    Example:
+        >>> from megatrain_nb.trace import Trace
+        >>> fig = timeline(Trace(step=0, spans=[("compute", "fwd", 0, "fwd", 0.0, 1.0, 0)]).to_dataframe())
+        >>> [t.name for t in fig.data]
+        ['fwd']
+    """
+    lanes = lane_order(spans.lane)
+    extent = float(spans.end_ms.max() - min(0.0, spans.start_ms.min())) if len(spans) else 1.0
+    fig = go.Figure()
+    phases = [p for p in PHASES if p in set(spans.phase)] + [p for p in dict.fromkeys(spans.phase) if p not in PHASES]
+    for phase in phases:
+        g = spans[spans.phase == phase]
+        fig.add_trace(_bars(g, y=g.lane, name=phase, color=PHASE_COLORS.get(phase, _OTHER), label_ms=0.015 * extent))
+    if stalls is not None and len(stalls):
+        row = lanes.index("compute") if "compute" in lanes else None
+        for s in stalls.itertuples(index=False):
+            fig.add_shape(type="rect", x0=s.start_ms, x1=s.end_ms, xref="x", fillcolor="rgba(214,39,40,0.25)",
+                          line_width=0, layer="below",
+                          **(dict(yref="y", y0=row - 0.5, y1=row + 0.5) if row is not None
+                             else dict(yref="paper", y0=0, y1=1)))
+        fig.add_trace(go.Scatter(
+            x=(stalls.start_ms + stalls.end_ms) / 2, y=["compute"] * len(stalls), mode="markers", name="stalls",
+            marker=dict(symbol="line-ns-open", color="#D62728", size=10),
+            customdata=list(zip(stalls.waited_on, stalls.diagnosis, stalls.setting, stalls.dur_ms)),
+            hovertemplate="stall %{customdata[3]:.3f} ms, waited on %{customdata[0]}<br>%{customdata[1]}"
+                          "<br>setting: %{customdata[2]}<extra></extra>"))
+    fig.update_layout(title=title, barmode="overlay", bargap=0.25, height=120 + 45 * max(len(lanes), 1),
+                      legend_title_text="phase", margin=dict(l=10, r=10, t=50 if title else 20, b=40))
+    fig.update_xaxes(title_text="time (ms)")
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=lanes, autorange="reversed")
+    return fig
+
+
+def buffers(slots: pd.DataFrame, *, end_ms: float | None = None) -> go.Figure:
+    """Occupancy of device weight/grad slots and pinned buffers over time.
+
+    Args:
+        slots: `Trace.slots_dataframe()`.
+        end_ms: where the last state of each slot ends (default: the last change).
+
+    Returns:
+        A Figure with one Bar trace per non-free state; y has one category per "kind[index]",
+        weight slots first, then grad, then pinned; bars are labelled with the layer held.
+    """
+    seg = slot_segments(slots, end_ms=end_ms)
+    kinds = [k for k in _SLOT_KINDS if k in set(seg.kind)] + sorted(set(seg.kind) - set(_SLOT_KINDS))
+    rows = [f"{k}[{i}]" for k in kinds for i in sorted(set(seg[seg.kind == k]["index"]))]
+    seg = seg.assign(row=[f"{k}[{i}]" for k, i in zip(seg.kind, seg["index"])],
+                     layer=[("" if pd.isna(ly) else int(ly)) for ly in seg.layer])
+    extent = float(seg.end_ms.max() - seg.start_ms.min()) if len(seg) else 1.0
+    fig = go.Figure()
+    for state in [s for s in STATE_COLORS if s != "free"] + sorted(set(seg.state) - set(STATE_COLORS)):
+        g = seg[seg.state == state]
+        if len(g):
+            fig.add_trace(_bars(g, y=g.row, name=state, color=STATE_COLORS.get(state, _OTHER), label_ms=0.015 * extent))
+    fig.update_layout(barmode="overlay", bargap=0.25, height=120 + 30 * max(len(rows), 1), legend_title_text="state",
+                      margin=dict(l=10, r=10, t=20, b=40))
+    fig.update_xaxes(title_text="time (ms)")
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=rows, autorange="reversed")
+    return fig
+
+
+def _step_wide(counters: pd.DataFrame) -> pd.DataFrame:
+    """Counters as a step function: index t_ms, one column per name, last value carried forward."""
+    wide = counters.pivot_table(index="t_ms", columns="name", values="value", aggfunc="last")
+    return wide.sort_index().ffill().fillna(0.0)
+
+
+def memory(counters: pd.DataFrame) -> go.Figure:
+    """Device memory by category (stacked) and host memory over the step, in GiB.
+
+    Args:
+        counters: `Trace.counters_dataframe()`; names "device_mem.<category>" go to the device
+            subplot, every other name (e.g. "host_rss_bytes", "pinned_in_use_bytes") to the host one.
+
+    Returns:
+        A Figure with two subplots sharing x: row 1 one stacked Scatter per device category
+        (yaxis "y"), row 2 one line per host counter (yaxis "y2").
+    """
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=("device memory", "host memory"))
+    is_dev = counters.name.str.startswith("device_mem.")
+    if is_dev.any():
+        wide = _step_wide(counters[is_dev])
+        for name in wide.columns:
+            fig.add_trace(go.Scatter(x=wide.index, y=wide[name] / _GIB, name=name.removeprefix("device_mem."),
+                                     stackgroup="device", mode="lines", line_shape="hv", legendgroup="device"),
+                          row=1, col=1)
+    for name, g in counters[~is_dev].groupby("name", sort=True):
+        g = g.sort_values("t_ms")
+        fig.add_trace(go.Scatter(x=g.t_ms, y=g.value / _GIB, name=name, mode="lines", line_shape="hv",
+                                 legendgroup="host"), row=2, col=1)
+    fig.update_yaxes(title_text="GiB", row=1, col=1)
+    fig.update_yaxes(title_text="GiB", row=2, col=1)
+    fig.update_xaxes(title_text="time (ms)", row=2, col=1)
+    fig.update_layout(height=520, margin=dict(l=10, r=10, t=40, b=40))
+    return fig
+
+
+_HISTORY_PANELS = (("loss", ("loss",), "loss", 1.0), ("tokens/s", ("tokens_per_s",), "tokens/s", 1.0),
+                   ("TFLOPS", ("tflops",), "TFLOP/s", 1.0),
+                   ("memory", ("peak_device_bytes", "host_rss_bytes"), "GiB", 1 / _GIB))
+
+
+def run_history(history: pd.DataFrame) -> go.Figure:
+    """Per-step metrics over a run, one subplot per metric present.
+
+    Args:
+        history: one row per step; column "step" plus any of loss, tokens_per_s, tflops,
+            peak_device_bytes, host_rss_bytes (missing ones are skipped; the two byte columns
+            share the "memory" subplot, in GiB).
+
+    Returns:
+        A Figure with one subplot per present panel (loss, tokens/s, TFLOPS, memory), x = step.
+
+    Raises:
+        ValueError: "step" is missing, or none of the metric columns is present.
+    """
+    if "step" not in history.columns:
+        raise ValueError(f"history needs a 'step' column; it has {list(history.columns)}.")
+    panels = [(t, [c for c in cols if c in history.columns], unit, k) for t, cols, unit, k in _HISTORY_PANELS]
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        raise ValueError("history has none of loss, tokens_per_s, tflops, peak_device_bytes, host_rss_bytes.")
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=[p[0] for p in panels])
+    for i, (_, cols, unit, scale) in enumerate(panels, start=1):
+        for c in cols:
+            fig.add_trace(go.Scatter(x=history.step, y=history[c] * scale, name=c, mode="lines+markers"), row=i, col=1)
+        fig.update_yaxes(title_text=unit, row=i, col=1)
+    fig.update_xaxes(title_text="step", row=len(panels), col=1)
+    fig.update_layout(height=160 + 170 * len(panels), margin=dict(l=10, r=10, t=40, b=40))
+    return fig
