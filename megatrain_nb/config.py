@@ -83,6 +83,10 @@ class EngineConfig:
     """Host pinned staging for transfers (CUDA only), split into ``transfer_chunk_bytes`` buffers."""
     transfer_chunk_bytes: int = 64 << 20
     """Size of one staging buffer; >= 16 MB reaches full PCIe bandwidth."""
+    pin_store: bool | None = None
+    """Keep a pinned compute-dtype copy of the weights (refreshed by the optimizer) and pinned grad
+    slabs, so transfers skip host packing: +2 bytes/param of host RAM. None: on when CUDA is used
+    and the store plus copy fit in 90% of host RAM."""
     activation_budget: float = 0.85
     """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
     overlap_optimizer: bool = True

@@ -17,29 +17,36 @@ from typing import Iterator
 import torch
 
 IGNORE = -100  # label of a position that carries no loss (HF's ignore_index)
-KINDS = ("copy",)
+KINDS = ("copy", "successor")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 # ---- synthetic ----------------------------------------------------------------------------
 def synthetic_batches(vocab_size: int, batch: int, seq: int, *, seed: int = 0, kind: str = "copy",
                       period: tuple[int, int] = (8, 24), alphabet: int = 512) -> Iterator[dict]:
-    """An endless stream of batches of a task a small model learns in a few dozen steps.
+    """An endless stream of batches of a synthetic task; tokens come from ``[0, min(alphabet, vocab_size))``.
 
-    ``kind="copy"``: each row is a random motif of ``period`` tokens (drawn per row from the
-    ``period`` range) repeated to fill ``seq``. The first occurrence cannot be predicted, so its
-    labels are -100; every later token is a copy of the one a period earlier. The loss starts
-    near ``ln(alphabet)`` and falls as the model first learns which tokens occur, then to copy.
+    ``kind="copy"``: each row is a random motif of ``period`` tokens (length drawn per row)
+    repeated to fill ``seq``. The first occurrence cannot be predicted, so its labels are -100;
+    every later token copies the one a period earlier. The loss falls from ``ln(vocab_size)`` to
+    ``ln(alphabet)`` within a few dozen steps (the model learns which tokens occur); going lower
+    needs in-context copying (induction heads), which the tiny demo model has not learned after
+    200 steps on CPU.
+
+    ``kind="successor"``: a hidden permutation of the alphabet, fixed by ``seed``, gives each
+    token's successor; each row starts at a random token and follows it. A model learns the table
+    without attention, so the loss falls *below* ``ln(alphabet)`` within a few dozen steps (the
+    tiny model: 9.1 -> ~4.2 in 40 steps at lr 1e-3) and towards 0 with more.
 
     Args:
-        vocab_size: the model's vocabulary; tokens are drawn from ``[0, min(alphabet, vocab_size))``.
+        vocab_size: the model's vocabulary.
         batch, seq: rows per batch and tokens per row.
         seed: the stream is a pure function of the arguments (same seed, same batches).
-        kind: the task; only "copy" exists.
-        period: (shortest, longest) motif length, inclusive.
-        alphabet: how many distinct token ids motifs use.
+        kind: "copy" or "successor".
+        period: "copy" only: (shortest, longest) motif length, inclusive.
+        alphabet: how many distinct token ids the task uses.
     Yields:
-        {"input_ids": (batch, seq) long, "labels": (batch, seq) long with -100 on the first motif}
+        {"input_ids": (batch, seq) long, "labels": (batch, seq) long, -100 where unpredictable}
     Raises:
         ValueError: an unknown kind, a non-positive size, or a motif that cannot repeat within seq.
     Example:
@@ -50,13 +57,18 @@ def synthetic_batches(vocab_size: int, batch: int, seq: int, *, seed: int = 0, k
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: choose one of {KINDS}")
     for name, v in (("vocab_size", vocab_size), ("batch", batch), ("seq", seq), ("alphabet", alphabet)):
-        if not isinstance(v, int) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}={v!r}: must be an int >= 1")
+    n_tokens = min(alphabet, vocab_size)
+    if kind == "successor":
+        if seq < 2:
+            raise ValueError(f"seq={seq}: need at least 2 tokens per row (a token and its successor)")
+        return _successor_stream(n_tokens, batch, seq, seed)
     lo, hi = period
     if not 1 <= lo <= hi or 2 * hi > seq:
         raise ValueError(f"period={period!r} with seq={seq}: need 1 <= shortest <= longest and 2*longest <= seq "
                          "so every row repeats its motif at least once (raise seq or lower period)")
-    return _copy_stream(min(alphabet, vocab_size), batch, seq, seed, lo, hi)
+    return _copy_stream(n_tokens, batch, seq, seed, lo, hi)
 
 
 def _copy_stream(n_tokens: int, batch: int, seq: int, seed: int, lo: int, hi: int) -> Iterator[dict]:
@@ -68,6 +80,17 @@ def _copy_stream(n_tokens: int, batch: int, seq: int, seed: int, lo: int, hi: in
         ids = motif.gather(1, pos.expand(batch, seq) % p)  # (batch, seq): row r repeats motif[r, :p[r]]
         labels = ids.masked_fill(pos < p, IGNORE)  # the first motif is unpredictable
         yield {"input_ids": ids, "labels": labels}
+
+
+def _successor_stream(n_tokens: int, batch: int, seq: int, seed: int) -> Iterator[dict]:
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randperm(n_tokens, generator=g)  # (n_tokens,) long: the hidden successor table
+    while True:
+        ids = torch.empty(batch, seq, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, n_tokens, (batch,), generator=g)
+        for t in range(1, seq):
+            ids[:, t] = succ[ids[:, t - 1]]
+        yield {"input_ids": ids, "labels": ids.clone()}
 
 
 # ---- JSONL --------------------------------------------------------------------------------
@@ -115,6 +138,9 @@ class JsonlBatches:
         if seq < 2:
             raise ValueError(f"seq={seq}: need at least 2 tokens per row (a token and the one it predicts)")
         self.path, self.batch, self.seq, self.seed = Path(path), batch, seq, seed
+        if not self.path.is_file():  # before the tokenizer: a wrong path is the one message shown
+            raise FileNotFoundError(f"data file {str(self.path)!r} does not exist"
+                                    + (" (it is a directory)" if self.path.is_dir() else ""))
         encode, self.pad_id, self.bos_id, self.eos_id = _tokenizer(tokenizer_dir, vocab_size)
         self.examples = self._read(encode)  # [(ids, labels)], lists of int
         self.epoch, self.index = 0, 0
@@ -122,9 +148,6 @@ class JsonlBatches:
 
     # ---- reading --------------------------------------------------------------------------
     def _read(self, encode) -> list[tuple[list[int], list[int]]]:
-        if not self.path.is_file():
-            raise FileNotFoundError(f"data file {str(self.path)!r} does not exist"
-                                    + (" (it is a directory)" if self.path.is_dir() else ""))
         examples, truncated, dropped = [], 0, []
         with self.path.open(encoding="utf-8") as fh:
             for n, line in enumerate(fh, start=1):

@@ -121,6 +121,7 @@ class Engine:
         self._delay("host-adam")
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, lr, grad_scale)
+            self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
 
     # ---- loads (packer thread) -----------------------------------------------------------
     def _submit_load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str) -> Box:
@@ -140,6 +141,9 @@ class Engine:
                 self._delay("h2d")
                 tok = self.rec.cuda_begin("h2d", "h2d", layer, phase, nbytes, self.dev.h2d)
                 for src, off in srcs:
+                    if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
+                        dst[off:off + src.numel()].copy_(src, non_blocking=True)
+                        continue
                     for a, b in _chunks(src.numel(), self.chunk):
                         k = self.staging_next
                         self.staging_next = (k + 1) % len(self.staging)
@@ -168,7 +172,9 @@ class Engine:
             time.sleep(d)
 
     def _master(self, unit: int):
-        return lambda: self.store.units[unit].master
+        """Source of a unit's weights: its pinned shadow when kept, else the fp32 master (packed)."""
+        u = self.store.units[unit]
+        return lambda: u.master if u.shadow is None else u.shadow
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -200,6 +206,9 @@ class Engine:
                 tok = self.rec.cuda_begin("d2h", "d2h", unit, phase, nbytes, self.dev.d2h)
                 pending: list = []
                 for off, n, host in segments:
+                    if host.dtype == src.dtype and host.is_pinned():  # pinned grad slab: one DMA, no unpacking
+                        host.copy_(src[off:off + n], non_blocking=True)
+                        continue
                     for a, b in _chunks(n, self.chunk):
                         if len(pending) == len(self.gstaging):
                             self._flush(pending.pop(0), unit, phase)

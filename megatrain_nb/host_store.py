@@ -34,15 +34,24 @@ class Unit:
     exp_avg: torch.Tensor  # (numel,) fp32
     exp_avg_sq: torch.Tensor  # (numel,) fp32
     prefix: str  # checkpoint-name prefix of layout names ("model.layers.3." or "")
+    shadow: torch.Tensor | None = None  # (numel,) compute dtype, pinned: the weights as the device reads them
 
 
 class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
-    def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32, pin: bool = False):
+    def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32,
+                 shadow_dtype: torch.dtype | None = None):
+        """
+        Args:
+            grad_dtype: dtype of the layer and head gradient slabs (the compute dtype).
+            shadow_dtype: when set, each unit also keeps a pinned copy of its weights in this dtype,
+                refreshed after every update, and its gradient slab is pinned: transfers then go
+                straight between these slabs and the device (+2 bytes/param for bf16).
+        """
         self.arch = arch
         self.num_layers = L = arch.num_layers
-        self.pinned = pin
+        self.shadow_dtype = shadow_dtype
         e = arch.embed.weight
         layouts = {-1: (Layout.build([(arch.embed_name, e.shape)]), "")}
         for i in range(L):
@@ -51,15 +60,25 @@ class HostStore:
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
             g = torch.float32 if u == -1 else grad_dtype
+            pin = shadow_dtype is not None
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix,
-                                 master=self._alloc(layout.numel, torch.float32, zero=True),
-                                 grad=self._alloc(layout.numel, g, zero=True),
-                                 exp_avg=self._alloc(layout.numel, torch.float32, zero=True),
-                                 exp_avg_sq=self._alloc(layout.numel, torch.float32, zero=True))
+                                 master=torch.zeros(layout.numel),
+                                 grad=self._alloc(layout.numel, g, pin=pin and u != -1),
+                                 exp_avg=torch.zeros(layout.numel), exp_avg_sq=torch.zeros(layout.numel),
+                                 shadow=self._alloc(layout.numel, shadow_dtype, pin=True) if pin else None)
 
-    def _alloc(self, n: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
-        t = torch.zeros(n, dtype=dtype) if zero else torch.empty(n, dtype=dtype)
-        return t.pin_memory() if self.pinned else t
+    @staticmethod
+    def _alloc(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        if pin:
+            return torch.zeros(n, dtype=dtype, pin_memory=True)
+        return torch.zeros(n, dtype=dtype)
+
+    def refresh_shadow(self, u: int | None = None) -> None:
+        """Cast the fp32 master into the pinned shadow (after an update; ``None``: every unit)."""
+        for k in self.order if u is None else [u]:
+            unit = self.units[k]
+            if unit.shadow is not None:
+                unit.shadow.copy_(unit.master)
 
     @property
     def order(self) -> list[int]:
@@ -71,8 +90,9 @@ class HostStore:
 
     def bytes_report(self) -> dict[str, float]:
         """Bytes by category (master, grads, exp_avg, exp_avg_sq, total) and bytes per parameter."""
-        rep = {k: sum(getattr(u, k).numel() * getattr(u, k).element_size() for u in self.units.values())
-               for k in ("master", "grad", "exp_avg", "exp_avg_sq")}
+        rep = {k: sum(getattr(u, k).numel() * getattr(u, k).element_size() for u in self.units.values()
+                      if getattr(u, k) is not None)
+               for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow")}
         rep["total"] = sum(rep.values())
         rep["params"] = self.num_params()
         rep["bytes_per_param"] = rep["total"] / rep["params"]

@@ -55,8 +55,10 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
-        self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype)
+        shadow = self.engine_cfg.dtype if _pin_store(self.engine_cfg, self.arch) else None
+        self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype, shadow_dtype=shadow)
         _init(self.store)
+        self.store.refresh_shadow()
         self.optim = HostAdamW(self.store, self.optim_cfg)
         self.recorder = Recorder(enabled=self.engine_cfg.trace, device=self.engine_cfg.device)
         self.engine = Engine(self.arch, self.store, self.optim, self.engine_cfg, self.optim_cfg, self.recorder)
@@ -178,6 +180,21 @@ class Session:
         return (f"Session({type(self.arch.model).__name__}, {n / 1e6:.1f}M params, {self.arch.num_layers} layers, "
                 f"device={self.engine_cfg.device}, dtype={str(self.engine_cfg.dtype).replace('torch.', '')}, "
                 f"steps={self.engine.steps_done})")
+
+
+def _pin_store(cfg: EngineConfig, arch) -> bool:
+    """Resolve EngineConfig.pin_store: pinning needs CUDA; auto only when store + shadow fit in 90% of RAM."""
+    cuda = torch.device(cfg.device).type == "cuda"
+    if cfg.pin_store is not None:
+        if cfg.pin_store and not cuda:
+            raise ValueError("pin_store=True needs device='cuda' (pinned memory is a CUDA feature); use pin_store=None")
+        return cfg.pin_store
+    if not cuda:
+        return False
+    import psutil
+
+    params = sum(p.numel() for p in arch.model.parameters())
+    return params * 16 < 0.9 * psutil.virtual_memory().total
 
 
 def _as_long(x, name: str) -> torch.Tensor:

@@ -1,0 +1,207 @@
+"""Command line: ``python -m megatrain_nb demo`` and ``python -m megatrain_nb train``.
+
+Owns: parsing arguments, the two training loops (a progress bar and a summary around
+``Session.step``), and turning a user's mistake into one line ``error: ...`` with exit code 2.
+Does not own: anything a step does (``Session``), tokenization or batching (``data``).
+
+Exit codes: 0 done (demo: and the loss fell); 1 the demo's loss did not fall; 2 bad arguments,
+files or settings; 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+USER_ERRORS = (ValueError, FileNotFoundError, TypeError, OSError)  # one line, no traceback (see main)
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage block and exit; main prints one line
+        raise _UsageError(f"{message} (see: python -m megatrain_nb {self.prog.split()[-1]} --help)")
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is too small: must be >= {lo}")
+        return v
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{v} must be a finite number > 0")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``megatrain_nb`` argument parser (subcommands ``demo`` and ``train``)."""
+    p = _Parser(prog="megatrain_nb", description="Full-parameter LLM training with weights in host RAM and "
+                "layers streamed through the device one at a time.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,train}", parser_class=_Parser)
+
+    common = _Parser(add_help=False)
+    common.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: cuda if available, else cpu (default: %(default)s). The compute dtype follows: "
+                             "bf16 on cuda, fp32 on cpu")
+    common.add_argument("--seed", type=int, default=0, help="seed of the data order / init (default: %(default)s)")
+
+    d = sub.add_parser("demo", parents=[common], help="train a tiny Llama (16M params) on a synthetic task",
+                       description="Train the package's tiny Llama from random init on a synthetic task and check "
+                                   "that the loss falls. Exit code 0 if it fell, 1 if not.")
+    d.add_argument("--steps", type=_int_at_least(2), default=40, help="training steps (default: %(default)s)")
+    d.add_argument("--batch", type=_int_at_least(1), default=8, help="sequences per step (default: %(default)s)")
+    d.add_argument("--seq", type=_int_at_least(2), default=128, help="tokens per sequence (default: %(default)s)")
+    d.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    d.add_argument("--task", default="successor", choices=("successor", "copy"),
+                   help="synthetic task, see megatrain_nb.data.synthetic_batches (default: %(default)s)")
+
+    t = sub.add_parser("train", parents=[common], help="fine-tune a local HF model directory on a JSONL file",
+                       description="Fine-tune every parameter of a local Hugging Face causal-LM directory on a "
+                                   "JSONL file of {\"text\"} or {\"prompt\", \"response\"} lines, then save it.")
+    t.add_argument("--model", required=True, metavar="DIR", help="HF model directory (config.json + safetensors; "
+                   "its tokenizer if present, else UTF-8 bytes)")
+    t.add_argument("--data", required=True, metavar="FILE", help="JSONL training file")
+    t.add_argument("--steps", type=_int_at_least(1), default=100, help="training steps (default: %(default)s)")
+    t.add_argument("--batch", type=_int_at_least(1), default=8, help="sequences per step (default: %(default)s)")
+    t.add_argument("--seq", type=_int_at_least(2), default=512, help="tokens per sequence; examples are packed "
+                   "into rows of this length (default: %(default)s)")
+    t.add_argument("--lr", type=_positive_float, default=2e-5, help="AdamW learning rate (default: %(default)s)")
+    t.add_argument("--out", metavar="DIR", default=None, help="output directory (default: out/<model dir name>)")
+    t.add_argument("--checkpoint-every", type=_int_at_least(0), default=None, metavar="K",
+                   help="activation checkpointing: recompute blocks of K layers in the backward; 0 keeps every "
+                        "layer's activations (default: keep what fits in device memory, recompute the rest)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (``python -m megatrain_nb`` exits with it).
+
+    Set ``MEGATRAIN_TRACEBACK=1`` to see the traceback behind an ``error: ...`` line.
+    """
+    try:
+        args = build_parser().parse_args(argv)
+        return _demo(args) if args.command == "demo" else _train(args)
+    except _UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except USER_ERRORS as e:
+        if os.environ.get("MEGATRAIN_TRACEBACK"):
+            raise
+        msg = str(e) if not isinstance(e, KeyError) else repr(e)
+        print(f"error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing saved", file=sys.stderr)
+        return 130
+
+
+def tiny_config():
+    """The demo model: a 16M-parameter LlamaConfig from ``megatrain_nb/data/tiny_llama.json``."""
+    from transformers import AutoConfig
+
+    d = json.loads(resources.files("megatrain_nb").joinpath("data", "tiny_llama.json").read_text())
+    return AutoConfig.for_model(**d)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def _demo(args) -> int:
+    from .data import synthetic_batches
+    from .session import Session
+
+    cfg = tiny_config()
+    batches = synthetic_batches(cfg.vocab_size, args.batch, args.seq, seed=args.seed, kind=args.task)
+    t0 = time.perf_counter()
+    s = Session.from_config(cfg, seed=args.seed, device=_device(args.device), lr=args.lr)
+    try:
+        print(f"{s}; task {args.task!r}, batch {args.batch} x seq {args.seq}, {args.steps} steps")
+        losses = _loop(s, batches, args.steps, "demo")
+    finally:
+        s.close()  # drains pending updates and stops the worker threads
+    k = max(1, min(5, args.steps // 4))
+    tail = sum(losses[-k:]) / k
+    fell = tail < losses[0]
+    print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f} (mean of last {k}: {tail:.4f}) -> "
+          f"{'fell' if fell else 'DID NOT FALL'}")
+    print(_bytes_line(s.store.bytes_report()))
+    print(f"wall time {time.perf_counter() - t0:.1f} s")
+    return 0 if fell else 1
+
+
+def _train(args) -> int:
+    from .data import jsonl_batches
+    from .session import Session
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():  # before the data, so a wrong path is the one error shown
+        raise FileNotFoundError(f"model directory {str(model)!r} does not exist" if not model.is_dir()
+                                else f"{str(model)!r} has no config.json; pass an HF model directory")
+    out = Path(args.out) if args.out else Path("out") / model.resolve().name
+    data = jsonl_batches(args.data, model, args.batch, args.seq, seed=args.seed)
+    s = Session.from_pretrained(model, device=_device(args.device), lr=args.lr,
+                                checkpoint_every=args.checkpoint_every)
+    try:
+        print(f"{s}; data {args.data} ({len(data.examples)} examples), batch {args.batch} x seq {args.seq}")
+        losses = _loop(s, data, args.steps, "train")
+        s.save_pretrained(out)  # waits for the last updates
+    finally:
+        s.close()
+    _save_tokenizer(model, out)
+    state = {"steps": len(losses), "data": data.state_dict(), "losses": losses, "lr": args.lr}
+    (out / "megatrain_state.json").write_text(json.dumps(state, indent=1))
+    print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
+    print(_bytes_line(s.store.bytes_report()))
+    print(f"saved to {out}")
+    return 0
+
+
+def _loop(s, batches, steps: int, desc: str) -> list[float]:
+    from tqdm import tqdm
+
+    losses = []
+    with tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+        for _ in range(steps):
+            r = s.step(next(batches))
+            losses.append(r.loss)
+            bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{r.tokens / r.seconds:.0f}", refresh=False)
+            bar.update()
+    return losses
+
+
+def _bytes_line(rep: dict) -> str:
+    n = rep["params"]
+    parts = ", ".join(f"{k} {rep[k] / n:.1f}" for k in ("master", "grad", "exp_avg", "exp_avg_sq"))
+    return f"host memory: {rep['total'] / 2**20:.1f} MiB for {n / 1e6:.1f}M params = {rep['bytes_per_param']:.1f} " \
+           f"bytes/param ({parts})"
+
+
+def _save_tokenizer(model: Path, out: Path) -> None:
+    """Copy the model's tokenizer next to the trained weights, when it has one."""
+    from .data import _TOKENIZER_FILES
+
+    if any((model / f).exists() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(out))
