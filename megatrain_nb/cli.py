@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -26,7 +27,7 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print the usage block and exit; main prints one line
-        raise _UsageError(f"{message} (see: python -m megatrain_nb {self.prog.split()[-1]} --help)")
+        raise _UsageError(f"{message} (see: python -m {self.prog} --help)")
 
 
 def _int_at_least(lo: int):
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Set ``MEGATRAIN_TRACEBACK=1`` to see the traceback behind an ``error: ...`` line.
     """
+    fmt, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         args = build_parser().parse_args(argv)
         return _demo(args) if args.command == "demo" else _train(args)
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; nothing saved", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = fmt
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
 
 
 def tiny_config():
@@ -122,8 +130,11 @@ def tiny_config():
 
 
 def _device(name: str) -> str:
+    """--device: "auto" is cuda when available; asking for cuda without it is an error, now."""
     import torch
 
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu (or auto)")
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
@@ -131,10 +142,11 @@ def _demo(args) -> int:
     from .data import synthetic_batches
     from .session import Session
 
+    device = _device(args.device)
     cfg = tiny_config()
     batches = synthetic_batches(cfg.vocab_size, args.batch, args.seq, seed=args.seed, kind=args.task)
     t0 = time.perf_counter()
-    s = Session.from_config(cfg, seed=args.seed, device=_device(args.device), lr=args.lr)
+    s = Session.from_config(cfg, seed=args.seed, device=device, lr=args.lr)
     try:
         print(f"{s}; task {args.task!r}, batch {args.batch} x seq {args.seq}, {args.steps} steps")
         losses = _loop(s, batches, args.steps, "demo")
@@ -154,13 +166,14 @@ def _train(args) -> int:
     from .data import jsonl_batches
     from .session import Session
 
+    device = _device(args.device)
     model = Path(args.model)
     if not (model / "config.json").is_file():  # before the data, so a wrong path is the one error shown
         raise FileNotFoundError(f"model directory {str(model)!r} does not exist" if not model.is_dir()
                                 else f"{str(model)!r} has no config.json; pass an HF model directory")
     out = Path(args.out) if args.out else Path("out") / model.resolve().name
     data = jsonl_batches(args.data, model, args.batch, args.seq, seed=args.seed)
-    s = Session.from_pretrained(model, device=_device(args.device), lr=args.lr,
+    s = Session.from_pretrained(model, device=device, lr=args.lr,
                                 checkpoint_every=args.checkpoint_every)
     try:
         print(f"{s}; data {args.data} ({len(data.examples)} examples), batch {args.batch} x seq {args.seq}")
@@ -192,7 +205,8 @@ def _loop(s, batches, steps: int, desc: str) -> list[float]:
 
 def _bytes_line(rep: dict) -> str:
     n = rep["params"]
-    parts = ", ".join(f"{k} {rep[k] / n:.1f}" for k in ("master", "grad", "exp_avg", "exp_avg_sq"))
+    cats = [k for k in rep if k not in ("total", "params", "bytes_per_param") and rep[k]]  # master, grad, ...
+    parts = ", ".join(f"{k} {rep[k] / n:.1f}" for k in cats)
     return f"host memory: {rep['total'] / 2**20:.1f} MiB for {n / 1e6:.1f}M params = {rep['bytes_per_param']:.1f} " \
            f"bytes/param ({parts})"
 

@@ -185,9 +185,14 @@ class JsonlBatches:
             p = self._wrap(encode(rec["prompt"]), eos=False)
             r = self._wrap(encode(rec["response"]), eos=True, bos=False)
             return p + r, [IGNORE] * len(p) + r
-        keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        if isinstance(rec, dict):
+            wrong = [f"{k!r} is {type(rec[k]).__name__}" for k in ("text", "prompt", "response")
+                     if k in rec and not isinstance(rec[k], str)]
+            got = f"{', '.join(wrong)}, not a string" if wrong else f"keys {sorted(rec)}"
+        else:
+            got = f"a JSON {type(rec).__name__}"
         raise ValueError(f"{self.path}:{n}: expected an object with a string \"text\", or string \"prompt\" and "
-                         f"\"response\"; got {keys}")
+                         f"\"response\"; got {got}")
 
     def _wrap(self, ids: list[int], *, eos: bool, bos: bool = True) -> list[int]:
         head = [self.bos_id] if bos and self.bos_id is not None and ids[:1] != [self.bos_id] else []

@@ -17,8 +17,10 @@ enqueued) and the end of the step (the loss and the trace are read).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,16 @@ from .hf import Architecture
 from .optim import HostAdamW
 from .schedule import Load, Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .workers import AdamWorker, Box, Worker
+
+
+_LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit, finish pending updates and stop workers (a script may never call close)."""
+    for engine in list(_LIVE):
+        engine.close()
 
 
 class _Dev:
@@ -108,6 +120,8 @@ class Engine:
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, fixed at the first step
         self.delays: dict = {}  # lane -> deliberate delay, for tests that prove ordering (see _delay)
+        self.closed = False
+        _LIVE.add(self)
 
     # ---- SlotRefs' view of residency (driver thread) -------------------------------------
     def layer_in(self, slot: int) -> int:
@@ -510,7 +524,10 @@ class Engine:
         self.adam.wait_all(self.steps_done)
 
     def close(self) -> None:
-        """Finish pending updates, then stop the worker threads."""
+        """Finish pending updates, then stop the worker threads. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.drain()
         finally:

@@ -1,0 +1,129 @@
+"""megatrain_nb.cli: the demo trains, train saves a loadable model, mistakes give one line and exit 2."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatrain_nb.cli import main
+
+
+def _losses(out: str) -> tuple[float, float]:
+    m = re.search(r"loss: first ([\d.]+), last ([\d.]+)", out)
+    assert m, out
+    return float(m[1]), float(m[2])
+
+
+def test_demo_loss_falls(capsys):
+    rc = main(["demo", "--steps", "6", "--batch", "2", "--seq", "32", "--device", "cpu"])
+    out = capsys.readouterr().out
+    first, last = _losses(out)
+    assert rc == 0, out
+    assert last < first
+    assert "16.0 bytes/param" in out  # fp32 master, fp32 grads on CPU, two fp32 moments
+
+
+@pytest.fixture()
+def tiny_model(tmp_path):
+    """A 2-layer Llama saved as an HF directory (no tokenizer: the byte fallback applies)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    d = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture()
+def jsonl(tmp_path):
+    f = tmp_path / "train.jsonl"
+    rows = [{"text": "the cat sat on the mat"}, {"prompt": "2+2=", "response": "4"},
+            {"prompt": "say hi", "response": "hi there"}] * 4
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_train_saves_a_model_transformers_loads(tiny_model, jsonl, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match="UTF-8 bytes"):
+        rc = main(["train", "--model", str(tiny_model), "--data", str(jsonl), "--steps", "3", "--batch", "2",
+                   "--seq", "32", "--lr", "1e-3", "--out", str(out), "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    assert f"saved to {out}" in capsys.readouterr().out
+    before = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    after = AutoModelForCausalLM.from_pretrained(str(out))
+    w0, w1 = before.state_dict(), after.state_dict()
+    assert w0.keys() == w1.keys()
+    assert all(w1[k].dtype == torch.float32 for k in w1)
+    assert not torch.equal(w0["model.layers.0.mlp.up_proj.weight"], w1["model.layers.0.mlp.up_proj.weight"])
+    state = json.loads((out / "megatrain_state.json").read_text())
+    assert state["steps"] == 3 and len(state["losses"]) == 3
+    assert set(state["data"]) == {"epoch", "index", "seed", "num_examples"}
+
+
+def test_train_copies_the_tokenizer(tiny_model, jsonl, tmp_path):
+    from transformers import AutoTokenizer
+
+    from test_data import _word_tokenizer
+
+    _word_tokenizer(tiny_model)
+    out = tmp_path / "out"
+    assert main(["train", "--model", str(tiny_model), "--data", str(jsonl), "--steps", "1", "--batch", "2",
+                 "--seq", "16", "--out", str(out), "--device", "cpu", "--checkpoint-every", "1"]) == 0
+    assert AutoTokenizer.from_pretrained(str(out)).eos_token == "</s>"
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["required", "demo,train"]),
+    (["fly"], ["invalid choice", "fly"]),
+    (["demo", "--steps", "1"], ["--steps", ">= 2"]),
+    (["demo", "--batch", "two"], ["--batch", "'two'"]),
+    (["demo", "--device", "tpu"], ["--device", "tpu"]),
+    (["demo", "--lr", "-1"], ["--lr", "> 0"]),
+    (["train", "--data", "x.jsonl"], ["--model"]),
+    (["demo", "--task", "copy", "--seq", "16"], ["period", "seq=16"]),  # a ValueError from data
+])
+def test_bad_arguments_exit_2_with_one_line(argv, words, capsys):
+    assert main(argv) == 2
+    err = _error(capsys)
+    for w in words:
+        assert w in err, err
+
+
+def test_train_errors_name_the_problem(tiny_model, jsonl, tmp_path, capsys):
+    base = ["train", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "o")]
+    assert main(base + ["--model", str(tmp_path / "nope"), "--data", str(jsonl)]) == 2
+    assert "nope" in _error(capsys)
+    assert main(base + ["--model", str(tiny_model), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in _error(capsys)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "fine"}\n{"prompt": "no response"}\n')
+    with pytest.warns(UserWarning):
+        assert main(base + ["--model", str(tiny_model), "--data", str(bad)]) == 2
+    assert "bad.jsonl:3:" in _error(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_without_cuda_is_one_line(capsys):
+    assert main(["demo", "--steps", "2", "--device", "cuda"]) == 2
+    assert "cuda" in _error(capsys)
+
+
+def test_module_entry_point_exits_2_without_traceback():
+    p = subprocess.run([sys.executable, "-m", "megatrain_nb", "demo", "--steps", "zero"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().startswith("error: argument --steps") and "Traceback" not in p.stderr

@@ -1,0 +1,152 @@
+"""Tests for megatrain_nb.planner: parameter counts, bytes, step-time model, simulated timeline."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import Qwen2Config
+
+from megatrain_nb.planner import CPU_LAPTOP, H200, Hardware, model_shape, plan
+from megatrain_nb.trace import LANES, Trace, find_stalls
+
+QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+QWEN25_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+FAST_HOST = dataclasses.replace(H200, name="H200 with an infinitely fast host", host_adam_params_per_s=1e15,
+                                host_cast_elems_per_s=1e15)
+
+
+def test_model_shape_counts_qwen25():
+    s7, s3 = model_shape(QWEN25_7B), model_shape(QWEN25_3B)
+    assert (s7["params_per_layer"], s7["n_params"]) == (233_057_792, 7_615_616_512)
+    assert (s3["params_per_layer"], s3["n_params"]) == (77_076_992, 3_085_938_688)
+    assert (s7["head_dim"], s7["kv_heads"], s7["tied"], s3["tied"]) == (128, 4, False, True)
+    assert s3["head_params"] == 2048  # tied: only the final norm
+
+
+def test_model_shape_reads_transformers_configs():
+    cfg = Qwen2Config(**{k: v for k, v in QWEN25_7B.items() if k != "model_type"})
+    assert model_shape(cfg) == model_shape(QWEN25_7B)
+
+
+def test_model_shape_moe():
+    moe = dict(hidden_size=64, intermediate_size=256, moe_intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=100, num_experts=8, num_experts_per_tok=2)
+    s = model_shape(moe)
+    attn, norms, router = 4 * 64 * 64, 2 * 64, 64 * 8
+    assert s["params_per_layer"] == attn + 8 * 3 * 64 * 32 + router + norms
+    assert s["active_params_per_layer"] == attn + 2 * 3 * 64 * 32 + router + norms
+
+
+def test_host_bytes_per_param_is_14_plus_pinned():
+    p = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30)
+    n = p.shape["n_params"]
+    assert p.host_bytes_per_param == 14.0
+    assert p.host_bytes == {"master_fp32": 4 * n, "adam_moments": 8 * n, "grads": 2 * n, "pinned_pool": 2 << 30}
+    assert sum(p.host_bytes.values()) == 14 * 7_615_616_512 + (2 << 30)
+    assert p.fits_host and p.fits_device
+
+
+def test_layer_times_match_the_measured_figures():
+    p = plan(QWEN25_7B, batch=1, seq=4096)
+    flops = 6 * 233_057_792 * 4096
+    assert p.layer_ms["fwd"] + p.layer_ms["bwd"] == pytest.approx(flops / 490e9)  # 11.69 ms; measured 11.9
+    assert p.layer_ms["h2d"] == pytest.approx(233_057_792 * 2 / 55.1e6)  # 8.46 ms; measured 8.5
+    assert p.layer_ms["adam"] == pytest.approx(233_057_792 / 3.76e6)
+
+
+def test_step_time_grows_with_tokens():
+    steps = [plan(QWEN25_7B, batch=b, seq=s).step_ms for b, s in ((1, 256), (1, 4096), (4, 4096), (16, 4096))]
+    assert steps == sorted(steps) and len(set(steps)) == 4
+
+
+def test_bottlenecks():
+    assert plan(QWEN25_7B, batch=16, seq=4096).bottleneck == "compute"
+    assert plan(QWEN25_7B, batch=1, seq=256, hardware=FAST_HOST).bottleneck == "pcie"
+    assert plan(QWEN25_7B, batch=1, seq=256, pinned_budget_bytes=0).bottleneck == "pcie"  # pageable copies
+    # On the measured H200 host, CPU AdamW (7.6e9 params / 3.76e9 per s = 2.0 s) outlasts the backward
+    # until about 16 x 4096 tokens per step.
+    assert plan(QWEN25_7B, batch=1, seq=4096).bottleneck == "host-adam"
+    assert plan(QWEN25_7B, batch=4, seq=4096).bottleneck == "host-adam"
+
+
+def test_simulate_has_trace_columns_and_ends_at_step_ms():
+    p = plan(QWEN25_3B, batch=4, seq=4096)
+    df = p.simulate()
+    assert list(df.columns) == list(Trace(step=0).to_dataframe().columns)
+    assert set(df.lane) == set(LANES)
+    assert df.end_ms.max() == pytest.approx(p.step_ms) and (df.dur_ms >= 0).all()
+    comp = df[df.lane == "compute"]
+    assert comp.op.value_counts().to_dict() == {"fwd": 36, "bwd": 36, "loss": 1, "embed_bwd": 1}
+    loads = df[df.lane == "h2d"].layer.value_counts()
+    assert sorted(loads[loads == 1].index) == [-1, 34, 35, 36]  # embedding rows, 2 layers still resident, head
+    assert (df[df.lane == "host-adam"].layer.value_counts() == 1).all()  # one update per unit
+    assert p.busy_ms["compute"] == pytest.approx(comp.dur_ms.sum())
+    assert p.model_tflops == pytest.approx(6 * (36 * 77_076_992 + 151936 * 2048) * 16384 / p.step_ms / 1e9)
+    assert len(find_stalls(df)) > 0
+
+
+def test_checkpointing():
+    none, every = plan(QWEN25_3B, batch=4, seq=4096, checkpoint_every=0), plan(QWEN25_3B, batch=4, seq=4096,
+                                                                                 checkpoint_every=1)
+    auto = plan(QWEN25_3B, batch=4, seq=4096)
+    assert (none.recomputed_layers, every.recomputed_layers, auto.recomputed_layers) == (0, 36, 0)
+    assert every.busy_ms["compute"] - none.busy_ms["compute"] == pytest.approx(36 * none.layer_ms["fwd"])
+    boundary = 16384 * 2048 * 2  # one saved layer input per recompute block
+    assert every.device_bytes["activations_kept"] == 0 and every.device_bytes["checkpoints"] == 36 * boundary
+    fours = plan(QWEN25_3B, batch=4, seq=4096, checkpoint_every=4)  # blocks of 4 layers, as the engine runs them
+    assert fours.recomputed_layers == 36 and fours.device_bytes["checkpoints"] == 9 * boundary
+    assert fours.device_bytes["recompute_workspace"] == 4 * every.device_bytes["recompute_workspace"]
+    big = plan(QWEN25_7B, batch=16, seq=4096)  # auto keeps the first layers while the budget allows
+    assert big.keep == [True] * 6 + [False] * 22 and big.fits_device
+
+
+def test_grad_clip_serialises_the_optimizer():
+    df = plan(QWEN25_3B, batch=1, seq=4096, grad_clip=True).simulate()
+    assert df[df.lane == "host-adam"].start_ms.min() >= df[df.lane == "host-unpack"].end_ms.max()
+    assert plan(QWEN25_3B, batch=1, seq=4096, grad_clip=True).step_ms > plan(QWEN25_3B, batch=1, seq=4096).step_ms
+
+
+def test_summary_and_table():
+    p = plan(QWEN25_05B, batch=1, seq=1024, hardware=CPU_LAPTOP)
+    assert p.fits_device and p.fits_host
+    assert p.summary()["tokens"] == 1024 and p.summary()["bottleneck"] == p.bottleneck
+    table = p.to_dataframe()
+    assert list(table.columns) == ["section", "quantity", "value", "unit"]
+    assert set(table.section) == {"host", "device", "layer", "busy", "step"}
+
+
+def test_does_not_fit_warns():
+    tiny = dataclasses.replace(H200, device_mem_bytes=1 << 30, host_mem_bytes=1 << 30)
+    with pytest.warns(UserWarning) as record:
+        p = plan(QWEN25_7B, batch=1, seq=4096, hardware=tiny)
+    assert not p.fits_device and not p.fits_host
+    assert [str(w.message)[:27] for w in record] == ["plan does not fit the devic", "plan does not fit host RAM:"]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(batch=0, seq=4096), "batch"), (dict(batch=1, seq=-1), "seq"),
+    (dict(batch=1, seq=8, weight_slots=1), "weight_slots"), (dict(batch=1, seq=8, checkpoint_every=-1),
+                                                             "checkpoint_every"),
+])
+def test_plan_errors_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        plan(QWEN25_3B, **kwargs)
+
+
+def test_config_errors_name_the_field():
+    cfg = {k: v for k, v in QWEN25_3B.items() if k != "hidden_size"}
+    with pytest.raises(ValueError, match="'hidden_size'"):
+        plan(cfg, batch=1, seq=8)
+
+
+def test_hardware_validates():
+    with pytest.raises(ValueError, match="h2d_GBps"):
+        dataclasses.replace(H200, h2d_GBps=0.0)
+    with pytest.raises(ValueError, match="duplex_GBps"):
+        Hardware(name="x", h2d_GBps=10, d2h_GBps=10, duplex_GBps=5, pageable_GBps=1, bf16_tflops=1,
+                 host_adam_params_per_s=1, host_cast_elems_per_s=1, device_mem_bytes=1, host_mem_bytes=1)

@@ -1,0 +1,125 @@
+"""Tests for megatrain_nb.viz: figures by structure (traces, axes, rows), never by pixels."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from megatrain_nb import viz
+from megatrain_nb.trace import Trace, find_stalls
+
+DATA = Path(__file__).parent / "data"
+GIB = float(1 << 30)
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> Trace:
+    return Trace.load(DATA / "synthetic_step.trace.json")
+
+
+def small_spans() -> pd.DataFrame:
+    return Trace(step=0, spans=[("compute", "fwd", 0, "fwd", 0.0, 2.0, 0), ("h2d", "h2d", 1, "io", 1.0, 3.0, 8),
+                                ("compute", "bwd", 1, "bwd", 3.0, 5.0, 0),
+                                ("compute", "fwd", 2, "fwd", 5.0, 5.01, 0)]).to_dataframe()
+
+
+def test_timeline_one_trace_per_phase_one_row_per_lane():
+    fig = viz.timeline(small_spans(), title="t")
+    assert isinstance(fig, go.Figure)
+    assert [t.name for t in fig.data] == ["fwd", "bwd", "io"]
+    assert all(t.type == "bar" and t.orientation == "h" for t in fig.data)
+    assert fig.layout.yaxis.categoryarray == ("compute", "h2d")
+    assert fig.layout.xaxis.title.text == "time (ms)"
+    assert fig.layout.title.text == "t" and fig.layout.barmode == "overlay"
+    fwd = fig.data[0]
+    assert list(fwd.base) == [0.0, 5.0] and list(fwd.x) == pytest.approx([2.0, 0.01])
+    assert list(fwd.text) == ["0", ""]  # the 0.01 ms bar is too narrow for a label
+    assert len(fig.layout.shapes) == 0
+
+
+def test_timeline_stall_bands_on_compute_row():
+    spans = small_spans()
+    stalls = find_stalls(spans)
+    fig = viz.timeline(spans, stalls=stalls)
+    assert len(fig.layout.shapes) == len(stalls) == 1
+    band = fig.layout.shapes[0]
+    assert (band.x0, band.x1, band.y0, band.y1, band.yref) == (2.0, 3.0, -0.5, 0.5, "y")
+    assert fig.data[-1].name == "stalls" and fig.data[-1].customdata[0][0] == "h2d"
+
+
+def test_timeline_of_a_plan_and_of_the_fixture(synthetic):
+    df = synthetic.to_dataframe()
+    fig = viz.timeline(df, stalls=find_stalls(df))
+    assert fig.layout.yaxis.categoryarray == ("compute", "h2d", "d2h", "host-pack", "host-unpack", "host-adam")
+    assert sum(len(t.x) for t in fig.data if t.type == "bar") == len(df)
+    assert [t.name for t in fig.data if t.type == "bar"] == ["fwd", "loss", "bwd", "optim"]
+
+
+def test_buffers_one_row_per_slot(synthetic):
+    fig = viz.buffers(synthetic.slots_dataframe())
+    rows = fig.layout.yaxis.categoryarray
+    assert rows[:4] == ("weight[0]", "weight[1]", "grad[0]", "grad[1]")
+    assert len(rows) == 4 + 13 and rows[-1] == "pinned[12]"
+    assert {t.name for t in fig.data} == {"loading", "ready", "computing"}  # free segments are blank
+    assert fig.layout.xaxis.title.text == "time (ms)"
+
+
+def test_buffers_segments_and_labels():
+    slots = Trace(step=0, slots=[("grad", 0, 2, "computing", 0.0), ("grad", 0, None, "free", 4.0),
+                                 ("weight", 1, 5, "loading", 1.0)]).slots_dataframe()
+    fig = viz.buffers(slots, end_ms=10.0)
+    assert fig.layout.yaxis.categoryarray == ("weight[1]", "grad[0]")
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["computing"].base) == [0.0] and list(by_name["computing"].x) == [4.0]
+    assert list(by_name["loading"].x) == [9.0] and list(by_name["loading"].text) == ["5"]
+
+
+def test_memory_two_subplots_in_gib():
+    counters = Trace(step=0, counters=[("device_mem.weights", 0.0, 2 * GIB), ("device_mem.activations", 1.0, GIB),
+                                       ("device_mem.activations", 3.0, 0.0), ("host_rss_bytes", 0.0, 100 * GIB),
+                                       ("pinned_in_use_bytes", 2.0, GIB / 2)]).counters_dataframe()
+    fig = viz.memory(counters)
+    dev = [t for t in fig.data if t.yaxis == "y"]
+    host = [t for t in fig.data if t.yaxis == "y2"]
+    assert [t.name for t in dev] == ["activations", "weights"] and all(t.stackgroup == "device" for t in dev)
+    assert [t.name for t in host] == ["host_rss_bytes", "pinned_in_use_bytes"]
+    assert list(dev[0].x) == [0.0, 1.0, 3.0]
+    assert list(dev[0].y) == [0.0, 1.0, 0.0] and list(dev[1].y) == [2.0, 2.0, 2.0]  # carried forward
+    assert list(host[0].y) == [100.0]
+    assert [a.text for a in fig.layout.annotations] == ["device memory", "host memory"]
+    assert fig.layout.yaxis.title.text == "GiB" and fig.layout.xaxis2.title.text == "time (ms)"
+
+
+def test_memory_of_the_fixture(synthetic):
+    fig = viz.memory(synthetic.counters_dataframe())
+    assert {t.name for t in fig.data if t.yaxis == "y"} == {
+        "activations", "embedding_rows", "grad_slots", "head_slots", "logits", "reserve", "weight_slots"}
+
+
+def test_run_history_skips_missing_columns():
+    hist = pd.DataFrame({"step": [0, 1, 2], "loss": [3.0, 2.5, 2.0], "tokens_per_s": [1e3, 2e3, 2e3],
+                         "peak_device_bytes": [GIB, 2 * GIB, 2 * GIB]})
+    fig = viz.run_history(hist)
+    assert [a.text for a in fig.layout.annotations] == ["loss", "tokens/s", "memory"]
+    assert [t.name for t in fig.data] == ["loss", "tokens_per_s", "peak_device_bytes"]
+    assert [t.yaxis for t in fig.data] == ["y", "y2", "y3"]
+    assert list(fig.data[2].y) == [1.0, 2.0, 2.0]
+    assert fig.layout.xaxis3.title.text == "step"
+
+
+def test_run_history_errors_name_the_column():
+    with pytest.raises(ValueError, match="'step'"):
+        viz.run_history(pd.DataFrame({"loss": [1.0]}))
+    with pytest.raises(ValueError, match="none of loss"):
+        viz.run_history(pd.DataFrame({"step": [0]}))
+
+
+def test_fixture_matches_its_generator(synthetic):
+    spec = importlib.util.spec_from_file_location("make_synthetic_trace", DATA / "make_synthetic_trace.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.synthetic_trace() == synthetic, "run: PYTHONPATH=. python tests/data/make_synthetic_trace.py"
