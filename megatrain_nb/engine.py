@@ -144,8 +144,9 @@ class Engine:
 
         def job():
             for unit, _, _ in segments:
-                if unit is not None:
-                    self.adam.wait_version(unit, version)  # host wait: the unit's last update
+                if self.adam.version[unit] < version:  # host wait: the unit's last update (a traced span)
+                    with self.rec.span("host-pack", "wait-update", layer, phase):
+                        self.adam.wait_version(unit, version)
             prev = after.get()  # host wait until the driver recorded the slot's release
             self._delay("host-pack")
             srcs = [(src_fn(), off) for _, src_fn, off in segments]
@@ -267,8 +268,10 @@ class Engine:
         loss_box = Box(self.abort)
         self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
                         clip=self.optim.clip_factor, loss=loss_box)
+        self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
         with dev.on(dev.compute):
             rec.begin_step(self.steps_done)
+            self._count_memory()
             embeds = [self._gather(mb) for mb in mbs]
             fops = forward_ops(L)
             fboxes = self._plan(fops, [None] * len(self.slots))
@@ -279,12 +282,49 @@ class Engine:
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
+            self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have
         loss = float(loss_box.get())
-        rec.counter("device_mem.allocated", torch.cuda.memory_allocated(dev.device) if dev.cuda else 0)
         self.trace = rec.end_step()
+        self._add_occupancy(self.trace)
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep)}
+
+    def _count_memory(self) -> None:
+        """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""
+        rec = self.rec
+        if not rec.enabled:
+            return
+        import psutil
+        rec.counter("host_rss_bytes", psutil.Process().memory_info().rss)
+        if not self.dev.cuda:
+            return
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        weights = size(self.slots + [self.head_slot])
+        grads = size(self.gslots + [self.head_gslot])
+        rec.counter("device_mem.weights", weights)
+        rec.counter("device_mem.grads", grads)
+        rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads)
+        rec.counter("pinned_in_use_bytes", size(self.staging + self.gstaging))
+
+    def _add_occupancy(self, trace) -> None:
+        """Slot occupancy at GPU times: each load / compute / copy-out span marks its slot's state."""
+        if not self.rec.enabled or not len(trace.spans):
+            return
+        df = trace.to_dataframe()
+        when = {}
+        for r in df.itertuples():
+            when.setdefault((r.lane, r.op, int(r.layer), r.phase), []).append((r.start_ms, r.end_ms))
+        used = {}
+        for kind, index, layer, key, s0, s1 in self._occ:
+            spans = when.get(key, [])
+            n = used.get(key, 0)
+            if n < len(spans):
+                a, b = spans[n]
+                trace.slots.append((kind, index, layer, s0, a))
+                trace.slots.append((kind, index, layer, s1, b))
+            used[key] = n + (1 if kind == "weight" and s0 == "computing" or kind == "grad" else 0)
+        trace.slots.sort(key=lambda r: r[-1])
 
     def _gather(self, mb: dict) -> tuple[torch.Tensor, Box]:
         """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves)."""
@@ -314,13 +354,16 @@ class Engine:
             self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
         return {"loads": boxes, "rel": rel, "slot": slot_of_op}
 
-    def _use(self, plan: dict, k: int) -> torch.Tensor:
+    def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
         """Driver: the weight slot op k computes from; the compute stream waits for its load."""
+        s = plan["slot"][k]
         if k in plan["loads"]:
             ld, box = plan["loads"][k]
             self._ready(box)
             self.slot_layer[ld.slot] = ld.layer
-        return self.slots[plan["slot"][k]]
+            self._occ.append(("weight", s, op.layer, ("h2d", "h2d", op.layer, op.phase), "loading", "ready"))
+        self._occ.append(("weight", s, op.layer, ("compute", op.kind, op.layer, op.phase), "computing", "ready"))
+        return self.slots[s]
 
     def _done(self, plan: dict, k: int) -> None:
         """Driver: op k no longer needs its slot once the compute stream passes this point."""
@@ -367,7 +410,7 @@ class Engine:
         self._act_bytes = 0
         for k, op in enumerate(fops[:-1]):
             i = op.layer
-            slot = self._use(plan, k)
+            slot = self._use(plan, k, op)
             layout = self.store.units[i].layout
             before = torch.cuda.memory_allocated(dev.device) if dev.cuda else 0
             kept = self._keep_now(i, deciding)
@@ -397,6 +440,7 @@ class Engine:
             self._done(plan, k)
         if deciding:
             self.keep = keep
+        self._count_memory()
         st["hL"] = hs
         return st
 
@@ -454,7 +498,7 @@ class Engine:
         for k, op in enumerate(bops):
             i = op.layer
             if op.kind == "recompute":
-                slot = self._use(plan, k)
+                slot = self._use(plan, k, op)
                 hs = st["ckpt"].pop(i) if i in st["ckpt"] else [o.detach() for o in kept[i - 1][2]]
                 params = self.store.units[i].layout.views(slot, requires_grad=True)
                 tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
@@ -468,7 +512,9 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 self._done(plan, k)
             elif op.kind == "bwd":
-                self._use(plan, k)
+                self._use(plan, k, op)
+                self._occ.append(("grad", gi, i, ("compute", "bwd", i, "bwd"), "computing", "ready"))
+                self._occ.append(("grad", gi, i, ("d2h", "d2h", i, "bwd"), "loading", "free"))
                 params, xs, outs = kept.pop(i)
                 layout = self.store.units[i].layout
                 g = self.gslots[gi][:layout.numel]

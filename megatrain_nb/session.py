@@ -163,6 +163,62 @@ class Session:
         """The last step's Trace (spans, counters, slot occupancy)."""
         return getattr(self.engine, "trace", None)
 
+    def _last_trace(self):
+        if self.trace is None or not len(self.trace.spans):
+            raise ValueError("no trace yet: run s.step(...) first (and keep trace=True, the default)")
+        return self.trace
+
+    def stalls(self):
+        """Where compute waited in the last step and on what, with a diagnosis and the setting to change.
+
+        Returns:
+            DataFrame (see ``trace.find_stalls``): start_ms, end_ms, dur_ms, layer, phase, waited_on,
+            diagnosis, setting.
+        """
+        from .trace import find_stalls
+
+        return find_stalls(self._last_trace().to_dataframe())
+
+    def plot_timeline(self):
+        """Plotly figure of the last step: one row per stream / host worker, stalls highlighted."""
+        from . import viz
+
+        df = self._last_trace().to_dataframe()
+        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}: {self!r}")
+
+    def plot_buffers(self):
+        """Plotly figure: occupancy of every device weight and gradient slot over the last step."""
+        from . import viz
+
+        return viz.buffers(self._last_trace().slots_dataframe())
+
+    def plot_memory(self):
+        """Plotly figure: host and device memory by category over the last step."""
+        from . import viz
+
+        return viz.memory(self._last_trace().counters_dataframe())
+
+    def history_dataframe(self):
+        """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s."""
+        import pandas as pd
+
+        df = pd.DataFrame([dataclasses.asdict(r) for r in self.history])
+        if len(df):
+            df["tokens_per_s"] = df.tokens / df.seconds
+        return df
+
+    def plot_history(self):
+        """Plotly figure of the run so far: loss, tokens/s and TFLOPS per step."""
+        from . import viz
+
+        return viz.run_history(self.history_dataframe())
+
+    def export_trace(self, path: str | os.PathLike) -> None:
+        """Write the last step's trace as Chrome Trace Event JSON (gzipped for .gz) for Perfetto."""
+        from .trace import export_chrome_trace
+
+        export_chrome_trace(self._last_trace(), path)
+
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
         """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates)."""
         self.engine.drain()

@@ -346,6 +346,9 @@ def _explain(a: float, b: float, layer: int, phase: str, others: pd.DataFrame) -
         if key == "h2d":  # was the copy itself held up by packing, or started late?
             packing = running[(running.lane == "host-pack") & (running.layer == hit.layer)]
             key = "host-pack" if len(packing) else "h2d-late" if hit.start_ms >= a else "h2d"
+            held = running[(running.op == "wait-update") & (running.layer == hit.layer)]
+            if len(held):  # the load waited for that layer's optimizer update before it could start
+                key = "host-adam"
     waited_on, reason, setting = _CAUSES.get(key, (key, f"lane {key} was still running.", "-"))
     return (a, b, b - a, layer, phase, waited_on, _WHY.format(dur=b - a, phase=phase, layer=layer) + reason, setting)
 
