@@ -264,7 +264,36 @@ class Engine:
         Returns:
             {"loss": float, "kept_layers": int, "recomputed_layers": int}
         """
+        try:
+            return self._step(mbs, n_valid)
+        except BaseException:
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """After a failed step: stop its jobs, let the GPU finish what was queued, reset the handoffs.
+
+        Updates that the Adam worker had already applied stay applied (see docs/engine.md, [Failed
+        steps]); nothing is half-written: each unit's update is whole or absent.
+        """
+        self.abort.set()
+        self.packer.drain_quietly(), self.unpacker.drain_quietly()
+        with self.adam.cond:
+            while self.adam.steps:  # the worker drops the abandoned step at its next wait
+                self.adam.cond.wait(0.05)
+        if self.dev.cuda:
+            torch.cuda.synchronize(self.dev.device)  # named sync, error path only: queued GPU work ends
+        self.abort.clear()
+        self.slot_box = [Box(ready=True) for _ in self.slots]
+        self.gslot_box = [Box(ready=True) for _ in self.gslots]
+        self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
+        self.slot_layer = [None] * len(self.slots)
+        self.adam.error = None
+
+    def _step(self, mbs: list[dict], n_valid: int) -> dict:
         L, dev, rec = self.L, self.dev, self.rec
+        if dev.cuda:
+            torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
         loss_box = Box(self.abort)
         self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
                         clip=self.optim.clip_factor, loss=loss_box)

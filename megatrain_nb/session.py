@@ -109,12 +109,15 @@ class Session:
         mbs, n_valid, tokens = self._prepare(batch)
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
-        out = self.engine.step(mbs, n_valid)
+        out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid))
         dt = time.perf_counter() - t0
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
                        tflops=6 * self.store.num_params() * tokens / dt / 1e12,
                        recomputed_layers=out["recomputed_layers"])
         self.history.append(r)
+        if interrupted:
+            raise KeyboardInterrupt(f"interrupted: step {r.step} was finished first, so every layer has its update; "
+                                    "the session is consistent and training can continue")
         return r
 
     def _prepare(self, batch: dict) -> tuple[list[dict], int, int]:
@@ -236,6 +239,39 @@ class Session:
         return (f"Session({type(self.arch.model).__name__}, {n / 1e6:.1f}M params, {self.arch.num_layers} layers, "
                 f"device={self.engine_cfg.device}, dtype={str(self.engine_cfg.dtype).replace('torch.', '')}, "
                 f"steps={self.engine.steps_done})")
+
+
+def _run_uninterrupted(fn):
+    """Run one step in a driver thread; a KeyboardInterrupt (Jupyter's Stop) waits for it to finish.
+
+    Note: [Interrupts] a step is applied to all layers or to none: an interrupt never lands inside
+    one. The caller re-raises it once the step is done. Returns (result, interrupted).
+    """
+    import threading
+    import warnings
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="megatrain-driver", daemon=True)
+    t.start()
+    interrupted = False
+    while t.is_alive():
+        try:
+            t.join(0.1)
+        except KeyboardInterrupt:
+            if not interrupted:
+                warnings.warn("interrupt received: finishing the current step first so that no layer is "
+                              "left without its update", stacklevel=3)
+            interrupted = True
+    if "err" in box:
+        raise box["err"]
+    return box["out"], interrupted
 
 
 def _pin_store(cfg: EngineConfig, arch) -> bool:

@@ -75,6 +75,15 @@ class Worker:
         """Block until every job submitted so far has run."""
         self.submit(lambda: None).get()
 
+    def drain_quietly(self) -> None:
+        """Like drain, while a step is being abandoned (abort set): queued jobs fail fast."""
+        box = Box(None)
+        self.jobs.put((lambda: None, box))
+        try:
+            box.get()
+        except Exception:  # an aborted marker job is fine: the queue is empty either way
+            pass
+
     def close(self) -> None:
         self.jobs.put((None, None))
         self.thread.join(timeout=5)
