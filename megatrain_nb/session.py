@@ -222,6 +222,32 @@ class Session:
 
         export_chrome_trace(self._last_trace(), path)
 
+    def train(self, data, *, steps: int, **kw):
+        """Train ``steps`` steps from an iterable of batches with a progress bar (and a live dashboard in
+        Jupyter); Jupyter's Stop ends it cleanly after the current step. See ``training.train``."""
+        from .training import train
+
+        return train(self, data, steps=steps, **kw)
+
+    def report(self, path: str | os.PathLike):
+        """Write one standalone HTML page with this run's figures and numbers. See ``report.write_report``."""
+        from .report import write_report
+
+        return write_report(self, path)
+
+    def save_checkpoint(self, path: str | os.PathLike):
+        """Atomically save the whole training state (weights, Adam moments, step, RNG, data position)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path)
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike, **overrides) -> "Session":
+        """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses)."""
+        from .checkpoint import resume
+
+        return resume(path, **overrides)
+
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
         """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates)."""
         self.engine.drain()
