@@ -91,6 +91,10 @@ class EngineConfig:
     """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
     overlap_optimizer: bool = True
     """Run host AdamW in a worker as each layer's gradients land (False: after the whole backward)."""
+    nonfinite: str = "skip"
+    """A NaN/inf loss or gradient: "skip" the step's update (counted in Session.skipped_steps, warned)
+    or "raise" FloatingPointError. "raise" waits for every gradient before any update (no overlap
+    with the backward), so nothing is applied; see docs/engine.md [Non-finite gradients] for "skip"."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
 
@@ -120,5 +124,7 @@ class EngineConfig:
         if self.pinned_budget_bytes < 2 * self.transfer_chunk_bytes:
             raise ValueError(f"pinned_budget_bytes={self.pinned_budget_bytes!r}: must hold at least two "
                              f"transfer chunks of {self.transfer_chunk_bytes} bytes")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

@@ -1,6 +1,6 @@
 """Runs one training step through the device: the only module that creates streams and events.
 
-Why this module is long (~450 lines): it holds every cross-stream and host/device dependency of a
+Why this module is long (~630 lines): it holds every cross-stream and host/device dependency of a
 step in one place, so that each wait can be read next to the work it orders.
 
 Three streams (CUDA; on "cpu" they are the calling thread and copies are synchronous):
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import threading
 import weakref
 
@@ -295,7 +296,8 @@ class Engine:
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
         loss_box = Box(self.abort)
-        self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer,
+        gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
+        adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
         with dev.on(dev.compute):
@@ -314,10 +316,15 @@ class Engine:
             self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have
         loss = float(loss_box.get())
+        with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
+            norms = dict(adam_step["landed"])
+        bad = [u for u, n in norms.items() if not math.isfinite(n)]
         self.trace = rec.end_step()
         self._add_occupancy(self.trace)
         self.steps_done += 1
-        return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep)}
+        return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
+                "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
+                "grad_norm": math.sqrt(sum(n * n for n in norms.values()))}
 
     def _count_memory(self) -> None:
         """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""

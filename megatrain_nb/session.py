@@ -35,6 +35,8 @@ class StepResult:
     lr: float  # learning rate this step's update uses
     tflops: float  # model TFLOPS: 6 * params * tokens / seconds / 1e12
     recomputed_layers: int
+    grad_norm: float = float("nan")  # global L2 norm of the gradients (before clipping)
+    skipped: bool = False  # a non-finite loss or gradient: this step's update was skipped
 
 
 class Session:
@@ -63,6 +65,7 @@ class Session:
         self.recorder = Recorder(enabled=self.engine_cfg.trace, device=self.engine_cfg.device)
         self.engine = Engine(self.arch, self.store, self.optim, self.engine_cfg, self.optim_cfg, self.recorder)
         self.history: list[StepResult] = []
+        self.skipped_steps = 0
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -113,8 +116,18 @@ class Session:
         dt = time.perf_counter() - t0
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
                        tflops=6 * self.store.num_params() * tokens / dt / 1e12,
-                       recomputed_layers=out["recomputed_layers"])
+                       recomputed_layers=out["recomputed_layers"], grad_norm=out["grad_norm"],
+                       skipped=out["nonfinite"])
         self.history.append(r)
+        if r.skipped:
+            self.skipped_steps += 1
+            what = "loss" if not math.isfinite(r.loss) else f"gradients of units {out['nonfinite_units']}"
+            if self.engine_cfg.nonfinite == "raise":
+                raise FloatingPointError(f"step {r.step}: non-finite {what}; no update was applied. "
+                                         "Lower lr, check the data, or set nonfinite='skip'")
+            import warnings
+            warnings.warn(f"step {r.step}: non-finite {what}; its update was skipped "
+                          f"({self.skipped_steps} skipped so far)", stacklevel=2)
         if interrupted:
             raise KeyboardInterrupt(f"interrupted: step {r.step} was finished first, so every layer has its update; "
                                     "the session is consistent and training can continue")
@@ -321,5 +334,3 @@ def _as_long(x, name: str) -> torch.Tensor:
         raise TypeError(f"{name} has dtype {t.dtype}; token ids must be integers (torch.long)")
     return t.to(torch.long)
 
-
-del math

@@ -114,11 +114,13 @@ class AdamWorker:
         self.thread = threading.Thread(target=self._run, name="megatrain-host-adam", daemon=True)
         self.thread.start()
 
-    def begin(self, *, step: int, lr: float, gate: bool, clip: Callable[[dict], tuple[float, float]], loss: Box) -> None:
+    def begin(self, *, step: int, lr: float, gate: bool, clip: Callable[[dict], tuple[float, float]], loss: Box) -> dict:
         """Open step ``step``'s updates: ``loss`` yields the step's loss (a non-finite one skips the step)."""
         with self.cond:  # Note: the previous step's updates may still be running: its state stays its own
-            self.steps.append(dict(step=step, lr=lr, gate=gate, clip=clip, loss=loss, landed={}, arrivals=[]))
+            st = dict(step=step, lr=lr, gate=gate, clip=clip, loss=loss, landed={}, arrivals=[])
+            self.steps.append(st)
             self.cond.notify_all()
+        return st
 
     def land(self, unit: int, norm: float) -> None:
         """Unit's gradients for the newest step are in host memory (a step begins after the last one landed)."""
