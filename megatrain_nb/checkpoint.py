@@ -2,7 +2,8 @@
 
 Owns: the checkpoint directory format (fp32 master slabs and Adam moments of every unit as flat
 safetensors pieces, plus ``state.json`` with the config, the settings, step counts, RNG states, the
-data position and the step history), writing it atomically, and validating it on load.
+data position, the step history and the skipped-step count), writing it atomically, and validating
+it on load.
 Does not own: the slabs themselves (host_store), the optimizer's arithmetic (optim), how a Session is
 wired (session), nor gradients — every step overwrites the gradient slabs before reading them, so
 they are not saved.
@@ -89,8 +90,8 @@ def resume(path: str | os.PathLike, **overrides):
     """Rebuild a Session from a checkpoint so that its next steps equal an uninterrupted run's.
 
     Restores the masters and Adam moments, each unit's AdamW step count, the engine's step count
-    (and so the LR schedule's position), the torch / CUDA / ``random`` RNG states, ``history`` and
-    ``data_state``.
+    (and so the LR schedule's position), the torch / CUDA / ``random`` RNG states, ``history``,
+    ``skipped_steps`` and ``data_state``.
 
     Args:
         path: a directory written by ``save_checkpoint``.
@@ -119,8 +120,10 @@ def resume(path: str | os.PathLike, **overrides):
     _set_engine_steps(session.engine, state["steps_done"])
     if state.get("keep") is not None and not set(overrides) & {f.name for f in dataclasses.fields(session.engine_cfg)}:
         session.engine.keep = list(state["keep"])  # the same activation policy, so the same kernels run
-    pass
+    _set_rng(state["rng"])
     session.history = _history(state["history"])
+    if hasattr(session, "skipped_steps"):
+        session.skipped_steps = state.get("skipped_steps", 0)
     session.data_state = state.get("data_state")
     session.store.refresh_shadow()
     return session
@@ -136,6 +139,7 @@ def _state(session, data_state) -> dict:
         "attn_implementation": getattr(config, "_attn_implementation", None),  # config.to_dict() drops it
         "optim_cfg": _jsonable_cfg(session.optim_cfg), "engine_cfg": _jsonable_cfg(session.engine_cfg),
         "steps_done": session.engine.steps_done,
+        "skipped_steps": getattr(session, "skipped_steps", 0),
         "unit_steps": {str(u): session.optim.steps_done(u) for u in session.store.order},
         "numel": {str(u): session.store.units[u].layout.numel for u in session.store.order},
         "keep": getattr(session.engine, "keep", None),

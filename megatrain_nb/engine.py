@@ -49,7 +49,10 @@ class _Dev:
     """Streams and events; every method is a no-op or a plain call on the CPU."""
 
     def __init__(self, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
+        self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.compute = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None

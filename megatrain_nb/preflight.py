@@ -1,0 +1,271 @@
+"""Preflight: will this model and these settings fit in host RAM and device memory? Asked before a
+single slab is allocated, answered with numbers and with the settings that would make it fit.
+
+Owns: the byte count of a configuration as the code allocates it — the host store exactly as
+``HostStore`` lays it out (aligned per-unit slabs), the engine's transfer staging and its device
+buffers exactly as ``Engine.__init__`` sizes them, activations and logits by the planner's per-token
+estimate — its comparison with ``psutil.virtual_memory().available`` and
+``torch.cuda.mem_get_info()``, and the advice text shared with ``oom_advice``.
+Does not own: step-time modelling or what-if sweeps over hardware (planner), allocating anything.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .binding import Layout
+from .config import EngineConfig
+
+_GIB = 1 << 30
+_CUDA_WORKSPACE = 512 << 20  # cuBLAS / attention workspaces and allocator slack; the CUDA context is
+# already outside mem_get_info's free bytes
+
+
+class PreflightError(MemoryError, ValueError):
+    """The configuration does not fit; the message gives GiB needed vs available and what to change."""
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for messages: 2 decimals from 1 GiB up, else 3 significant digits."""
+    x = n / _GIB
+    return f"{x:.2f} GiB" if x >= 1 else f"{x:.3g} GiB"
+
+
+def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,
+             seq: int | None = None) -> dict:
+    """Bytes a Session of this model and these settings allocates, next to what is available. Never raises
+    for lack of memory (``check`` does).
+
+    Args:
+        arch_or_config: an ``hf.Architecture``, a transformers config (its skeleton is built on the
+            meta device: no weights) or a ``Session`` (whose ``engine_cfg`` is the default).
+        engine_cfg: the EngineConfig; None: the Session's, else ``EngineConfig()``.
+        batch, seq: a step's shape; with both, activations, embedding rows and logits are counted.
+    Returns:
+        dict with
+          ``store``: as ``HostStore.bytes_report()`` — master, grad, exp_avg, exp_avg_sq, shadow,
+            total, params, bytes_per_param (exact);
+          ``host``: store, staging (transfer buffers; pinned on CUDA), device_buffers (on "cpu" the
+            "device" is host RAM), needed, available;
+          ``device``: weight_slots, grad_slots, head_slots, embedding_rows, activations, logits,
+            workspace, needed, available (None on "cpu": everything counts as host);
+          ``fits_host``, ``fits_device``, ``fits`` (bools) and ``settings`` (what was assumed).
+    Raises:
+        ValueError: an invalid setting (e.g. pin_store=True without CUDA), an unsupported model.
+    Example:
+        >>> est = estimate(config, EngineConfig(device="cpu"), batch=8, seq=1024)  # doctest: +SKIP
+        >>> est["host"]["needed"] / 2**30, est["fits"]                            # doctest: +SKIP
+    """
+    arch, cfg = _resolve(arch_or_config, engine_cfg)
+    if (batch is None) != (seq is None):
+        raise ValueError(f"pass both batch and seq, or neither (got batch={batch!r}, seq={seq!r})")
+    from .session import _pin_store  # lazy: session may import this module
+
+    cuda = torch.device(cfg.device).type == "cuda"
+    pin = _pin_store(cfg, arch)
+    d = torch.tensor([], dtype=cfg.dtype).element_size()
+    units = _unit_layouts(arch)
+
+    # host store, as HostStore.__init__ allocates it
+    numel = {u: lay.numel for u, lay in units.items()}
+    N = sum(numel.values())
+    store = {"master": 4 * N, "grad": 4 * numel[-1] + d * (N - numel[-1]),  # the embedding's grads are fp32
+             "exp_avg": 4 * N, "exp_avg_sq": 4 * N, "shadow": d * N if pin else 0}
+    store["total"] = sum(store.values())
+    store["params"] = sum(s.numel() for lay in units.values() for s in lay.shapes)
+    store["bytes_per_param"] = store["total"] / store["params"]
+
+    # engine buffers, as Engine.__init__ allocates them (Note: [Staging])
+    largest = max(numel.values())
+    n_layer = max(numel[i] for i in range(arch.num_layers))
+    chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
+    staging = max(4, cfg.pinned_budget_bytes // cfg.transfer_chunk_bytes) * chunk * d
+    head = Layout.build(arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else []))
+    dev = {"weight_slots": cfg.weight_slots * n_layer * d, "grad_slots": 2 * n_layer * d,
+           "head_slots": 2 * head.numel * d, "embedding_rows": 0, "activations": 0, "logits": 0,
+           "workspace": _CUDA_WORKSPACE if cuda else 0}
+    if batch is not None:
+        dev.update(_activations(arch, cfg, batch, seq, d))
+    dev["needed"] = sum(dev.values())
+
+    host = {"store": store["total"], "staging": staging, "device_buffers": 0 if cuda else dev["needed"]}
+    host["needed"] = sum(host.values())
+    host["available"] = _host_available()
+    dev["available"] = _device_available(cfg.device) if cuda else None
+    fits_host = host["needed"] <= host["available"]
+    fits_device = dev["available"] is None or dev["needed"] <= dev["available"]
+    settings = dict(device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."), pin_store=pin,
+                    weight_slots=cfg.weight_slots, micro_batch_size=cfg.micro_batch_size,
+                    checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=cfg.pinned_budget_bytes,
+                    loss_chunk_tokens=cfg.loss_chunk_tokens, batch=batch, seq=seq)
+    return {"store": store, "host": host, "device": dev, "fits_host": fits_host, "fits_device": fits_device,
+            "fits": fits_host and fits_device, "settings": settings}
+
+
+def check(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,
+          seq: int | None = None) -> dict:
+    """``estimate``, raising when host RAM or device memory is short.
+
+    Returns:
+        The estimate, when everything fits.
+    Raises:
+        PreflightError: (a MemoryError and a ValueError) naming GiB needed vs available, what needs
+            them, and the settings to change.
+    Example:
+        >>> check(config, EngineConfig(device="cuda"), batch=4, seq=4096)  # doctest: +SKIP
+    """
+    est = estimate(arch_or_config, engine_cfg, batch=batch, seq=seq)
+    if est["fits"]:
+        return est
+    parts = []
+    if not est["fits_host"]:
+        parts.append(_host_message(est))
+    if not est["fits_device"]:
+        parts.append(_device_message(est))
+    raise PreflightError("\n".join(parts))
+
+
+def oom_advice(exc: BaseException, engine_cfg: EngineConfig, batch_shape) -> str:
+    """Advice for a ``torch.cuda.OutOfMemoryError`` raised during a step, in ``check``'s words.
+
+    Args:
+        exc: the out-of-memory error.
+        engine_cfg: the session's EngineConfig.
+        batch_shape: (batch, seq) of the step that failed.
+    Returns:
+        A message: the shape, the device's memory now, torch's first line, and the settings to change.
+    """
+    B, T = (int(x) for x in tuple(batch_shape)[:2])
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lines = [f"Out of device memory during a step of batch {B} x seq {T} on {engine_cfg.device} ({first})."]
+    if torch.device(engine_cfg.device).type == "cuda" and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(engine_cfg.device)
+        peak = torch.cuda.max_memory_allocated(engine_cfg.device)
+        lines.append(f"Device memory: {gib(free)} free of {gib(total)}; this process's peak allocation {gib(peak)}.")
+    lines.append("To fit, change one of: " + "; ".join(_device_advice(engine_cfg, B, T, None)) + ".")
+    return "\n".join(lines)
+
+
+# ---- pieces ------------------------------------------------------------------------------------
+def _resolve(arch_or_config, engine_cfg):
+    from .hf import Architecture, load_architecture
+
+    x = arch_or_config
+    if hasattr(x, "arch") and hasattr(x, "engine_cfg"):  # a Session
+        return x.arch, engine_cfg or x.engine_cfg
+    arch = x if isinstance(x, Architecture) else load_architecture(x)
+    return arch, engine_cfg or EngineConfig()
+
+
+def _unit_layouts(arch) -> dict[int, Layout]:
+    """unit -> Layout, as HostStore.__init__ builds them (-1 embedding, 0..L-1 layers, L head)."""
+    out = {-1: Layout.build([(arch.embed_name, arch.embed.weight.shape)])}
+    for i in range(arch.num_layers):
+        out[i] = Layout.build(arch.layer_params(i))
+    out[arch.num_layers] = Layout.build(arch.head_params())
+    return out
+
+
+def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
+    """Embedding rows, layer activations and loss logits of one step (planner's per-token estimate).
+
+    checkpoint_every=None on CUDA keeps layers while ``activation_budget`` allows, so only its floor
+    counts: every layer recomputed, one at a time.
+    """
+    from .planner import _act_bytes_per_token, model_shape
+
+    L, T = arch.num_layers, batch * seq
+    H, V = arch.embed.weight.shape[1], arch.embed.weight.shape[0]
+    boundary = T * H * d  # one layer's input, kept by a recompute block
+    try:
+        act = T * _act_bytes_per_token(model_shape(arch.config), d)
+    except (ValueError, KeyError, TypeError):
+        act = 8 * boundary  # config fields the planner does not know: a rough SwiGLU layer
+    K = cfg.checkpoint_every
+    if K == 0 or (K is None and torch.device(cfg.device).type == "cpu"):
+        acts = L * act  # keep every layer
+    else:
+        K = K or 1
+        acts = math.ceil(L / K) * boundary + K * act
+    mb = min(batch, cfg.micro_batch_size or batch)
+    return {"embedding_rows": 2 * boundary, "activations": acts,
+            "logits": mb * min(seq, cfg.loss_chunk_tokens) * V * (d + 8)}  # compute + fp32 logits + fp32 grad
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _host_available() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _device_available(device: str) -> int:
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])  # free bytes now; creates the context
+
+
+def _host_message(est: dict) -> str:
+    s, h, st = est["store"], est["host"], est["settings"]
+    what = (f"host store {gib(s['total'])} ({_count(s['params'])} params x {s['bytes_per_param']:.1f} bytes: "
+            f"master {gib(s['master'])}, grads {gib(s['grad'])}, Adam moments {gib(s['exp_avg'] + s['exp_avg_sq'])}"
+            + (f", pinned shadow {gib(s['shadow'])}" if s["shadow"] else "") + f"), transfer staging {gib(h['staging'])}"
+            + (f", layer buffers and activations {gib(h['device_buffers'])} (device='cpu' keeps them in RAM)"
+               if h["device_buffers"] else ""))
+    advice = []
+    if s["shadow"]:
+        advice.append(f"pin_store=False (saves {gib(s['shadow'])})")
+    if h["staging"] > (64 << 20):
+        advice.append(f"pinned_budget_bytes={max(128 << 20, st['pinned_budget_bytes'] // 4)} (staging now "
+                      f"{gib(h['staging'])})")
+    if h["device_buffers"]:
+        if torch.cuda.is_available():
+            advice.append(f"device='cuda' (moves the {gib(h['device_buffers'])} of layer buffers and activations off RAM)")
+        advice += _device_advice_settings(st)
+    advice.append("a smaller model (the store alone needs 12 bytes/param + grads)")
+    return (f"Not enough host RAM: needs {gib(h['needed'])}, {gib(h['available'])} available — {what}. "
+            f"To fit, change one of: {'; '.join(advice)}.")
+
+
+def _device_message(est: dict) -> str:
+    d, st = est["device"], est["settings"]
+    names = ("weight_slots", "grad_slots", "head_slots", "embedding_rows", "activations", "logits", "workspace")
+    what = ", ".join(f"{n.replace('_', ' ')} {gib(d[n])}" for n in names if d[n])
+    return (f"Not enough device memory on {st['device']}: needs {gib(d['needed'])}, {gib(d['available'])} free — "
+            f"{what}. To fit, change one of: {'; '.join(_device_advice(st, st['batch'], st['seq'], d))}.")
+
+
+def _device_advice_settings(st: dict) -> list[str]:
+    """The activation settings (shared by the host message on "cpu" and the device advice)."""
+    out = []
+    B, mbs = st["batch"], st["micro_batch_size"]
+    if B is not None and (mbs or B) > 1:
+        out.append(f"micro_batch_size={max(1, (mbs or B) // 2)} (now {mbs}: smaller logits and per-layer temporaries)")
+    if st["checkpoint_every"] != 1:
+        out.append(f"checkpoint_every=1 (now {st['checkpoint_every']}: recompute every layer, keep only its input)")
+    if st["seq"] is not None and min(st["seq"], st["loss_chunk_tokens"]) > 128:
+        out.append(f"loss_chunk_tokens={max(128, min(st['seq'], st['loss_chunk_tokens']) // 2)} "
+                   f"(now {st['loss_chunk_tokens']})")
+    if B is not None:
+        out.append(f"a smaller batch or seq (now {B} x {st['seq']})")
+    return out
+
+
+def _device_advice(cfg, batch, seq, dev: dict | None) -> list[str]:
+    """Settings that lower device memory, most effective first; ``cfg``: EngineConfig or est['settings']."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+    dtype = str(get("dtype")).removeprefix("torch.")
+    st = dict(batch=batch, seq=seq, micro_batch_size=get("micro_batch_size"),
+              checkpoint_every=get("checkpoint_every"), loss_chunk_tokens=get("loss_chunk_tokens"))
+    out = _device_advice_settings(st)
+    if get("weight_slots") > 2:
+        each = f"; each {gib(dev['weight_slots'] / get('weight_slots'))}" if dev else ""
+        out.append(f"weight_slots=2 (now {get('weight_slots')}{each})")
+    if dtype == "float32":
+        out.append("dtype=torch.bfloat16 (halves every device buffer)")
+    if torch.device(get("device")).type == "cuda":
+        out.append("device='cpu' (host RAM instead, slowly)")
+    out.append("a smaller model")
+    return out

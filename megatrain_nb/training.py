@@ -1,0 +1,137 @@
+"""The notebook training loop: `train(session, data, steps=...)` with a progress bar and a live dashboard.
+
+Owns: pulling batches from an iterable, calling `Session.step` once per batch, the tqdm progress bar,
+throttled dashboard refreshes inside Jupyter, stopping cleanly on Jupyter's Stop (KeyboardInterrupt)
+or when the data runs out, and noting the data position (`session.data_state`) for checkpoints.
+Does not own: what a step does (session / engine), the figures (viz / dashboard) or checkpoint files
+(checkpoint). Bound as `Session.train`.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Iterable
+
+import pandas as pd
+
+
+def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dashboard: bool | None = None,
+          refresh_s: float = 1.0) -> pd.DataFrame:
+    """Train `steps` steps, one batch of `data` each, with a progress bar (and a dashboard in Jupyter).
+
+    Jupyter's Stop (a KeyboardInterrupt) ends the loop after the step in flight: `Session.step`
+    finishes it on every layer first (Note: [Interrupts] in session.py), so the session stays
+    consistent and can keep training. The loop then closes the bar, prints one line and returns;
+    it does not re-raise.
+
+    Args:
+        session: a `Session`.
+        data: an iterable of batch dicts (`data.synthetic_batches`, `data.jsonl_batches`, a list...).
+            When it has `state_dict()`, the position after each step is kept in
+            `session.data_state`, which `save_checkpoint` stores.
+        steps: how many steps to run (>= 1).
+        log_every: refresh the bar's loss / tok/s / TFLOPS every this many steps.
+        dashboard: None: show a `dashboard.Dashboard` when running in a Jupyter kernel; True: the
+            same (with a warning outside Jupyter, where there is nothing to show it on); False: never.
+        refresh_s: the dashboard redraws at most once per this many seconds (between steps, never
+            inside one; the final state is always drawn).
+    Returns:
+        `session.history_dataframe()`: one row per step of the session (not only of this call).
+    Raises:
+        ValueError: `steps`, `log_every` or `refresh_s` out of range.
+        Whatever `Session.step` raises for a bad batch (the steps before it are kept).
+    Example:
+        >>> from megatrain_nb.data import synthetic_batches                                   # doctest: +SKIP
+        >>> df = train(s, synthetic_batches(cfg.vocab_size, batch=8, seq=128), steps=50)      # doctest: +SKIP
+        >>> df.loss.iloc[-1] < df.loss.iloc[0]                                                # doctest: +SKIP
+        True
+    """
+    from tqdm.auto import tqdm
+
+    for name, value, low in (("steps", steps, 1), ("log_every", log_every, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r}: must be an int >= {low}")
+    if not refresh_s >= 0:
+        raise ValueError(f"refresh_s={refresh_s!r}: must be >= 0 seconds")
+    batches = iter(data)
+    has_state = callable(getattr(data, "state_dict", None))
+    dash = _open_dashboard(session, dashboard)
+    h0 = len(session.history)
+    bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+    last_draw, interrupted, stepping, n = time.monotonic(), False, False, h0
+    try:
+        for k in range(steps):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                warnings.warn(f"data ran out after {k} of {steps} steps; pass more data or fewer steps "
+                              "(synthetic_batches and jsonl_batches never run out)", stacklevel=2)
+                break
+            n, stepping = len(session.history), True
+            r = session.step(batch)
+            stepping = False
+            if has_state:
+                session.data_state = data.state_dict()  # the position after this step's batch
+            bar.update(1)
+            if (k + 1) % log_every == 0 or k + 1 == steps:
+                bar.set_postfix({"loss": f"{r.loss:.4f}", "tok/s": f"{r.tokens / r.seconds:,.0f}",
+                                 "TFLOPS": f"{r.tflops:.3g}"}, refresh=False)
+            if dash is not None and time.monotonic() - last_draw >= refresh_s:
+                dash = _draw(dash)
+                last_draw = time.monotonic()
+    except KeyboardInterrupt:  # Jupyter's Stop: Session.step already finished the step in flight
+        interrupted = True
+        bar.update(len(session.history) - h0 - bar.n)  # count a step that finished under the interrupt
+        if has_state and stepping and len(session.history) > n:  # that step used its batch; else keep the last
+            session.data_state = data.state_dict()
+    finally:
+        bar.close()
+    if dash is not None:
+        _draw(dash)
+    if interrupted:
+        done = len(session.history) - h0
+        last = session.history[-1].step if session.history else 0
+        print(f"interrupted: ran {done} of {steps} steps (the session is at step {last}, consistent; "
+              "train again to continue)")
+    return session.history_dataframe()
+
+
+def in_jupyter() -> bool:
+    """True inside a Jupyter (IPython) kernel, where widgets can be shown."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and hasattr(ip, "kernel")
+
+
+def _open_dashboard(session, want: bool | None):
+    """A displayed Dashboard, or None (not wanted, not in Jupyter, or it failed to build)."""
+    if want is False:
+        return None
+    if not in_jupyter():
+        if want:
+            warnings.warn("dashboard=True needs a Jupyter kernel to show it; training with the progress bar only",
+                          stacklevel=3)
+        return None
+    try:
+        from .dashboard import Dashboard
+
+        dash = Dashboard(session)
+        dash.display()
+        return dash
+    except Exception as e:  # a display problem must never stop training
+        warnings.warn(f"dashboard disabled: {type(e).__name__}: {e}", stacklevel=3)
+        return None
+
+
+def _draw(dash):
+    """Refresh the dashboard; on failure warn once and return None so training goes on without it."""
+    try:
+        dash.update()
+        return dash
+    except Exception as e:
+        warnings.warn(f"dashboard update failed, hiding it for the rest of this run: {type(e).__name__}: {e}",
+                      stacklevel=3)
+        return None
