@@ -211,11 +211,11 @@ def _set_rng(rng: dict) -> None:
     v, internal, gauss = rng["python"]
     random.setstate((v, tuple(internal), gauss))
     if rng.get("cuda") and torch.cuda.is_available():
-        states = [_unb64(s) for s in rng["cuda"]]
-        if len(states) != torch.cuda.device_count():
-            warnings.warn(f"checkpoint holds CUDA RNG states of {len(states)} devices, this machine has "
-                          f"{torch.cuda.device_count()}; restoring the first {min(len(states), torch.cuda.device_count())}")
-        for i, s in enumerate(states[:torch.cuda.device_count()]):
+        states, n = [_unb64(s) for s in rng["cuda"]], torch.cuda.device_count()
+        if len(states) != n:
+            warnings.warn(f"checkpoint holds CUDA RNG states of {len(states)} devices, this machine has {n}; "
+                          f"restoring the first {min(len(states), n)}")
+        for i, s in enumerate(states[:n]):
             torch.cuda.set_rng_state(s, i)
 
 

@@ -87,6 +87,10 @@ class EngineConfig:
     """Keep a pinned compute-dtype copy of the weights (refreshed by the optimizer) and pinned grad
     slabs, so transfers skip host packing: +2 bytes/param of host RAM. None: on when CUDA is used
     and the store plus copy fit in 90% of host RAM."""
+    cast_on_device: bool = False
+    """Pin the fp32 master slabs themselves (no extra host bytes) and let the device cast them to the
+    compute dtype: twice the PCIe bytes of a bf16 copy, but no host cast at all, neither when packing
+    nor after the update. CUDA only; excludes pin_store."""
     activation_budget: float = 0.85
     """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
     overlap_optimizer: bool = True
@@ -124,6 +128,10 @@ class EngineConfig:
         if self.pinned_budget_bytes < 2 * self.transfer_chunk_bytes:
             raise ValueError(f"pinned_budget_bytes={self.pinned_budget_bytes!r}: must hold at least two "
                              f"transfer chunks of {self.transfer_chunk_bytes} bytes")
+        if self.cast_on_device and dev.type != "cuda":
+            raise ValueError("cast_on_device=True needs device='cuda' (it pins host memory); leave it False on CPU")
+        if self.cast_on_device and self.pin_store:
+            raise ValueError("cast_on_device=True and pin_store=True both pin the store; choose one")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
         if not 0 < self.activation_budget <= 1:

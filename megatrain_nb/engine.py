@@ -111,6 +111,8 @@ class Engine:
         self.staging_free = [None] * len(self.staging)  # event after which each buffer may be refilled
         self.staging_next = 0
         self.gstaging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_out)]
+        self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
+                          if ecfg.cast_on_device else [])  # fp32 landing buffers when the device casts
         self.norm_dev = torch.zeros(L + 2, dtype=torch.float32, device=dev.device)  # per-unit grad norms
         self.norm_host = dev.host_buffer(L + 2, torch.float32)
         self.loss_host = dev.host_buffer(1, torch.float32)
@@ -162,6 +164,12 @@ class Engine:
                 for src, off in srcs:
                     if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
                         dst[off:off + src.numel()].copy_(src, non_blocking=True)
+                        continue
+                    if self.dev_stage and src.is_pinned():  # pinned fp32 master: DMA, then cast on the device
+                        for n_chunk, (a, b) in enumerate(_chunks(src.numel(), self.chunk)):
+                            stage = self.dev_stage[n_chunk % 2][:b - a]  # reuse ordered by the h2d stream itself
+                            stage.copy_(src[a:b], non_blocking=True)
+                            dst[off + a:off + b].copy_(stage)
                         continue
                     for a, b in _chunks(src.numel(), self.chunk):
                         k = self.staging_next

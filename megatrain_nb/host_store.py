@@ -41,13 +41,14 @@ class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
     def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32,
-                 shadow_dtype: torch.dtype | None = None):
+                 shadow_dtype: torch.dtype | None = None, pin_master: bool = False):
         """
         Args:
             grad_dtype: dtype of the layer and head gradient slabs (the compute dtype).
             shadow_dtype: when set, each unit also keeps a pinned copy of its weights in this dtype,
                 refreshed after every update, and its gradient slab is pinned: transfers then go
                 straight between these slabs and the device (+2 bytes/param for bf16).
+            pin_master: pin the fp32 master and gradient slabs instead (the device casts; no extra bytes).
         """
         self.arch = arch
         self.num_layers = L = arch.num_layers
@@ -60,12 +61,12 @@ class HostStore:
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
             g = torch.float32 if u == -1 else grad_dtype
-            pin = shadow_dtype is not None
+            pin = shadow_dtype is not None or pin_master
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix,
-                                 master=torch.zeros(layout.numel),
+                                 master=self._alloc(layout.numel, torch.float32, pin=pin_master),
                                  grad=self._alloc(layout.numel, g, pin=pin and u != -1),
                                  exp_avg=torch.zeros(layout.numel), exp_avg_sq=torch.zeros(layout.numel),
-                                 shadow=self._alloc(layout.numel, shadow_dtype, pin=True) if pin else None)
+                                 shadow=None if shadow_dtype is None else self._alloc(layout.numel, shadow_dtype, pin=True))
 
     @staticmethod
     def _alloc(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -211,7 +211,8 @@ def _host_message(est: dict) -> str:
     s, h, st = est["store"], est["host"], est["settings"]
     what = (f"host store {gib(s['total'])} ({_count(s['params'])} params x {s['bytes_per_param']:.1f} bytes: "
             f"master {gib(s['master'])}, grads {gib(s['grad'])}, Adam moments {gib(s['exp_avg'] + s['exp_avg_sq'])}"
-            + (f", pinned shadow {gib(s['shadow'])}" if s["shadow"] else "") + f"), transfer staging {gib(h['staging'])}"
+            + (f", pinned shadow {gib(s['shadow'])}" if s["shadow"] else "")
+            + f"), transfer staging {gib(h['staging'])}"
             + (f", layer buffers and activations {gib(h['device_buffers'])} (device='cpu' keeps them in RAM)"
                if h["device_buffers"] else ""))
     advice = []
@@ -222,7 +223,8 @@ def _host_message(est: dict) -> str:
                       f"{gib(h['staging'])})")
     if h["device_buffers"]:
         if torch.cuda.is_available():
-            advice.append(f"device='cuda' (moves the {gib(h['device_buffers'])} of layer buffers and activations off RAM)")
+            advice.append(f"device='cuda' (moves the {gib(h['device_buffers'])} of layer buffers and activations "
+                          "off RAM)")
         advice += _device_advice_settings(st)
     advice.append("a smaller model (the store alone needs 12 bytes/param + grads)")
     return (f"Not enough host RAM: needs {gib(h['needed'])}, {gib(h['available'])} available — {what}. "

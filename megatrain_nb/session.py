@@ -58,7 +58,8 @@ class Session:
         self.config = config
         self.arch = load_architecture(config)
         shadow = self.engine_cfg.dtype if _pin_store(self.engine_cfg, self.arch) else None
-        self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype, shadow_dtype=shadow)
+        self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype, shadow_dtype=shadow,
+                               pin_master=self.engine_cfg.cast_on_device)
         _init(self.store)
         self.store.refresh_shadow()
         self.optim = HostAdamW(self.store, self.optim_cfg)
@@ -316,6 +317,8 @@ def _run_uninterrupted(fn):
 def _pin_store(cfg: EngineConfig, arch) -> bool:
     """Resolve EngineConfig.pin_store: pinning needs CUDA; auto only when store + shadow fit in 90% of RAM."""
     cuda = torch.device(cfg.device).type == "cuda"
+    if cfg.cast_on_device:
+        return False  # the master itself is pinned instead
     if cfg.pin_store is not None:
         if cfg.pin_store and not cuda:
             raise ValueError("pin_store=True needs device='cuda' (pinned memory is a CUDA feature); use pin_store=None")
