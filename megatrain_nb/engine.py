@@ -612,6 +612,12 @@ class Engine:
             return float(torch.linalg.vector_norm(unit.grad))
 
     # ---- lifecycle ---------------------------------------------------------------------------
+    def set_steps_done(self, n: int) -> None:
+        """Resume: the store already holds the state after ``n`` steps (call before any step)."""
+        self.steps_done = n
+        with self.adam.cond:
+            self.adam.version = dict.fromkeys(self.adam.order, n)
+
     def drain(self) -> None:
         """Block until every update of every finished step is applied to the host masters."""
         self.adam.wait_all(self.steps_done)

@@ -48,8 +48,8 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
             total, params, bytes_per_param (exact);
           ``host``: store, staging (transfer buffers; pinned on CUDA), device_buffers (on "cpu" the
             "device" is host RAM), needed, available;
-          ``device``: weight_slots, grad_slots, head_slots, embedding_rows, activations, logits,
-            workspace, needed, available (None on "cpu": everything counts as host);
+          ``device``: weight_slots, grad_slots, head_slots, cast_stage (cast_on_device), embedding_rows,
+            activations, logits, workspace, needed, available (None on "cpu": everything counts as host);
           ``fits_host``, ``fits_device``, ``fits`` (bools) and ``settings`` (what was assumed).
     Raises:
         ValueError: an invalid setting (e.g. pin_store=True without CUDA), an unsupported model.
@@ -83,7 +83,9 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     staging = max(4, cfg.pinned_budget_bytes // cfg.transfer_chunk_bytes) * chunk * d
     head = Layout.build(arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else []))
     dev = {"weight_slots": cfg.weight_slots * n_layer * d, "grad_slots": 2 * n_layer * d,
-           "head_slots": 2 * head.numel * d, "embedding_rows": 0, "activations": 0, "logits": 0,
+           "head_slots": 2 * head.numel * d,
+           "cast_stage": 2 * chunk * 4 if getattr(cfg, "cast_on_device", False) else 0,  # fp32 landing buffers
+           "embedding_rows": 0, "activations": 0, "logits": 0,
            "workspace": _CUDA_WORKSPACE if cuda else 0}
     if batch is not None:
         dev.update(_activations(arch, cfg, batch, seq, d))
@@ -233,7 +235,8 @@ def _host_message(est: dict) -> str:
 
 def _device_message(est: dict) -> str:
     d, st = est["device"], est["settings"]
-    names = ("weight_slots", "grad_slots", "head_slots", "embedding_rows", "activations", "logits", "workspace")
+    names = ("weight_slots", "grad_slots", "head_slots", "cast_stage", "embedding_rows", "activations", "logits",
+             "workspace")
     what = ", ".join(f"{n.replace('_', ' ')} {gib(d[n])}" for n in names if d[n])
     return (f"Not enough device memory on {st['device']}: needs {gib(d['needed'])}, {gib(d['available'])} free — "
             f"{what}. To fit, change one of: {'; '.join(_device_advice(st, st['batch'], st['seq'], d))}.")

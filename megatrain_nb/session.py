@@ -57,6 +57,9 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
+        from .preflight import check
+
+        check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
         shadow = self.engine_cfg.dtype if _pin_store(self.engine_cfg, self.arch) else None
         self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype, shadow_dtype=shadow,
                                pin_master=self.engine_cfg.cast_on_device)
@@ -67,6 +70,7 @@ class Session:
         self.engine = Engine(self.arch, self.store, self.optim, self.engine_cfg, self.optim_cfg, self.recorder)
         self.history: list[StepResult] = []
         self.skipped_steps = 0
+        self.data_state: dict | None = None  # position of the data iterator (train() sets it; checkpoints keep it)
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -113,7 +117,12 @@ class Session:
         mbs, n_valid, tokens = self._prepare(batch)
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
-        out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid))
+        try:
+            out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid))
+        except torch.OutOfMemoryError as e:
+            from .preflight import oom_advice
+
+            raise torch.OutOfMemoryError(oom_advice(e, self.engine_cfg, tuple(mbs[0]["input_ids"].shape))) from e
         dt = time.perf_counter() - t0
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
                        tflops=6 * self.store.num_params() * tokens / dt / 1e12,
@@ -249,11 +258,11 @@ class Session:
 
         return write_report(self, path)
 
-    def save_checkpoint(self, path: str | os.PathLike):
+    def save_checkpoint(self, path: str | os.PathLike, *, data_state: dict | None = None):
         """Atomically save the whole training state (weights, Adam moments, step, RNG, data position)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path)
+        return save_checkpoint(self, path, data_state=data_state)
 
     @classmethod
     def resume(cls, path: str | os.PathLike, **overrides) -> "Session":

@@ -1,0 +1,185 @@
+"""preflight.py: byte counts equal what HostStore and Engine allocate; a configuration that does not
+fit fails before anything is allocated, naming GiB needed vs available and the settings to change."""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from conftest import FAMILIES, make_config
+from megatrain_nb import Session, preflight, session as session_mod
+from megatrain_nb.config import EngineConfig
+from megatrain_nb.hf import load_architecture
+from megatrain_nb.host_store import HostStore
+from megatrain_nb.preflight import PreflightError, check, estimate, gib, oom_advice
+
+
+def _fake_ram(monkeypatch, available: int, total: int = 1 << 40) -> None:
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available, total=total))
+
+
+def _fake_cuda(monkeypatch, free: int, **settings) -> EngineConfig:
+    """An EngineConfig that says "cuda" on this CPU-only machine, with ``free`` device bytes."""
+    cfg = EngineConfig(**settings)
+    cfg.device = "cuda"  # after validation, which would refuse it here
+    monkeypatch.setattr(preflight, "_device_available", lambda device: free)
+    return cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_store_estimate_equals_bytes_report(family, dtype):
+    arch = load_architecture(make_config(family))
+    want = HostStore(arch, grad_dtype=dtype).bytes_report()
+    assert estimate(arch, EngineConfig(dtype=dtype))["store"] == want
+    assert estimate(arch.config, EngineConfig(dtype=dtype))["store"] == want  # from a config, too
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "mixtral"])
+def test_store_estimate_with_pinned_shadow(family, monkeypatch):
+    """pin_store adds a compute-dtype shadow; pinning is faked here (no CUDA), the sizes are real."""
+    monkeypatch.setattr(HostStore, "_alloc", staticmethod(lambda n, dtype, pin: torch.zeros(n, dtype=dtype)))
+    arch = load_architecture(make_config(family))
+    want = HostStore(arch, grad_dtype=torch.bfloat16, shadow_dtype=torch.bfloat16).bytes_report()
+    cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16, pin_store=True)
+    est = estimate(arch, cfg)
+    assert est["store"] == want and est["store"]["shadow"] > 0 and est["settings"]["pin_store"] is True
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_engine_buffers_equal_what_the_engine_allocates(family):
+    s = Session.from_config(make_config(family), seed=0, weight_slots=3, transfer_chunk_bytes=1 << 20,
+                            pinned_budget_bytes=8 << 20)
+    e = s.engine
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    est = estimate(s)
+    assert est["host"]["staging"] == nbytes(e.staging + e.gstaging)
+    dev = est["device"]
+    assert dev["weight_slots"] == nbytes(e.slots) and dev["grad_slots"] == nbytes(e.gslots)
+    assert dev["head_slots"] == nbytes([e.head_slot, e.head_gslot])
+    assert est["host"]["store"] == s.memory_report()["total"]
+    assert est["host"]["device_buffers"] == dev["needed"]  # on "cpu" the device is host RAM
+    s.close()
+
+
+def test_cast_on_device_pins_the_master_and_adds_device_landing_buffers(monkeypatch):
+    arch = load_architecture(make_config("llama"))
+    cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16, transfer_chunk_bytes=1 << 20,
+                     pinned_budget_bytes=8 << 20)
+    plain = estimate(arch, cfg)
+    cfg.cast_on_device = True  # after validation (needs CUDA)
+    est = estimate(arch, cfg)
+    assert est["store"]["shadow"] == 0 and est["store"]["total"] == plain["store"]["total"] - plain["store"]["shadow"]
+    chunk = est["host"]["staging"] // 8 // 2  # 8 bf16 buffers of one chunk each (Note: [Staging])
+    assert est["device"]["cast_stage"] == 2 * chunk * 4 and plain["device"]["cast_stage"] == 0
+
+
+def test_activations_follow_the_settings():
+    arch = load_architecture(make_config("llama"))
+    small = estimate(arch, batch=2, seq=12)["device"]
+    big = estimate(arch, batch=8, seq=12)["device"]
+    assert big["activations"] == 4 * small["activations"] and big["logits"] == 4 * small["logits"]
+    keep_all = estimate(arch, EngineConfig(checkpoint_every=0), batch=8, seq=12)["device"]
+    recompute = estimate(arch, EngineConfig(checkpoint_every=1), batch=8, seq=12)["device"]
+    assert recompute["activations"] < keep_all["activations"]
+    mb = estimate(arch, EngineConfig(micro_batch_size=2), batch=8, seq=12)["device"]
+    assert mb["logits"] == big["logits"] // 4
+    assert estimate(arch)["device"]["activations"] == 0  # no shape: buffers only
+    with pytest.raises(ValueError, match="both batch and seq"):
+        estimate(arch, batch=2)
+
+
+def test_short_host_ram_names_both_numbers(monkeypatch):
+    arch = load_architecture(make_config("llama"))
+    _fake_ram(monkeypatch, available=1000)
+    est = estimate(arch, batch=2, seq=12)  # estimate never raises
+    assert not est["fits_host"] and not est["fits"] and est["host"]["available"] == 1000
+    with pytest.raises(PreflightError) as info:
+        check(arch, batch=2, seq=12)
+    msg = str(info.value)
+    assert isinstance(info.value, MemoryError) and isinstance(info.value, ValueError)
+    assert f"needs {gib(est['host']['needed'])}" in msg and f"{gib(1000)} available" in msg
+    assert "smaller model" in msg and "checkpoint_every=1" in msg and "micro_batch_size=1" in msg
+
+
+def test_short_host_ram_with_pinned_store_suggests_pin_store_false(monkeypatch):
+    arch = load_architecture(make_config("llama", vocab_size=600_000))  # on meta: nothing is allocated
+    cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16, pin_store=True)
+    _fake_ram(monkeypatch, available=1 << 20)
+    est = estimate(arch, cfg)
+    assert est["host"]["staging"] > (1 << 30)  # 32 chunks of the embedding's size (Note: [Staging])
+    with pytest.raises(PreflightError, match=r"pin_store=False \(saves .* GiB\).*pinned_budget_bytes=536870912"):
+        check(arch, cfg)
+
+
+def test_short_device_memory_names_both_numbers(monkeypatch):
+    arch = load_architecture(make_config("llama"))
+    cfg = _fake_cuda(monkeypatch, free=10_000, weight_slots=4, dtype=torch.float32)
+    with pytest.raises(PreflightError) as info:
+        check(arch, cfg, batch=4, seq=12)
+    msg = str(info.value)
+    est = estimate(arch, cfg, batch=4, seq=12)
+    assert est["fits_host"] and not est["fits_device"]
+    assert f"needs {gib(est['device']['needed'])}, {gib(10_000)} free" in msg
+    for advice in ("weight_slots=2 (now 4", "micro_batch_size=2", "checkpoint_every=1", "dtype=torch.bfloat16",
+                   "device='cpu'"):
+        assert advice in msg, (advice, msg)
+    assert est["device"]["workspace"] > 0 and est["host"]["device_buffers"] == 0
+
+
+def test_fits_returns_the_estimate():
+    arch = load_architecture(make_config("llama"))
+    est = check(arch, batch=2, seq=12)
+    assert est["fits"] and est["host"]["needed"] < est["host"]["available"]
+
+
+def test_oom_advice():
+    err = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n(details)")
+    cfg = EngineConfig(micro_batch_size=8, checkpoint_every=0, weight_slots=3)
+    text = oom_advice(err, cfg, (8, 4096))
+    assert "batch 8 x seq 4096" in text and "Tried to allocate 2.00 GiB" in text and "(details)" not in text
+    for advice in ("micro_batch_size=4 (now 8", "checkpoint_every=1 (now 0", "weight_slots=2 (now 3",
+                   "loss_chunk_tokens=512"):
+        assert advice in text, (advice, text)
+    assert "device='cpu'" not in text  # already there
+    assert oom_advice(err, dataclasses.replace(cfg, micro_batch_size=1), torch.Size([1, 16])).count("micro_batch") == 0
+
+
+def test_invalid_pin_store_is_a_value_error():
+    arch = load_architecture(make_config("llama"))
+    with pytest.raises(ValueError, match="pin_store=True needs device='cuda'"):
+        estimate(arch, EngineConfig(pin_store=True))
+
+
+def test_session_pin_store_rule_is_the_one_used(monkeypatch):
+    """estimate resolves pin_store=None with Session's own rule, not a copy of it."""
+    arch = load_architecture(make_config("llama"))
+    monkeypatch.setattr(session_mod, "_pin_store", lambda cfg, arch: True)
+    assert estimate(arch)["store"]["shadow"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_estimate_equals_what_the_session_allocates():
+    s = Session.from_config(make_config("llama_tied"), seed=0, device="cuda", transfer_chunk_bytes=1 << 20,
+                            pinned_budget_bytes=8 << 20)
+    e = s.engine
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    est = check(s, batch=2, seq=12)
+    assert est["store"] == s.memory_report() and est["store"]["shadow"] > 0  # pin_store: auto on CUDA
+    assert est["host"]["staging"] == nbytes(e.staging + e.gstaging) and all(t.is_pinned() for t in e.staging)
+    dev = est["device"]
+    assert dev["weight_slots"] == nbytes(e.slots) and dev["grad_slots"] == nbytes(e.gslots)
+    assert dev["head_slots"] == nbytes([e.head_slot, e.head_gslot])
+    assert 0 < dev["available"] <= torch.cuda.get_device_properties(0).total_memory
+    assert est["host"]["device_buffers"] == 0
+    s.close()
+    s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=True)
+    est = estimate(s)
+    assert est["store"] == s.memory_report() and est["store"]["shadow"] == 0
+    assert est["device"]["cast_stage"] == nbytes(s.engine.dev_stage) > 0
+    s.close()
