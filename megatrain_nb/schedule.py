@@ -115,15 +115,10 @@ def plan_loads(ops: list[Op], num_slots: int, resident: list[int | None]
 
             def next_use(slot):  # Belady: the layer needed furthest ahead (or never) goes first;
                 held = resident[slot]  # among equals, the slot freed earliest, so the load starts soonest
-                if slot_busy(slot):
-                    return (-1, 0, 0)
                 freed = -1 if last_use[slot] is None else last_use[slot]
                 if held is None or held not in future:
                     return (2, 0, -freed)
                 return (1, future.index(held), -freed)
-
-            def slot_busy(slot):  # in use by the op right now: never evict it
-                return last_use[slot] == k
 
             s = max(range(num_slots), key=next_use)
             loads.append(Load(layer, s, k, last_use[s]))

@@ -169,8 +169,9 @@ class Session:
             mask = torch.as_tensor(mask)
             if mask.shape != ids.shape:
                 raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(ids.shape)}")
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError("attention_mask must hold only 0 and 1")
+            bad = mask[(mask != 0) & (mask != 1)]
+            if bad.numel():
+                raise ValueError(f"attention_mask holds {bad[0].item()}; it must hold only 0 (padding) and 1")
             mask = mask.to(torch.long)
         shift = torch.full_like(labels, -100)
         shift[:, :-1] = labels[:, 1:]  # HF shifts inside: position t predicts token t+1
@@ -310,9 +311,11 @@ def _run_uninterrupted(fn):
     t = threading.Thread(target=run, name="megatrain-driver", daemon=True)
     t.start()
     interrupted = False
-    while t.is_alive():
+    while True:
         try:
             t.join(0.1)
+            if not t.is_alive():
+                break
         except KeyboardInterrupt:
             if not interrupted:
                 warnings.warn("interrupt received: finishing the current step first so that no layer is "
