@@ -77,7 +77,8 @@ def main(argv=None) -> list[dict]:
     P = model_shape(qwen_config(a.shape, layers=rows[0]["layers"]))["params_per_layer"]
     fitted = dataclasses.replace(PIN_STORE, host_adam_params_per_s=measured_adam_rate(TRACE_B1, P))
     out = []
-    print(f"## {a.shape} shape on {rows[0]['gpu']}: planner (pin_store emulated) vs measured ({Path(a.results).name})\n")
+    print(f"## {a.shape} shape on {rows[0]['gpu']}: planner (pin_store emulated) vs measured "
+          f"({Path(a.results).name})\n")
     print("| batch × seq | step ms pred | meas | err | model TFLOPS pred | meas | err "
           "| peak GPU GiB pred | meas | err | recomputed pred / meas | predicted bound |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

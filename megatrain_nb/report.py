@@ -28,7 +28,8 @@ table { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 th { background: #f4f4f4; } td.text, th.text { text-align: left; }
 .note { color: #666; font-size: 13px; }
-table.stalls td, table.steps td { white-space: nowrap; } table.stalls td:nth-child(7) { text-align: left; white-space: normal; }
+table.stalls td, table.steps td { white-space: nowrap; }
+table.stalls td:nth-child(7) { text-align: left; white-space: normal; }
 """
 
 

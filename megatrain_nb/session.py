@@ -301,20 +301,24 @@ def _run_uninterrupted(fn):
     import warnings
 
     box: dict = {}
+    done = threading.Event()
 
     def run():
         try:
             box["out"] = fn()
         except BaseException as e:  # re-raised in the caller's thread
             box["err"] = e
+        finally:
+            done.set()
 
+    interrupted, started = False, False
     t = threading.Thread(target=run, name="megatrain-driver", daemon=True)
-    t.start()
-    interrupted = False
     while True:
-        try:
-            t.join(0.1)
-            if not t.is_alive():
+        try:  # Note: wait on an Event, not Thread.join: before 3.13 a SIGINT inside join() can make a
+            if not started:  # running thread look dead
+                t.start()
+                started = True
+            if done.wait(0.1):
                 break
         except KeyboardInterrupt:
             if not interrupted:
