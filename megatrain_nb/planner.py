@@ -246,7 +246,7 @@ class Plan:
 def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
          checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
-         overlap_optimizer: bool = True, grad_clip: bool = False) -> Plan:
+         overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads in compute dtype; a packer
@@ -273,6 +273,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         activation_budget: with checkpoint_every=None, fraction of device memory allocations may fill.
         overlap_optimizer: run AdamW on each unit as its grads land.
         grad_clip: clip by global norm (AdamW then waits for every grad).
+        pin_store: as `EngineConfig.pin_store`: loads read a pinned compute-dtype copy (no packing),
+            grads land in pinned slabs (no unpacking), and each update also refreshes the copy (a
+            cast of the unit in the Adam worker); +dtype_bytes per parameter of host memory.
 
     Returns:
         Plan.
@@ -302,6 +305,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N, "pinned_pool": pinned_budget_bytes}
+    if pin_store:
+        host["pinned_copy"] = d * N
 
     # device memory; keep[] mirrors Engine._keep_now
     act, boundary = T * _act_bytes_per_token(s, d), T * h * d
@@ -327,6 +332,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     fwd = 2 * s["active_params_per_layer"] * T / rate
     t = dict(pack=P / cast, h2d=P * d / up / 1e6, h2d_bwd=P * d / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
+    if pin_store:  # the cast moves from the load path into the optimizer worker
+        t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
     head_n = V * h + h  # head slot elements, tied or not
     units = {  # unit -> (elements loaded, pack ms, h2d ms, grad elements, d2h ms, unpack ms, adam ms)
         -1: (T * h, T * h / cast, T * h * d / up / 1e6, T * h, T * h * d / both_down / 1e6,
@@ -334,6 +341,11 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         L: (head_n, head_n / cast, head_n * d / up / 1e6, head_n, head_n * d / both_down / 1e6,
             head_n / cast, s["head_params"] / adam),
     }
+    if pin_store:
+        units[L] = (head_n, 0.0, units[L][2], head_n, units[L][4], 0.0,
+                    s["head_params"] / adam + s["head_params"] / cast)
+        e = units[-1]
+        units[-1] = (*e[:6], e[6] + s["embed_params"] / cast)
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
     spans, busy = _simulate(L, P, d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
                             pinned_budget_bytes if pinned else 0, transfer_chunk_bytes,
