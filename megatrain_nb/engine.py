@@ -427,7 +427,7 @@ class Engine:
     def _template(self, i: int):
         return self.arch.templates[self.arch.template_of[i]]
 
-    def _keep_now(self, i: int, first: bool) -> bool:
+    def _keep_now(self, i: int) -> bool:
         """Activation policy for layer i (see EngineConfig.checkpoint_every)."""
         if self.keep is not None:
             return self.keep[i]
@@ -460,7 +460,7 @@ class Engine:
             slot = self._use(plan, k, op)
             layout = self.store.units[i].layout
             before = torch.cuda.memory_allocated(dev.device) if dev.cuda else 0
-            kept = self._keep_now(i, deciding)
+            kept = self._keep_now(i)
             keep.append(kept)
             self._delay("compute")
             tok = rec.cuda_begin("compute", "fwd", i, "fwd", 0, dev.compute)
