@@ -37,6 +37,15 @@ class Unit:
     shadow: torch.Tensor | None = None  # (numel,) compute dtype, pinned: the weights as the device reads them
 
 
+def unit_layouts(arch: Architecture) -> dict[int, tuple[Layout, str]]:
+    """unit -> (flat layout, checkpoint-name prefix): -1 embedding, 0..L-1 layers, L head."""
+    out = {-1: (Layout.build([(arch.embed_name, arch.embed.weight.shape)]), "")}
+    for i in range(arch.num_layers):
+        out[i] = (Layout.build(arch.layer_params(i)), f"{arch.layer_prefix}{i}.")
+    out[arch.num_layers] = (Layout.build(arch.head_params()), "")
+    return out
+
+
 class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
@@ -53,11 +62,7 @@ class HostStore:
         self.arch = arch
         self.num_layers = L = arch.num_layers
         self.shadow_dtype = shadow_dtype
-        e = arch.embed.weight
-        layouts = {-1: (Layout.build([(arch.embed_name, e.shape)]), "")}
-        for i in range(L):
-            layouts[i] = (Layout.build(arch.layer_params(i)), f"{arch.layer_prefix}{i}.")
-        layouts[L] = (Layout.build(arch.head_params()), "")
+        layouts = unit_layouts(arch)
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
             g = torch.float32 if u == -1 else grad_dtype

@@ -16,6 +16,7 @@ import torch
 
 from .binding import Layout
 from .config import EngineConfig
+from .host_store import unit_layouts
 
 _GIB = 1 << 30
 _CUDA_WORKSPACE = 512 << 20  # cuBLAS / attention workspaces and allocator slack; the CUDA context is
@@ -60,12 +61,11 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     arch, cfg = _resolve(arch_or_config, engine_cfg)
     if (batch is None) != (seq is None):
         raise ValueError(f"pass both batch and seq, or neither (got batch={batch!r}, seq={seq!r})")
-    from .session import _pin_store  # lazy: session may import this module
 
     cuda = torch.device(cfg.device).type == "cuda"
-    pin = _pin_store(cfg, arch)
+    pin = resolve_pin_store(cfg, arch)
     d = torch.tensor([], dtype=cfg.dtype).element_size()
-    units = _unit_layouts(arch)
+    units = {u: lay for u, (lay, _) in unit_layouts(arch).items()}
 
     # host store, as HostStore.__init__ allocates it
     numel = {u: lay.numel for u, lay in units.items()}
@@ -158,15 +158,6 @@ def _resolve(arch_or_config, engine_cfg):
         return x.arch, engine_cfg or x.engine_cfg
     arch = x if isinstance(x, Architecture) else load_architecture(x)
     return arch, engine_cfg or EngineConfig()
-
-
-def _unit_layouts(arch) -> dict[int, Layout]:
-    """unit -> Layout, as HostStore.__init__ builds them (-1 embedding, 0..L-1 layers, L head)."""
-    out = {-1: Layout.build([(arch.embed_name, arch.embed.weight.shape)])}
-    for i in range(arch.num_layers):
-        out[i] = Layout.build(arch.layer_params(i))
-    out[arch.num_layers] = Layout.build(arch.head_params())
-    return out
 
 
 def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
@@ -274,3 +265,20 @@ def _device_advice(cfg, batch, seq, dev: dict | None) -> list[str]:
         out.append("device='cpu' (host RAM instead, slowly)")
     out.append("a smaller model")
     return out
+
+
+def resolve_pin_store(cfg: EngineConfig, arch) -> bool:
+    """Resolve EngineConfig.pin_store: pinning needs CUDA; auto only when store + shadow fit in 90% of RAM."""
+    cuda = torch.device(cfg.device).type == "cuda"
+    if cfg.cast_on_device:
+        return False  # the master itself is pinned instead
+    if cfg.pin_store is not None:
+        if cfg.pin_store and not cuda:
+            raise ValueError("pin_store=True needs device='cuda' (pinned memory is a CUDA feature); use pin_store=None")
+        return cfg.pin_store
+    if not cuda:
+        return False
+    import psutil
+
+    params = sum(p.numel() for p in arch.model.parameters())
+    return params * 16 < 0.9 * psutil.virtual_memory().total

@@ -57,10 +57,10 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
-        from .preflight import check
+        from .preflight import check, resolve_pin_store
 
         check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
-        shadow = self.engine_cfg.dtype if _pin_store(self.engine_cfg, self.arch) else None
+        shadow = self.engine_cfg.dtype if resolve_pin_store(self.engine_cfg, self.arch) else None
         self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype, shadow_dtype=shadow,
                                pin_master=self.engine_cfg.cast_on_device)
         _init(self.store)
@@ -328,23 +328,6 @@ def _run_uninterrupted(fn):
     if "err" in box:
         raise box["err"]
     return box["out"], interrupted
-
-
-def _pin_store(cfg: EngineConfig, arch) -> bool:
-    """Resolve EngineConfig.pin_store: pinning needs CUDA; auto only when store + shadow fit in 90% of RAM."""
-    cuda = torch.device(cfg.device).type == "cuda"
-    if cfg.cast_on_device:
-        return False  # the master itself is pinned instead
-    if cfg.pin_store is not None:
-        if cfg.pin_store and not cuda:
-            raise ValueError("pin_store=True needs device='cuda' (pinned memory is a CUDA feature); use pin_store=None")
-        return cfg.pin_store
-    if not cuda:
-        return False
-    import psutil
-
-    params = sum(p.numel() for p in arch.model.parameters())
-    return params * 16 < 0.9 * psutil.virtual_memory().total
 
 
 def _as_long(x, name: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_config
-from megatrain_nb import Session, preflight, session as session_mod
+from megatrain_nb import Session, preflight
 from megatrain_nb.config import EngineConfig
 from megatrain_nb.hf import load_architecture
 from megatrain_nb.host_store import HostStore
@@ -156,9 +156,11 @@ def test_invalid_pin_store_is_a_value_error():
 
 
 def test_session_pin_store_rule_is_the_one_used(monkeypatch):
-    """estimate resolves pin_store=None with Session's own rule, not a copy of it."""
+    """estimate resolves pin_store=None with the one rule Session uses too (preflight.resolve_pin_store)."""
+    import megatrain_nb.preflight as preflight_mod
+
     arch = load_architecture(make_config("llama"))
-    monkeypatch.setattr(session_mod, "_pin_store", lambda cfg, arch: True)
+    monkeypatch.setattr(preflight_mod, "resolve_pin_store", lambda cfg, arch: True)
     assert estimate(arch)["store"]["shadow"] > 0
 
 
