@@ -59,3 +59,27 @@ def test_soak_500_steps(capsys):
     assert len(set(os_threads.values())) == 1, f"OS thread count changed: {os_threads}"
     assert seconds <= MAX_SECONDS, f"{STEPS} steps took {seconds:.1f} s, limit {MAX_SECONDS} s"
     assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20, "500 steps on 20 batches should lower the loss"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_soak_100_steps_on_cuda(capsys):
+    """100 streamed steps on the GPU: host RSS, device memory and threads flat after warm-up."""
+    cfg = make_config("llama", vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4)
+    batches = make_batches(cfg.vocab_size, 10, batch=4, seq=256)
+    s = Session.from_config(cfg, seed=0, device="cuda")
+    rss, dev, peak, threads = {}, {}, {}, {}
+    for k in range(1, 101):
+        s.step(batches[k % len(batches)])
+        if k in (10, 50, 100):
+            s.engine.drain()
+            rss[k], threads[k] = _rss(), threading.active_count()
+            dev[k], peak[k] = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    s.close()
+    with capsys.disabled():
+        print(f"\ncuda soak: RSS {[round(v / 2**20, 1) for v in rss.values()]} MiB, device allocated "
+              f"{[round(v / 2**20, 1) for v in dev.values()]} MiB, peak {[round(v / 2**20, 1) for v in peak.values()]}"
+              f" MiB, threads {threads}")
+    assert rss[100] - rss[10] < MAX_GROWTH, rss
+    assert dev[100] == dev[10] and peak[100] == peak[10], (dev, peak)
+    assert len(set(threads.values())) == 1, threads

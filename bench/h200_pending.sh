@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Everything still to measure on the H200, in one device call (about 9 minutes). Writes under $OUT.
+#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+# 1. GPU tests not yet run there: resume bit-identity, CUDA soak, preflight vs allocation, recorder axis
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_checkpoint.py tests/test_soak.py \
+    tests/test_preflight.py tests/test_trace.py -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+# 2. tracing overhead: the same 3B step with the recorder on and off
+timeout 100 python3 bench/throughput.py --shape 3b --layers 12 --batch 4 --seq 4096 --steps 3 --out "$OUT/bench.jsonl"
+timeout 100 python3 bench/throughput.py --shape 3b --layers 12 --batch 4 --seq 4096 --steps 3 --no-trace --out "$OUT/bench.jsonl"
+# 3. the device casts the pinned fp32 master (no host cast) vs the pinned bf16 copy (already logged)
+timeout 120 python3 bench/throughput.py --shape 3b --batch 1 4 8 --seq 4096 --steps 2 --cast-on-device \
+    --out "$OUT/bench.jsonl" --save-trace "$OUT"
+# 4. the 7B shape (host RAM: ~106 GiB store; pin_store auto-off there)
+timeout 200 python3 bench/throughput.py --shape 7b --batch 2 8 --seq 4096 --steps 1 --out "$OUT/bench.jsonl"
