@@ -1,7 +1,11 @@
-"""Runs one training step through the device: the only module that creates streams and events.
+"""Runs one training step through the device: the driver of compute and of every dependency.
 
-Why this module is long (~630 lines): it holds every cross-stream and host/device dependency of a
-step in one place, so that each wait can be read next to the work it orders.
+Owns: the device buffers (weight slots, grad slots, head slot), the plan of a step (which loads,
+when each slot is released), the compute (prelude, forward with kept or checkpointed activations,
+chunked loss, recompute and backward), the recovery of a failed step, and the step's counters.
+Weights in and gradients out are ``transfers.py``'s (its streams, threads and staging); together
+these two modules hold every stream, event and wait. Over 400 lines because each cross-stream
+wait of the compute side reads best next to the work it orders.
 
 Three streams (CUDA; on "cpu" they are the calling thread and copies are synchronous):
   compute  — prelude, layer forward / recompute / backward, loss chunks;
@@ -12,13 +16,12 @@ Three streams (CUDA; on "cpu" they are the calling thread and copies are synchro
 Every dependency is an event: the compute stream waits for a slot's "loaded" event; a load waits
 (on the h2d stream) for the "released" event of the slot's previous layer; a grad slot is reused
 only after its "copied out" event. The CPU waits only in worker threads, and in the driver at the
-named points: ``_ready`` (a load's copies were enqueued), ``_grad_slot`` (a grad copy was
-enqueued) and the end of the step (the loss and the trace are read).
+named points: ``_ready`` (a load's copies were enqueued), the grad-slot reuse in ``_backward`` (a
+grad copy was enqueued) and the end of the step (the loss and the trace are read).
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
 import math
 import threading
 import weakref
@@ -31,8 +34,9 @@ from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
 from .optim import HostAdamW
-from .schedule import Load, Op, backward_ops, forward_ops, make_blocks, plan_loads
-from .workers import AdamWorker, Box, Worker
+from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .transfers import Streams, Transfers, chunks
+from .workers import AdamWorker, Box
 
 
 _LIVE: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -45,49 +49,13 @@ def _close_all() -> None:
         engine.close()
 
 
-class _Dev:
-    """Streams and events; every method is a no-op or a plain call on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self.compute = torch.cuda.Stream(device) if self.cuda else None
-        self.h2d = torch.cuda.Stream(device) if self.cuda else None
-        self.d2h = torch.cuda.Stream(device) if self.cuda else None
-
-    def on(self, stream):
-        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
-
-    def record(self, stream):
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return ev
-
-    @staticmethod
-    def wait(stream, event) -> None:  # the stream waits; the CPU does not
-        if event is not None:
-            stream.wait_event(event)
-
-    def host_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(n, dtype=dtype, pin_memory=self.cuda)
-
-
-def _chunks(n: int, size: int):
-    for a in range(0, n, size):
-        yield a, min(n, a + size)
-
-
 class Engine:
     """Streams a model's layers through the device for forward, loss and backward; host Adam overlaps."""
 
     def __init__(self, arch: Architecture, store: HostStore, optim: HostAdamW, ecfg: EngineConfig,
                  ocfg: OptimConfig, recorder):
         self.arch, self.store, self.optim, self.cfg, self.ocfg, self.rec = arch, store, optim, ecfg, ocfg, recorder
-        self.dev = dev = _Dev(torch.device(ecfg.device))
+        self.dev = dev = Streams(torch.device(ecfg.device))
         self.dtype = ecfg.dtype
         L = self.L = arch.num_layers
         self.abort = threading.Event()
@@ -100,34 +68,25 @@ class Engine:
         self.head_slot, self.head_gslot = mk(self.head_layout.numel), mk(self.head_layout.numel)
         self.slot_layer: list[int | None] = [None] * len(self.slots)  # driver's view of what each slot holds
         self.refs = SlotRefs(self.slots, self)
-        self.chunk = ecfg.transfer_chunk_bytes // torch.tensor([], dtype=self.dtype).element_size()
-        # Note: [Staging] a fixed pool of transfer_chunk_bytes buffers (pinned on CUDA; plain on the CPU,
-        # where the same code runs and copies complete at once): 3/4 for weights in, 1/4 for grads out.
-        n_chunks = max(4, ecfg.pinned_budget_bytes // ecfg.transfer_chunk_bytes)
-        n_out = max(2, n_chunks // 4)
-        largest = max(u.layout.numel for u in store.units.values())
-        self.chunk = min(self.chunk, -(-largest // 64) * 64)  # no buffer larger than the largest unit
-        self.staging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_chunks - n_out)]
-        self.staging_free = [None] * len(self.staging)  # event after which each buffer may be refilled
-        self.staging_next = 0
-        self.gstaging = [dev.host_buffer(self.chunk, self.dtype) for _ in range(n_out)]
-        self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
-                          if ecfg.cast_on_device else [])  # fp32 landing buffers when the device casts
         self.norm_dev = torch.zeros(L + 2, dtype=torch.float32, device=dev.device)  # per-unit grad norms
-        self.norm_host = dev.host_buffer(L + 2, torch.float32)
-        self.loss_host = dev.host_buffer(1, torch.float32)
         self.slot_box = [Box(ready=True) for _ in self.slots]  # event of each slot's latest use
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
-        self._gnext = 0
-        self.packer = Worker("host-pack", self.abort)
-        self.unpacker = Worker("host-unpack", self.abort)
         self.adam = AdamWorker(store.order, self._update, self.abort)
+        self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, fixed at the first step
-        self.delays: dict = {}  # lane -> deliberate delay, for tests that prove ordering (see _delay)
         self.closed = False
         _LIVE.add(self)
+
+    @property
+    def delays(self) -> dict:
+        """lane -> deliberate delay (test hook; see Transfers.delay)."""
+        return self.io.delays
+
+    @delays.setter
+    def delays(self, value: dict) -> None:
+        self.io.delays = value
 
     # ---- SlotRefs' view of residency (driver thread) -------------------------------------
     def layer_in(self, slot: int) -> int:
@@ -138,132 +97,19 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
-        self._delay("host-adam")
+        self.io.delay("host-adam")
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
-
-    # ---- loads (packer thread) -----------------------------------------------------------
-    def _submit_load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str) -> Box:
-        """segments: [(unit, src_fn, dst_offset)]; src_fn() -> host fp32 flat tensor (after its update)."""
-        version = self.steps_done
-
-        def job():
-            for unit, _, _ in segments:
-                if self.adam.version[unit] < version:  # host wait: the unit's last update (a traced span)
-                    with self.rec.span("host-pack", "wait-update", layer, phase):
-                        self.adam.wait_version(unit, version)
-            prev = after.get()  # host wait until the driver recorded the slot's release
-            self._delay("host-pack")
-            srcs = [(src_fn(), off) for _, src_fn, off in segments]
-            nbytes = sum(src.numel() for src, _ in srcs) * dst.element_size()
-            with self.dev.on(self.dev.h2d):
-                self.dev.wait(self.dev.h2d, prev)
-                self._delay("h2d")
-                tok = self.rec.cuda_begin("h2d", "h2d", layer, phase, nbytes, self.dev.h2d)
-                for src, off in srcs:
-                    if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
-                        dst[off:off + src.numel()].copy_(src, non_blocking=True)
-                        continue
-                    if self.dev_stage and src.is_pinned():  # pinned fp32 master: DMA, then cast on the device
-                        for n_chunk, (a, b) in enumerate(_chunks(src.numel(), self.chunk)):
-                            stage = self.dev_stage[n_chunk % 2][:b - a]  # reuse ordered by the h2d stream itself
-                            stage.copy_(src[a:b], non_blocking=True)
-                            dst[off + a:off + b].copy_(stage)
-                        continue
-                    for a, b in _chunks(src.numel(), self.chunk):
-                        k = self.staging_next
-                        self.staging_next = (k + 1) % len(self.staging)
-                        if self.staging_free[k] is not None:
-                            self.staging_free[k].synchronize()  # host wait (packer): buffer k's copy done
-                        buf = self.staging[k][:b - a]
-                        with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
-                            buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
-                        dst[off + a:off + b].copy_(buf, non_blocking=True)
-                        self.staging_free[k] = self.dev.record(self.dev.h2d)
-                self.rec.cuda_end(tok, self.dev.h2d)
-                return self.dev.record(self.dev.h2d)
-
-        return self.packer.submit(job)
-
-    def _delay(self, lane: str) -> None:
-        """Test hook: a deliberate delay on one stream (GPU cycles) or host worker (seconds)."""
-        d = self.delays.get(lane)
-        if not d:
-            return
-        if lane in ("h2d", "d2h", "compute"):
-            if self.dev.cuda:
-                torch.cuda._sleep(int(d))  # enqueued on the current stream: delays it, not the CPU
-        else:
-            import time
-            time.sleep(d)
-
-    def _master(self, unit: int):
-        """Source of a unit's weights: its pinned shadow when kept, else the fp32 master (packed)."""
-        u = self.store.units[unit]
-        return lambda: u.master if u.shadow is None else u.shadow
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
         self.dev.wait(self.dev.compute, box.get())
 
-    # ---- grads out (unpacker thread) -----------------------------------------------------
-    def _submit_grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
-                      host_fn=None) -> Box:
-        """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``.
-
-        Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
-        and of the unit's arrival in host memory.
-        """
-        enqueued = Box(self.abort)
-
-        def job():
-            try:
-                return copy_out()
-            except BaseException as e:
-                enqueued.fail(e)
-                raise
-
-        def copy_out():
-            self._delay("host-unpack")
-            with self.dev.on(self.dev.d2h):
-                self.dev.wait(self.dev.d2h, done_event)
-                self._delay("d2h")
-                nbytes = sum(n for _, n, _ in segments) * src.element_size()
-                tok = self.rec.cuda_begin("d2h", "d2h", unit, phase, nbytes, self.dev.d2h)
-                pending: list = []
-                for off, n, host in segments:
-                    if host.dtype == src.dtype and host.is_pinned():  # pinned grad slab: one DMA, no unpacking
-                        host.copy_(src[off:off + n], non_blocking=True)
-                        continue
-                    for a, b in _chunks(n, self.chunk):
-                        if len(pending) == len(self.gstaging):
-                            self._flush(pending.pop(0), unit, phase)
-                        buf = self.gstaging[self._gnext][:b - a]
-                        self._gnext = (self._gnext + 1) % len(self.gstaging)
-                        buf.copy_(src[off + a:off + b], non_blocking=True)
-                        pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
-                if unit != -1:
-                    self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
-                self.rec.cuda_end(tok, self.dev.d2h)
-                done = self.dev.record(self.dev.d2h)
-            enqueued.put(done)
-            for p in pending:
-                self._flush(p, unit, phase)
-            if done is not None:
-                done.synchronize()  # host wait (unpacker): this unit's gradients are in host memory
-            norm = host_fn() if host_fn is not None else float(self.norm_host[unit + 1])
-            self.adam.land(unit, norm)
-            return done
-
-        return enqueued, self.unpacker.submit(job)
-
-    def _flush(self, item, unit, phase) -> None:
-        ev, buf, host = item
-        if ev is not None:
-            ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
-        with self.rec.span("host-unpack", "unpack", unit, phase, buf.numel() * buf.element_size()):
-            host.copy_(buf)
+    def _master(self, unit: int):
+        """Source of a unit's weights: its pinned shadow when kept, else the fp32 master (packed)."""
+        u = self.store.units[unit]
+        return lambda: u.master if u.shadow is None else u.shadow
 
     # ---- one step --------------------------------------------------------------------------
     def step(self, mbs: list[dict], n_valid: int) -> dict:
@@ -289,7 +135,7 @@ class Engine:
         steps]); nothing is half-written: each unit's update is whole or absent.
         """
         self.abort.set()
-        self.packer.drain_quietly(), self.unpacker.drain_quietly()
+        self.io.drain_quietly()
         with self.adam.cond:
             while self.adam.steps:  # the worker drops the abandoned step at its next wait
                 self.adam.cond.wait(0.05)
@@ -352,7 +198,7 @@ class Engine:
         rec.counter("device_mem.weights", weights)
         rec.counter("device_mem.grads", grads)
         rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads)
-        rec.counter("pinned_in_use_bytes", size(self.staging + self.gstaging))
+        rec.counter("pinned_in_use_bytes", size(self.io.staging + self.io.gstaging))
 
     def _add_occupancy(self, trace) -> None:
         """Slot occupancy at GPU times: each load / compute / copy-out span marks its slot's state."""
@@ -379,7 +225,7 @@ class Engine:
         H = self.arch.embed.weight.shape[1]
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
         rows = lambda: self.store.units[-1].master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
-        box = self._submit_load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd")
+        box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", self.steps_done)
         return dst.view(*ids.shape, H), box
 
     def _plan(self, ops: list[Op], resident: list) -> dict:
@@ -394,8 +240,8 @@ class Engine:
         boxes = {}
         for ld in loads:
             after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
-            box = self._submit_load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
-                                    ops[ld.before].phase)
+            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
+                               ops[ld.before].phase, self.steps_done)
             boxes[ld.before] = (ld, box)
         for k, s in sorted(slot_of_op.items()):
             self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
@@ -421,7 +267,7 @@ class Engine:
         segs = [(L, self._master(L), 0)]
         if self.arch.tied:
             segs.append((-1, self._master(-1), self.store.units[L].layout.numel))
-        return self._submit_load(L, self.head_slot, segs, self.head_box, "loss")
+        return self.io.load(L, self.head_slot, segs, self.head_box, "loss", self.steps_done)
 
     # ---- compute (driver thread, compute stream) -------------------------------------------
     def _template(self, i: int):
@@ -462,7 +308,7 @@ class Engine:
             before = torch.cuda.memory_allocated(dev.device) if dev.cuda else 0
             kept = self._keep_now(i)
             keep.append(kept)
-            self._delay("compute")
+            self.io.delay("compute")
             tok = rec.cuda_begin("compute", "fwd", i, "fwd", 0, dev.compute)
             if kept:
                 params = layout.views(slot, requires_grad=True)
@@ -507,7 +353,7 @@ class Engine:
         for mb, h in zip(mbs, hs):
             labels = mb["shift_labels"].to(dev.device, non_blocking=True)
             g = torch.empty_like(h)
-            for a, b in _chunks(h.shape[1], self.cfg.loss_chunk_tokens):
+            for a, b in chunks(h.shape[1], self.cfg.loss_chunk_tokens):
                 with torch.enable_grad():
                     x = h[:, a:b].detach().requires_grad_()
                     logits = F.linear(call(arch.norm, norm_p, x), W)
@@ -524,21 +370,12 @@ class Engine:
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
-        self.unpacker.submit(lambda: self._read_loss(total, done, loss_box))
+        self.io.read_loss(total, done, loss_box)
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        self.head_gbox, _ = self._submit_grads(L, self.head_gslot, segs, done, "loss")
+        self.head_gbox, _ = self.io.grads(L, self.head_gslot, segs, done, "loss")
         return grads
-
-    def _read_loss(self, total: torch.Tensor, done, box: Box) -> None:
-        with self.dev.on(self.dev.d2h):
-            self.dev.wait(self.dev.d2h, done)
-            self.loss_host.copy_(total.view(1), non_blocking=True)
-            ev = self.dev.record(self.dev.d2h)
-        if ev is not None:
-            ev.synchronize()  # host wait (unpacker): the loss value
-        box.put(float(self.loss_host[0]))
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
         dev, rec, kept, gi = self.dev, self.rec, st["kept"], 0
@@ -566,7 +403,7 @@ class Engine:
                 layout = self.store.units[i].layout
                 g = self.gslots[gi][:layout.numel]
                 dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
-                self._delay("compute")
+                self.io.delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
                 g.zero_()
                 grads_into(params, g, layout)
@@ -577,7 +414,7 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 self._done(plan, k)
-                self.gslot_box[gi], _ = self._submit_grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done,
+                self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done,
                                                            "bwd")
                 gi ^= 1
                 del params, xs, outs
@@ -592,7 +429,7 @@ class Engine:
                 done = dev.record(dev.compute)
                 host = torch.empty(dE.numel(), dtype=dE.dtype)
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
-                return self._submit_grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
+                return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]
         raise AssertionError("backward_ops always ends with embed_bwd")
 
@@ -631,4 +468,4 @@ class Engine:
             self.drain()
         finally:
             self.abort.set()
-            self.packer.close(), self.unpacker.close(), self.adam.close()
+            self.io.close(), self.adam.close()

@@ -60,7 +60,7 @@ class HostStore:
             pin_master: pin the fp32 master and gradient slabs instead (the device casts; no extra bytes).
         """
         self.arch = arch
-        self.num_layers = L = arch.num_layers
+        self.num_layers = arch.num_layers
         self.shadow_dtype = shadow_dtype
         layouts = unit_layouts(arch)
         self.units: dict[int, Unit] = {}

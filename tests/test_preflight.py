@@ -57,7 +57,7 @@ def test_engine_buffers_equal_what_the_engine_allocates(family):
     e = s.engine
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     est = estimate(s)
-    assert est["host"]["staging"] == nbytes(e.staging + e.gstaging)
+    assert est["host"]["staging"] == nbytes(e.io.staging + e.io.gstaging)
     dev = est["device"]
     assert dev["weight_slots"] == nbytes(e.slots) and dev["grad_slots"] == nbytes(e.gslots)
     assert dev["head_slots"] == nbytes([e.head_slot, e.head_gslot])
@@ -173,7 +173,7 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     est = check(s, batch=2, seq=12)
     assert est["store"] == s.memory_report() and est["store"]["shadow"] > 0  # pin_store: auto on CUDA
-    assert est["host"]["staging"] == nbytes(e.staging + e.gstaging) and all(t.is_pinned() for t in e.staging)
+    assert est["host"]["staging"] == nbytes(e.io.staging + e.io.gstaging) and all(t.is_pinned() for t in e.io.staging)
     dev = est["device"]
     assert dev["weight_slots"] == nbytes(e.slots) and dev["grad_slots"] == nbytes(e.gslots)
     assert dev["head_slots"] == nbytes([e.head_slot, e.head_gslot])
@@ -183,5 +183,5 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=True)
     est = estimate(s)
     assert est["store"] == s.memory_report() and est["store"]["shadow"] == 0
-    assert est["device"]["cast_stage"] == nbytes(s.engine.dev_stage) > 0
+    assert est["device"]["cast_stage"] == nbytes(s.engine.io.dev_stage) > 0
     s.close()

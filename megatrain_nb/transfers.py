@@ -1,0 +1,220 @@
+"""Host <-> device movement of one step: weights in, gradients out, on their own streams and threads.
+
+Owns: the three CUDA streams and the event helpers (``Streams``), the staging pools (pinned on
+CUDA, plain on the CPU, where the same code runs and copies complete at once), the packer thread
+(casts fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy) and the
+unpacker thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then
+tells the Adam worker). Every host wait here happens in a worker thread; the driver only waits on
+the boxes these methods return.
+Does not own: what to load when (schedule.py, engine.py), compute, or the optimizer's arithmetic.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .config import EngineConfig
+from .host_store import HostStore
+from .workers import AdamWorker, Box, Worker
+
+
+class Streams:
+    """The compute, h2d and d2h streams and event helpers; every method is a no-op or a plain call on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.compute = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def record(self, stream):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    @staticmethod
+    def wait(stream, event) -> None:  # the stream waits; the CPU does not
+        if event is not None:
+            stream.wait_event(event)
+
+    def host_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+
+
+def chunks(n: int, size: int):
+    """(start, end) of consecutive pieces of at most ``size`` elements."""
+    for a in range(0, n, size):
+        yield a, min(n, a + size)
+
+
+class Transfers:
+    """The packer and unpacker threads with their staging buffers."""
+
+    def __init__(self, dev: Streams, store: HostStore, ecfg: EngineConfig, rec, adam: AdamWorker,
+                 norm_dev: torch.Tensor, abort: threading.Event):
+        self.dev, self.rec, self.adam, self.norm_dev, self.abort = dev, rec, adam, norm_dev, abort
+        self.dtype = dtype = ecfg.dtype
+        self.delays: dict = {}  # lane -> deliberate delay, for tests that prove ordering (see delay)
+        chunk = ecfg.transfer_chunk_bytes // torch.tensor([], dtype=dtype).element_size()
+        # Note: [Staging] a fixed pool of transfer_chunk_bytes buffers (pinned on CUDA; plain on the CPU,
+        # where the same code runs and copies complete at once): 3/4 for weights in, 1/4 for grads out.
+        n_chunks = max(4, ecfg.pinned_budget_bytes // ecfg.transfer_chunk_bytes)
+        n_out = max(2, n_chunks // 4)
+        largest = max(u.layout.numel for u in store.units.values())
+        self.chunk = min(chunk, -(-largest // 64) * 64)  # no buffer larger than the largest unit
+        self.staging = [dev.host_buffer(self.chunk, dtype) for _ in range(n_chunks - n_out)]
+        self.staging_free = [None] * len(self.staging)  # event after which each buffer may be refilled
+        self.staging_next = 0
+        self.gstaging = [dev.host_buffer(self.chunk, dtype) for _ in range(n_out)]
+        self._gnext = 0
+        self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
+                          if ecfg.cast_on_device else [])  # fp32 landing buffers when the device casts
+        self.norm_host = dev.host_buffer(norm_dev.numel(), torch.float32)
+        self.loss_host = dev.host_buffer(1, torch.float32)
+        self.packer = Worker("host-pack", abort)
+        self.unpacker = Worker("host-unpack", abort)
+
+    # ---- weights in (packer thread) --------------------------------------------------------
+    def load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int) -> Box:
+        """Copy ``segments`` into ``dst`` once each unit has ``version`` updates and ``after`` is released.
+
+        segments: [(unit, src_fn, dst_offset)]; src_fn() -> the host flat tensor to send. Returns the
+        box of the "loaded" event on the h2d stream (put once every copy is enqueued).
+        """
+
+        def job():
+            for unit, _, _ in segments:
+                if self.adam.version[unit] < version:  # host wait: the unit's last update (a traced span)
+                    with self.rec.span("host-pack", "wait-update", layer, phase):
+                        self.adam.wait_version(unit, version)
+            prev = after.get()  # host wait until the driver recorded the slot's release
+            self.delay("host-pack")
+            srcs = [(src_fn(), off) for _, src_fn, off in segments]
+            nbytes = sum(src.numel() for src, _ in srcs) * dst.element_size()
+            with self.dev.on(self.dev.h2d):
+                self.dev.wait(self.dev.h2d, prev)
+                self.delay("h2d")
+                tok = self.rec.cuda_begin("h2d", "h2d", layer, phase, nbytes, self.dev.h2d)
+                for src, off in srcs:
+                    if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
+                        dst[off:off + src.numel()].copy_(src, non_blocking=True)
+                        continue
+                    if self.dev_stage and src.is_pinned():  # pinned fp32 master: DMA, then cast on the device
+                        for n_chunk, (a, b) in enumerate(chunks(src.numel(), self.chunk)):
+                            stage = self.dev_stage[n_chunk % 2][:b - a]  # reuse ordered by the h2d stream itself
+                            stage.copy_(src[a:b], non_blocking=True)
+                            dst[off + a:off + b].copy_(stage)
+                        continue
+                    for a, b in chunks(src.numel(), self.chunk):
+                        k = self.staging_next
+                        self.staging_next = (k + 1) % len(self.staging)
+                        if self.staging_free[k] is not None:
+                            self.staging_free[k].synchronize()  # host wait (packer): buffer k's copy done
+                        buf = self.staging[k][:b - a]
+                        with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
+                            buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
+                        dst[off + a:off + b].copy_(buf, non_blocking=True)
+                        self.staging_free[k] = self.dev.record(self.dev.h2d)
+                self.rec.cuda_end(tok, self.dev.h2d)
+                return self.dev.record(self.dev.h2d)
+
+        return self.packer.submit(job)
+
+    def delay(self, lane: str) -> None:
+        """Test hook: a deliberate delay on one stream (GPU cycles) or host worker (seconds)."""
+        d = self.delays.get(lane)
+        if not d:
+            return
+        if lane in ("h2d", "d2h", "compute"):
+            if self.dev.cuda:
+                torch.cuda._sleep(int(d))  # enqueued on the current stream: delays it, not the CPU
+        else:
+            import time
+            time.sleep(d)
+
+    # ---- grads out (unpacker thread) -----------------------------------------------------
+    def grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
+              host_fn=None) -> tuple[Box, Box]:
+        """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``.
+
+        Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
+        and of the unit's arrival in host memory.
+        """
+        enqueued = Box(self.abort)
+
+        def job():
+            try:
+                return copy_out()
+            except BaseException as e:
+                enqueued.fail(e)
+                raise
+
+        def copy_out():
+            self.delay("host-unpack")
+            with self.dev.on(self.dev.d2h):
+                self.dev.wait(self.dev.d2h, done_event)
+                self.delay("d2h")
+                nbytes = sum(n for _, n, _ in segments) * src.element_size()
+                tok = self.rec.cuda_begin("d2h", "d2h", unit, phase, nbytes, self.dev.d2h)
+                pending: list = []
+                for off, n, host in segments:
+                    if host.dtype == src.dtype and host.is_pinned():  # pinned grad slab: one DMA, no unpacking
+                        host.copy_(src[off:off + n], non_blocking=True)
+                        continue
+                    for a, b in chunks(n, self.chunk):
+                        if len(pending) == len(self.gstaging):
+                            self._flush(pending.pop(0), unit, phase)
+                        buf = self.gstaging[self._gnext][:b - a]
+                        self._gnext = (self._gnext + 1) % len(self.gstaging)
+                        buf.copy_(src[off + a:off + b], non_blocking=True)
+                        pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
+                if unit != -1:
+                    self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
+                self.rec.cuda_end(tok, self.dev.d2h)
+                done = self.dev.record(self.dev.d2h)
+            enqueued.put(done)
+            for p in pending:
+                self._flush(p, unit, phase)
+            if done is not None:
+                done.synchronize()  # host wait (unpacker): this unit's gradients are in host memory
+            norm = host_fn() if host_fn is not None else float(self.norm_host[unit + 1])
+            self.adam.land(unit, norm)
+            return done
+
+        return enqueued, self.unpacker.submit(job)
+
+    def _flush(self, item, unit, phase) -> None:
+        ev, buf, host = item
+        if ev is not None:
+            ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
+        with self.rec.span("host-unpack", "unpack", unit, phase, buf.numel() * buf.element_size()):
+            host.copy_(buf)
+
+    def read_loss(self, total: torch.Tensor, done, box: Box) -> Box:
+        """Unpacker: the loss scalar to the host once ``done`` passed; put into ``box``."""
+        return self.unpacker.submit(lambda: self._read_loss(total, done, box))
+
+    def _read_loss(self, total: torch.Tensor, done, box: Box) -> None:
+        with self.dev.on(self.dev.d2h):
+            self.dev.wait(self.dev.d2h, done)
+            self.loss_host.copy_(total.view(1), non_blocking=True)
+            ev = self.dev.record(self.dev.d2h)
+        if ev is not None:
+            ev.synchronize()  # host wait (unpacker): the loss value
+        box.put(float(self.loss_host[0]))
+
+    def drain_quietly(self) -> None:
+        self.packer.drain_quietly(), self.unpacker.drain_quietly()
+
+    def close(self) -> None:
+        self.packer.close(), self.unpacker.close()
