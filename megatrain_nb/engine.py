@@ -77,6 +77,8 @@ class Engine:
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, fixed at the first step
         self.closed = False
+        self._dE_host: torch.Tensor | None = None  # (tokens*H,) fp32, pinned on CUDA: embedding-row grads
+        self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
         _LIVE.add(self)
 
     @property
@@ -424,10 +426,12 @@ class Engine:
                 for m, h0 in enumerate(st["h0"]):
                     torch.autograd.backward(h0, gs[m])
                     dE.append(st["E"][m].grad.flatten())
-                dE = torch.cat(dE) if len(dE) > 1 else dE[0]
+                dE = (torch.cat(dE) if len(dE) > 1 else dE[0]).float()  # the device casts: the host only adds
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
-                host = torch.empty(dE.numel(), dtype=dE.dtype)
+                if self._dE_host is None or self._dE_host.numel() < dE.numel():
+                    self._dE_host = dev.host_buffer(dE.numel(), torch.float32)  # pinned: one DMA
+                host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]
@@ -439,9 +443,11 @@ class Engine:
         H = self.arch.embed.weight.shape[1]
         grad = unit.grad.view(-1, H)
         with self.rec.span("host-unpack", "embed_grad", -1, "bwd", dE.numel() * dE.element_size()):
-            if not self.arch.tied:
-                grad.zero_()  # tied: the head's gradient already landed here
-            rows = dE.view(-1, H).float()
+            if not self.arch.tied and self._embed_rows is not None:
+                grad.index_fill_(0, self._embed_rows, 0)  # only rows an earlier step touched are non-zero
+            if not self.arch.tied:  # tied: the head's gradient already landed here, whole
+                self._embed_rows = ids
+            rows = dE.view(-1, H)
             pad = self.arch.embed.padding_idx
             if pad is not None:
                 rows[ids == pad] = 0  # nn.Embedding gives padding_idx no gradient
