@@ -210,15 +210,15 @@ class Engine:
         when = {}
         for r in df.itertuples():
             when.setdefault((r.lane, r.op, int(r.layer), r.phase), []).append((r.start_ms, r.end_ms))
-        used = {}
+        used = {}  # (slot kind, span key) -> spans of that key already matched: the n-th use takes the n-th span
         for kind, index, layer, key, s0, s1 in self._occ:
             spans = when.get(key, [])
-            n = used.get(key, 0)
+            n = used.get((kind, key), 0)
             if n < len(spans):
                 a, b = spans[n]
                 trace.slots.append((kind, index, layer, s0, a))
                 trace.slots.append((kind, index, layer, s1, b))
-            used[key] = n + (1 if kind == "weight" and s0 == "computing" or kind == "grad" else 0)
+            used[(kind, key)] = n + 1
         trace.slots.sort(key=lambda r: r[-1])
 
     def _gather(self, mb: dict) -> tuple[torch.Tensor, Box]:

@@ -107,6 +107,10 @@ def buffers(slots: pd.DataFrame, *, end_ms: float | None = None) -> go.Figure:
                       margin=dict(l=10, r=10, t=20, b=40))
     fig.update_xaxes(title_text="time (ms)")
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=rows, autorange="reversed")
+    if not len(seg):  # say why the chart is blank rather than draw an empty grid
+        fig.add_annotation(text="no slot records in this trace (traces recorded before 2026-11-29 "
+                                "lack them; a new step's s.trace has them)", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5)
     return fig
 
 
