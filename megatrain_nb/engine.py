@@ -193,7 +193,7 @@ class Engine:
         import psutil
         rec.counter("host_rss_bytes", psutil.Process().memory_info().rss)
         if not self.dev.cuda:
-            return
+            return  # on "cpu" every buffer lives in host RAM: RSS is the whole story
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         weights = size(self.slots + [self.head_slot])
         grads = size(self.gslots + [self.head_gslot])
@@ -333,6 +333,7 @@ class Engine:
                         hs[m] = call(self._template(i), params, hs[m], *calls[i][0], **calls[i][1])
             rec.cuda_end(tok, dev.compute)
             self._done(plan, k)
+            self._count_memory()
         if deciding:
             self.keep = keep
         self._count_memory()
@@ -416,6 +417,7 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 self._done(plan, k)
+                self._count_memory()
                 self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done,
                                                            "bwd")
                 gi ^= 1

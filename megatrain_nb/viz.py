@@ -140,6 +140,9 @@ def memory(counters: pd.DataFrame) -> go.Figure:
             fig.add_trace(go.Scatter(x=wide.index, y=wide[name] / _GIB, name=name.removeprefix("device_mem."),
                                      stackgroup="device", mode="lines", line_shape="hv", legendgroup="device"),
                           row=1, col=1)
+    else:  # say why the panel is blank
+        fig.add_annotation(text="no device counters: on device='cpu' every buffer is host memory (below)",
+                           showarrow=False, xref="paper", yref="paper", x=0.5, y=0.8)  # the upper panel
     for name, g in counters[~is_dev].groupby("name", sort=True):
         g = g.sort_values("t_ms")
         fig.add_trace(go.Scatter(x=g.t_ms, y=g.value / _GIB, name=name, mode="lines", line_shape="hv",
