@@ -75,7 +75,8 @@ class Engine:
         self.adam = AdamWorker(store.order, self._update, self.abort)
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.steps_done = 0
-        self.keep: list[bool] | None = None  # activation policy, fixed at the first step
+        self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
+        self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
         self.closed = False
         self._dE_host: torch.Tensor | None = None  # (tokens*H,) fp32, pinned on CUDA: embedding-row grads
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
@@ -154,6 +155,13 @@ class Engine:
         L, dev, rec = self.L, self.dev, self.rec
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
+        tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
+        if self.keep is not None and not self._keep_tokens:
+            self._keep_tokens = tokens  # a policy restored by resume: it stands for this batch size
+        if self.keep is not None and self.cfg.checkpoint_every is None and tokens > self._keep_tokens:
+            self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
+        if self.keep is None:
+            self._keep_tokens = tokens
         loss_box = Box(self.abort)
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,

@@ -334,5 +334,5 @@ def _as_long(x, name: str) -> torch.Tensor:
     t = torch.as_tensor(x)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} has dtype {t.dtype}; token ids must be integers (torch.long)")
-    return t.to(torch.long)
+    return t.to(device="cpu", dtype=torch.long)  # the host gathers embedding rows and checks ids
 
