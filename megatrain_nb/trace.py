@@ -285,13 +285,13 @@ _CAUSES = {  # key -> (waited_on, reason, setting to change)
     "h2d": ("h2d", "its weights were still crossing PCIe (transfer slower than compute).",
             "tokens per step (batch or seq)"),
     "h2d-late": ("h2d", "its weights only started crossing PCIe after the previous layer finished "
-                 "(no free slot to prefetch into).", "weight slots"),
+                 "(no free slot to prefetch into).", "weight_slots"),
     "host-pack": ("packing", "host threads were still packing its weights into pinned buffers.",
-                  "pin_memory / pinned_budget"),
-    "host-adam": ("optimizer", "the CPU AdamW had not finished that layer.", "checkpoint_every / overlap optimizer"),
-    "d2h": ("d2h", "gradients were still leaving a device grad slot.", "grad slots / tokens per step (batch or seq)"),
+                  "pin_store=True (or cast_on_device=True); pinned_budget_bytes"),
+    "host-adam": ("optimizer", "the CPU AdamW had not finished that layer.", "tokens per step (hides the host AdamW); keep overlap_optimizer=True, grad_clip=None"),
+    "d2h": ("d2h", "gradients were still leaving a device grad slot.", "tokens per step (batch or seq)"),
     "host-unpack": ("unpacking", "host threads were still copying gradients out of pinned buffers, so no grad "
-                    "slot was free.", "grad slots / tokens per step (batch or seq)"),
+                    "slot was free.", "pin_store=True (gradients land in pinned slabs: no unpacking)"),
     None: ("host/launch", "no transfer or host job was running (launch or Python overhead).",
            "tokens per step (fewer, larger launches)"),
 }

@@ -107,17 +107,17 @@ def test_find_stalls_names_the_transfer_compute_waited_on():
 
 def test_find_stalls_blames_packing_when_the_copy_waits_for_its_chunks():
     spans = hand_trace(("host-pack", "pack", 1, "fwd", 0.9, 2.95, 0)).to_dataframe()  # still packing layer 1
-    assert find_stalls(spans)[["waited_on", "setting"]].values.tolist() == [["packing", "pin_memory / pinned_budget"]]
+    assert find_stalls(spans)[["waited_on", "setting"]].values.tolist() == [["packing", "pin_store=True (or cast_on_device=True); pinned_budget_bytes"]]
     other_layer = hand_trace(("host-pack", "pack", 2, "fwd", 0.9, 2.95, 0)).to_dataframe()
     assert find_stalls(other_layer).waited_on.tolist() == ["h2d"]
 
 
 @pytest.mark.parametrize("extra, waited_on, setting", [
-    ([("host-pack", "pack", 1, "io", 0.5, 2.5, 0)], "packing", "pin_memory / pinned_budget"),
-    ([], "h2d", "weight slots"),
-    ([("host-adam", "adam", 1, "optim", 1.0, 3.0, 0)], "optimizer", "checkpoint_every / overlap optimizer"),
-    ([("d2h", "d2h", 2, "io", 1.5, 2.9, 0)], "d2h", "grad slots / tokens per step (batch or seq)"),
-    ([("host-unpack", "unpack", 2, "bwd", 1.5, 2.9, 0)], "unpacking", "grad slots / tokens per step (batch or seq)"),
+    ([("host-pack", "pack", 1, "io", 0.5, 2.5, 0)], "packing", "pin_store=True (or cast_on_device=True); pinned_budget_bytes"),
+    ([], "h2d", "weight_slots"),
+    ([("host-adam", "adam", 1, "optim", 1.0, 3.0, 0)], "optimizer", "tokens per step (hides the host AdamW); keep overlap_optimizer=True, grad_clip=None"),
+    ([("d2h", "d2h", 2, "io", 1.5, 2.9, 0)], "d2h", "tokens per step (batch or seq)"),
+    ([("host-unpack", "unpack", 2, "bwd", 1.5, 2.9, 0)], "unpacking", "pin_store=True (gradients land in pinned slabs: no unpacking)"),
 ])
 def test_find_stalls_causes(extra, waited_on, setting):
     late_h2d = ("h2d", "h2d", 1, "io", 2.5, 3.0, 0)  # starts inside the gap [2, 3)
