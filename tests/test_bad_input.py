@@ -324,3 +324,26 @@ def test_ctrl_c_during_a_step_finishes_it_then_raises(llama_dir, twin_losses, mo
     assert got == want
     for u, unit in s.store.units.items():
         assert torch.equal(unit.master, want_state[u][0]), u
+
+
+def test_out_of_memory_in_a_step_gives_advice_and_the_session_goes_on(llama_dir, twin_losses, monkeypatch):
+    """A CUDA OOM inside the forward (simulated: torch.OutOfMemoryError from a layer call) is re-raised
+    with the memory advice of preflight.oom_advice, and training afterwards equals the twin's."""
+    import megatrain_nb.engine as engine_module
+
+    want, _ = twin_losses
+    good = make_batches(VOCAB, 3)
+    s = Session.from_pretrained(llama_dir, lr=2e-3)
+    got = train_session(s, good[:1])
+    real = engine_module.call
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(engine_module, "call", oom)
+    with pytest.raises(torch.OutOfMemoryError, match="micro_batch_size|checkpoint_every") as info:
+        s.step(good[1])
+    assert "Tried to allocate" in str(info.value.__cause__)
+    monkeypatch.setattr(engine_module, "call", real)
+    assert got + train_session(s, good[1:]) == want
+    s.close()
