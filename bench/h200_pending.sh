@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything still to measure on the H200, in two device calls (each under 10 minutes). Writes under $OUT.
+# Everything still to measure on the H200, in two device calls (the second one ~10 minutes; split it if a step runs long). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh tests   (then)   ... bench/h200_pending.sh bench
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -16,5 +16,8 @@ timeout 100 python3 bench/throughput.py --shape 3b --layers 12 --batch 4 --seq 4
 # 3. the device casts the pinned fp32 master (no host cast) vs the pinned bf16 copy (already logged)
 timeout 120 python3 bench/throughput.py --shape 3b --batch 1 4 8 --seq 4096 --steps 2 --cast-on-device \
     --out "$OUT/bench.jsonl" --save-trace "$OUT"
-# 4. the 7B shape (host RAM: ~106 GiB store; pin_store auto-off there)
+# 4. depth: same width, 2x layers, boundary checkpoints parked in host memory (target: same peak within 5%)
+timeout 60 python3 bench/throughput.py --shape 1.5b --batch 2 --seq 4096 --steps 1 --checkpoint-every 1 --offload-checkpoints --no-trace --out "$OUT/bench.jsonl"
+timeout 70 python3 bench/throughput.py --shape 1.5b --layers 56 --batch 2 --seq 4096 --steps 1 --checkpoint-every 1 --offload-checkpoints --no-trace --out "$OUT/bench.jsonl"
+# 5. the 7B shape (host RAM: ~106 GiB store; pin_store auto-off there)
 timeout 200 python3 bench/throughput.py --shape 7b --batch 2 8 --seq 4096 --steps 1 --out "$OUT/bench.jsonl"

@@ -46,6 +46,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--no-pin-store", action="store_true", help="pack from the fp32 master (no pinned bf16 copy)")
+    ap.add_argument("--offload-checkpoints", action="store_true", help="park recompute-block inputs in host memory")
     ap.add_argument("--cast-on-device", action="store_true", help="pin the fp32 master; the GPU casts (2x PCIe bytes)")
     ap.add_argument("--save-trace", default=None, help="directory: save the last step's trace per batch")
     ap.add_argument("--out", default=None, help="append JSON lines here")
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
                             micro_batch_size=a.micro_batch, weight_slots=a.slots,
                             pinned_budget_bytes=int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=False if (a.no_pin_store or a.cast_on_device) else None,
-                            cast_on_device=a.cast_on_device)
+                            cast_on_device=a.cast_on_device, offload_checkpoints=a.offload_checkpoints)
     init_s = time.perf_counter() - t0
     rep = s.memory_report()
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
@@ -97,7 +98,8 @@ def main(argv=None) -> None:
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                    loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
-                   checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=a.cast_on_device, overlap=not a.no_overlap,
+                   checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=a.cast_on_device,
+                   offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap,
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
         if summaries:
             sm = summaries[-1]

@@ -91,6 +91,10 @@ class EngineConfig:
     """Pin the fp32 master slabs themselves (no extra host bytes) and let the device cast them to the
     compute dtype: twice the PCIe bytes of a bf16 copy, but no host cast at all, neither when packing
     nor after the update. CUDA only; excludes pin_store."""
+    offload_checkpoints: bool = False
+    """Park the inputs of recompute blocks in host memory (pinned on CUDA) during the forward and
+    fetch them back one block ahead in the backward: GPU memory then no longer grows with depth, for
+    B*T*H*dtype bytes per block each way over PCIe. Not yet measured on the H200."""
     activation_budget: float = 0.85
     """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
     overlap_optimizer: bool = True

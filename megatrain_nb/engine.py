@@ -35,7 +35,7 @@ from .host_store import HostStore
 from .hf import Architecture
 from .optim import HostAdamW
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
-from .transfers import Streams, Transfers, chunks
+from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
 
 
@@ -74,6 +74,7 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort)
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
+        self.offload = Offload(dev, recorder) if ecfg.offload_checkpoints else None
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
@@ -149,6 +150,8 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
+        if self.offload is not None:
+            self.offload.reset()
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int) -> dict:
@@ -333,8 +336,12 @@ class Engine:
                 self._act_bytes = (torch.cuda.memory_allocated(dev.device) - before) if dev.cuda else 0
             else:
                 run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-K])) >= K
-                if run_start:
-                    st["ckpt"][i] = list(hs)  # Note: block inputs are the only activations a recompute block keeps
+                if run_start:  # Note: block inputs are the only activations a recompute block keeps
+                    if self.offload is not None:
+                        self.offload.park(i, hs)  # to host memory: the device keeps none
+                        st["ckpt"][i] = None
+                    else:
+                        st["ckpt"][i] = list(hs)
                 params = layout.views(slot)
                 with torch.no_grad():
                     for m, calls in enumerate(st["calls"]):
@@ -394,7 +401,16 @@ class Engine:
             i = op.layer
             if op.kind == "recompute":
                 slot = self._use(plan, k, op)
-                hs = st["ckpt"].pop(i) if i in st["ckpt"] else [o.detach() for o in kept[i - 1][2]]
+                if i not in st["ckpt"]:
+                    hs = [o.detach() for o in kept[i - 1][2]]
+                elif self.offload is None:
+                    hs = st["ckpt"].pop(i)
+                else:
+                    st["ckpt"].pop(i)
+                    hs = self.offload.take(i)
+                    ahead = max(st["ckpt"], default=None)  # the next block the backward reaches
+                    if ahead is not None:
+                        self.offload.fetch(ahead)
                 params = self.store.units[i].layout.views(slot, requires_grad=True)
                 tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
                 xs, outs = [], []

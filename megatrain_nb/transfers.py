@@ -218,3 +218,74 @@ class Transfers:
 
     def close(self) -> None:
         self.packer.close(), self.unpacker.close()
+
+
+class Offload:
+    """Recompute-block inputs parked in host memory (pinned on CUDA) between the forward and the backward.
+
+    With ``EngineConfig.offload_checkpoints`` the device keeps no block inputs: GPU memory stops
+    growing with depth (each is B*T*H*dtype bytes). The driver enqueues both directions itself, so
+    every device tensor outlives the copy that reads it or writes it:
+      park:  d2h waits for compute (the input exists), copies it out; ``record_stream`` keeps its memory
+             from reuse until that copy is done, so the driver may drop it at once;
+      fetch: h2d waits for compute (the fresh buffer's previous users are done) and for the park, copies
+             it back; ``take`` makes compute wait for that copy. The backward fetches one block ahead.
+    Host buffers persist across steps; a step's fetches finish before it ends, so the next park may reuse them.
+    """
+
+    def __init__(self, dev: Streams, rec):
+        self.dev, self.rec = dev, rec
+        self.host: dict = {}  # (layer, micro-batch) -> host buffer
+        self.parked: dict = {}  # layer -> (d2h event after its copies, number of micro-batches)
+        self.fetched: dict = {}  # layer -> (device tensors, h2d event)
+
+    def _buffer(self, layer: int, m: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.host.get((layer, m))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self.host[(layer, m)] = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.dev.cuda)
+        return buf
+
+    def park(self, layer: int, hs: list) -> None:
+        """Driver: copy layer ``layer``'s input (one tensor per micro-batch) to the host, asynchronously."""
+        dev = self.dev
+        ready = dev.record(dev.compute)
+        with dev.on(dev.d2h):
+            dev.wait(dev.d2h, ready)
+            tok = self.rec.cuda_begin("d2h", "park", layer, "fwd", sum(h.numel() * h.element_size() for h in hs), dev.d2h)
+            for m, h in enumerate(hs):
+                self._buffer(layer, m, h).copy_(h, non_blocking=True)
+                if dev.cuda:
+                    h.record_stream(dev.d2h)  # its memory is not reused before this copy ends
+            self.rec.cuda_end(tok, dev.d2h)
+            self.parked[layer] = (dev.record(dev.d2h), len(hs))
+
+    def fetch(self, layer: int) -> None:
+        """Driver: start copying layer ``layer``'s parked input back to fresh device tensors."""
+        dev = self.dev
+        if layer in self.fetched:
+            return
+        parked, n = self.parked.pop(layer)
+        bufs = [self.host[(layer, m)] for m in range(n)]
+        with dev.on(dev.compute):
+            dsts = [torch.empty(b.shape, dtype=b.dtype, device=dev.device) for b in bufs]
+            free = dev.record(dev.compute)  # the memory's previous users on compute are done after this
+        with dev.on(dev.h2d):
+            dev.wait(dev.h2d, free)
+            dev.wait(dev.h2d, parked)
+            tok = self.rec.cuda_begin("h2d", "unpark", layer, "recompute", sum(b.numel() * b.element_size() for b in bufs),
+                                      dev.h2d)
+            for d, b in zip(dsts, bufs):
+                d.copy_(b, non_blocking=True)
+            self.rec.cuda_end(tok, dev.h2d)
+            self.fetched[layer] = (dsts, dev.record(dev.h2d))
+
+    def take(self, layer: int) -> list:
+        """Driver: the input of layer ``layer`` on the device; the compute stream waits for its copy."""
+        self.fetch(layer)
+        dsts, ev = self.fetched.pop(layer)
+        self.dev.wait(self.dev.compute, ev)
+        return dsts
+
+    def reset(self) -> None:
+        """After a failed step: forget what it parked or fetched (host buffers stay for reuse)."""
+        self.parked.clear(), self.fetched.clear()
