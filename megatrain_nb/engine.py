@@ -300,13 +300,13 @@ class Engine:
 
     def _forward(self, mbs, embeds, fops, plan) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
-        st = {"E": [], "h0": [], "calls": [], "ckpt": {}, "kept": {}, "masks": []}
+        st = {"E": [], "h0": [], "calls": [], "ckpt": {}, "kept": {}}
         hs = []
         for mb, (E, box) in zip(mbs, embeds):
             self._ready(box)
             mask = mb["attention_mask"]
             mask = None if mask is None else mask.to(dev.device, non_blocking=True)
-            E.requires_grad_()  # (B*T*H,) rows gathered on the host: the leaf the embedding's grads land on
+            E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad():
                 h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask)
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
@@ -351,7 +351,6 @@ class Engine:
             self._count_memory()
         if deciding:
             self.keep = keep
-        self._count_memory()
         st["hL"] = hs
         return st
 
