@@ -80,6 +80,7 @@ class Engine:
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
         self.closed = False
         self._dE_host: torch.Tensor | None = None  # (tokens*H,) fp32, pinned on CUDA: embedding-row grads
+        self._proc = None  # psutil.Process of this process, made once (memory counters)
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
         _LIVE.add(self)
 
@@ -201,8 +202,10 @@ class Engine:
         rec = self.rec
         if not rec.enabled:
             return
-        import psutil
-        rec.counter("host_rss_bytes", psutil.Process().memory_info().rss)
+        if self._proc is None:
+            import psutil
+            self._proc = psutil.Process()
+        rec.counter("host_rss_bytes", self._proc.memory_info().rss)  # sampled after every layer op
         if not self.dev.cuda:
             return  # on "cpu" every buffer lives in host RAM: RSS is the whole story
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731

@@ -245,6 +245,19 @@ def _fail_call(monkeypatch, n: int):
     return lambda: monkeypatch.setattr(engine_module, "call", real)
 
 
+def _train_on(s, batches) -> tuple:
+    """Train on after a failed step, within 5 s (a deadlock must fail the test, not hang it); then close.
+
+    Returns (losses or the exception raised, whether close() returned in time).
+    """
+    finished, result = _within(lambda: train_session(s, batches), 5)
+    closed = finished and _within(s.close, 5)[0]
+    if not closed:
+        s.engine.abort.set()  # release the stuck threads
+    assert finished, "the session deadlocked on a step after the interrupted one"
+    return result, closed
+
+
 def test_step_failing_in_forward_leaves_session_as_if_never_called(llama_dir, twin_losses, monkeypatch):
     """A step that fails in the forward (an exception inside a layer), before any gradient exists:
     nothing may have changed, so the session goes on exactly as the twin that never saw the call.
@@ -258,11 +271,7 @@ def test_step_failing_in_forward_leaves_session_as_if_never_called(llama_dir, tw
     with pytest.raises(LayerError):
         s.step(good[1])
     restore()
-    finished, result = _within(lambda: train_session(s, good[1:]), 5)
-    closed = finished and _within(s.close, 5)[0]
-    if not closed:
-        s.engine.abort.set()  # release the stuck threads
-    assert finished, "the session deadlocked on a step after the interrupted one"
+    result, closed = _train_on(s, good[1:])
     assert not isinstance(result, BaseException), result
     assert got + result == want
     assert len(s.history) == 3 and s.engine.steps_done == 3
@@ -282,11 +291,7 @@ def test_step_failing_in_backward_never_hangs(llama_dir, monkeypatch):
     with pytest.raises(LayerError):
         s.step(good[1])
     restore()
-    finished, result = _within(lambda: train_session(s, good[1:]), 5)
-    closed = finished and _within(s.close, 5)[0]
-    if not closed:
-        s.engine.abort.set()
-    assert finished, "the session deadlocked on a step after the interrupted one"
+    result, closed = _train_on(s, good[1:])
     assert isinstance(result, Exception) and str(result) or all(map(math.isfinite, result)), result
     assert s.engine.steps_done == 3 and len(s.history) == 3  # the failed step is not counted
     assert closed, "close() hung"

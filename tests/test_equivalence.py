@@ -182,6 +182,15 @@ def test_engine_settings(hf_dir, family, setting, tmp_path):
     compare(hf_dir(family, num_hidden_layers=3), family, tmp_path, **ENGINE_SETTINGS[setting])
 
 
+def _assert_matches(family: str, got: list, want: list, out, ref) -> None:
+    """Losses and saved weights (the zero-gradient NOISE_ONLY tensors aside) within TOL; record them."""
+    loss_diff = max(rel_scalar(a, b) for a, b in zip(got, want))
+    assert loss_diff <= TOL, (got, want)
+    diffs = {k: v for k, v in weight_diffs(out, ref).items() if not k.endswith(NOISE_ONLY)}
+    assert max(diffs.values()) <= TOL, {k: v for k, v in diffs.items() if v > TOL}
+    record(family, loss_diff, max(diffs.values()))
+
+
 @pytest.mark.parametrize("family", families("llama", "qwen3_moe"))
 def test_batch_shape_changes_between_steps(hf_dir, family, tmp_path):
     """The activation policy is fixed at the first step; later batches may be longer, shorter or wider."""
@@ -197,11 +206,7 @@ def test_batch_shape_changes_between_steps(hf_dir, family, tmp_path):
         s.save_pretrained(tmp_path / "out")
     finally:
         s.close()
-    loss_diff = max(rel_scalar(a, b) for a, b in zip(got, want))
-    assert loss_diff <= TOL, (got, want)
-    diffs = {k: v for k, v in weight_diffs(tmp_path / "out", ref).items() if not k.endswith(NOISE_ONLY)}
-    assert max(diffs.values()) <= TOL, {k: v for k, v in diffs.items() if v > TOL}
-    record(family, loss_diff, max(diffs.values()))
+    _assert_matches(family, got, want, tmp_path / "out", ref)
 
 
 @pytest.mark.parametrize("family", families("llama", "gpt_oss"))
@@ -222,11 +227,7 @@ def test_from_config_matches_reference_built_from_its_weights(tiny_config, famil
         s.save_pretrained(tmp_path / "out")
     finally:
         s.close()
-    loss_diff = max(rel_scalar(a, b) for a, b in zip(got, want))
-    assert loss_diff <= TOL, (got, want)
-    diffs = {k: v for k, v in weight_diffs(tmp_path / "out", ref).items() if not k.endswith(NOISE_ONLY)}
-    assert max(diffs.values()) <= TOL, {k: v for k, v in diffs.items() if v > TOL}
-    record(family, loss_diff, max(diffs.values()))
+    _assert_matches(family, got, want, tmp_path / "out", ref)
 
 
 def test_back_to_back_steps_do_not_deadlock(hf_dir):
