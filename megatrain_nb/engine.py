@@ -81,6 +81,8 @@ class Engine:
         self.closed = False
         self._dE_host: torch.Tensor | None = None  # (tokens*H,) fp32, pinned on CUDA: embedding-row grads
         self._proc = None  # psutil.Process of this process, made once (memory counters)
+        self._pending: tuple | None = None  # last step's raw records and slot uses, until `trace` is read
+        self._trace = None
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
         _LIVE.add(self)
 
@@ -190,8 +192,7 @@ class Engine:
         with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
             norms = dict(adam_step["landed"])
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
-        self.trace = rec.end_step()
-        self._add_occupancy(self.trace)
+        self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
@@ -216,7 +217,17 @@ class Engine:
         rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads)
         rec.counter("pinned_in_use_bytes", size(self.io.staging + self.io.gstaging))
 
-    def _add_occupancy(self, trace) -> None:
+    @property
+    def trace(self):
+        """The last step's Trace, resolved from its CUDA events on first read (None before a step)."""
+        if self._pending is not None:
+            raw, occ = self._pending
+            self._pending = None
+            self._trace = self.rec.resolve(raw)
+            self._add_occupancy(self._trace, occ)
+        return self._trace
+
+    def _add_occupancy(self, trace, occ: list) -> None:
         """Slot occupancy at GPU times: each load / compute / copy-out span marks its slot's state."""
         if not self.rec.enabled or not len(trace.spans):
             return
@@ -225,7 +236,7 @@ class Engine:
         for r in df.itertuples():
             when.setdefault((r.lane, r.op, int(r.layer), r.phase), []).append((r.start_ms, r.end_ms))
         used = {}  # (slot kind, span key) -> spans of that key already matched: the n-th use takes the n-th span
-        for kind, index, layer, key, s0, s1 in self._occ:
+        for kind, index, layer, key, s0, s1 in occ:
             spans = when.get(key, [])
             n = used.get((kind, key), 0)
             if n < len(spans):

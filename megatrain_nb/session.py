@@ -192,6 +192,17 @@ class Session:
         """The last step's Trace (spans, counters, slot occupancy)."""
         return getattr(self.engine, "trace", None)
 
+    @property
+    def tracing(self) -> bool:
+        """Whether steps record a trace (spans, counters, slot occupancy); settable between steps."""
+        return self.recorder.enabled
+
+    @tracing.setter
+    def tracing(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"tracing must be True or False, got {on!r}")
+        self.recorder.enabled = self.engine_cfg.trace = on
+
     def _last_trace(self):
         if self.trace is None or not len(self.trace.spans):
             raise ValueError("no trace yet: run s.step(...) first (and keep trace=True, the default)")

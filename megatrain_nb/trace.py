@@ -3,7 +3,8 @@
 Owns the `Recorder` the engine calls while a step runs, the `Trace` it returns, the analysis of a
 span DataFrame (`find_stalls`, `summarize`, `slot_segments`) and the Chrome Trace Event export.
 It does not plot (`viz.py` does) and decides nothing for the engine: recording only appends, and
-the one GPU wait is in `Recorder.end_step`. Times are ms on the host clock from `begin_step` (t0).
+the one GPU wait is in `Recorder.resolve`, which the engine runs when a trace is first read, after
+its step. Times are ms on the host clock from `begin_step` (t0).
 Why ~450 lines: recorder, analysis and export share one span layout; if the analysis grows, it is
 the part to move to a module of its own.
 """
@@ -160,7 +161,7 @@ class Recorder:
             getattr(self, records).append(row)
 
     def end_step(self) -> Trace:
-        """Resolves the step's CUDA events and returns its `Trace`.
+        """Resolves the step's CUDA events and returns its `Trace` (`resolve(take_step())`).
 
         Returns:
             The step's Trace, times in ms from t0 (empty when disabled).
@@ -168,21 +169,41 @@ class Recorder:
         Raises:
             RuntimeError: CUDA spans were recorded but `begin_step` was never called.
         """
+        return self.resolve(self.take_step())
+
+    def take_step(self) -> tuple | None:
+        """Closes the step and takes its raw records without waiting for the GPU; `resolve` turns
+        them into a Trace later (the engine does so when the trace is first read, after the step).
+
+        Returns:
+            An opaque record of the step (None when disabled).
+        """
         if not self.enabled:
-            return Trace(step=self._step)
+            return None
         with self._lock:  # take the records; later ones go to the next step
-            host, events, counters, slots = self._host, self._events, self._counters, self._slots
+            raw = (self._step, self._t0, self._ref, self._ref_ms, self._host, self._events, self._counters, self._slots)
             self._host, self._events, self._counters, self._slots = [], [], [], []
-            t0, self._open = self._t0, False
+            self._open = False
+        return raw
+
+    def resolve(self, raw: tuple | None) -> Trace:
+        """The Trace of records from `take_step`; waits for their CUDA events (the one GPU wait).
+
+        Raises:
+            RuntimeError: CUDA spans were recorded but `begin_step` was never called.
+        """
+        if raw is None:
+            return Trace(step=self._step)
+        step, t0, ref, ref_ms, host, events, counters, slots = raw
 
         def ms(t: float) -> float:
             return round((t - t0) * 1e3, 4)
 
         spans = [(ln, op, int(ly), ph, ms(a), ms(b), int(nb)) for ln, op, ly, ph, nb, a, b in host]
         if events:
-            if self._ref is None:
+            if ref is None:
                 raise RuntimeError("CUDA spans recorded before Recorder.begin_step(step); call it first.")
-            # The step's one sync point: the CPU waits for the last recorded end event, which is
+            # The trace's one sync point: the CPU waits for the last recorded end event, which is
             # normally the last GPU work of the step. Events on other streams that might still be
             # pending are waited on too (cheap: almost always already complete).
             events[-1][-1].synchronize()
@@ -190,13 +211,13 @@ class Recorder:
                 if not end.query():
                     end.synchronize()
             for ln, op, ly, ph, nb, ev0, ev1 in events:
-                a = self._ref.elapsed_time(ev0) + self._ref_ms  # Note: [GPU clock]
-                b = self._ref.elapsed_time(ev1) + self._ref_ms
+                a = ref.elapsed_time(ev0) + ref_ms  # Note: [GPU clock]
+                b = ref.elapsed_time(ev1) + ref_ms
                 spans.append((ln, op, int(ly), ph, round(a, 4), round(b, 4), int(nb)))
         meta = {"device": str(self.device)}
         if self._cuda:
             meta["device_name"] = torch.cuda.get_device_name(self.device)
-        return Trace(step=self._step, spans=spans, meta=meta, counters=[(n, ms(t), float(v)) for n, v, t in counters],
+        return Trace(step=step, spans=spans, meta=meta, counters=[(n, ms(t), float(v)) for n, v, t in counters],
                      slots=[(k, int(i), None if ly is None else int(ly), s, ms(t)) for k, i, ly, s, t in slots])
 
 
