@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw as _adamw
 
 from .config import OptimConfig
 from .host_store import HostStore
@@ -19,10 +20,15 @@ from .host_store import HostStore
 class HostAdamW:
     """AdamW over every unit of a HostStore."""
 
+    chunk_numel = 1 << 24
+    """Elements upcast and updated at a time when grads are not fp32 (64 MiB of fp32 scratch). A
+    multiple of 64, so that chunks fall on the kernel's vector lanes as a whole slab does (bitwise equal)."""
+
     def __init__(self, store: HostStore, cfg: OptimConfig):
         self.store, self.cfg = store, cfg
         self.opts: dict[int, torch.optim.AdamW] = {}
-        self._scratch: torch.Tensor | None = None  # (max numel,) fp32: low-precision grads upcast here
+        self._scratch: torch.Tensor | None = None  # (chunk_numel,) fp32: low-precision grads upcast here
+        self._step = torch.zeros(())  # a chunk's step counter (see _update_in_chunks)
         for u, unit in store.units.items():
             p = unit.master
             opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
@@ -39,21 +45,36 @@ class HostAdamW:
     def update(self, u: int, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on unit ``u`` with its grad slab times ``grad_scale`` (the clip factor)."""
         unit = self.store.units[u]
-        g = unit.grad
-        if g.dtype != torch.float32 or grad_scale != 1.0:
-            n = g.numel()
-            if self._scratch is None or self._scratch.numel() < n:
-                self._scratch = torch.empty(max(n, max(x.grad.numel() for x in self.store.units.values())))
-            g = self._scratch[:n].copy_(g)
-            if grad_scale != 1.0:
-                g.mul_(grad_scale)
         opt = self.opts[u]
         opt.param_groups[0]["lr"] = lr
-        unit.master.grad = g
+        if unit.grad.dtype != torch.float32 or grad_scale != 1.0:
+            return self._update_in_chunks(unit, opt, lr, grad_scale)
+        unit.master.grad = unit.grad
         try:
             opt.step()
         finally:
             unit.master.grad = None
+
+    def _update_in_chunks(self, unit, opt: torch.optim.AdamW, lr: float, grad_scale: float) -> None:
+        """Note: [Chunked upcast] the fused kernel wants fp32 grads. Upcasting a whole bf16 slab
+        writes and re-reads 4 bytes/param through DRAM; a chunk of ``chunk_numel`` is still in cache
+        when the kernel reads it. Same kernel, same arguments, per chunk: the same numbers."""
+        p, g = unit.master, unit.grad
+        state, group = opt.state[p], opt.param_groups[0]
+        n, c = g.numel(), self.chunk_numel
+        if self._scratch is None or self._scratch.numel() < min(n, c):
+            self._scratch = torch.empty(min(max(x.grad.numel() for x in self.store.units.values()), c))
+        step = state["step"]
+        for a in range(0, n, c):
+            b = min(n, a + c)
+            gs = self._scratch[:b - a].copy_(g[a:b])
+            if grad_scale != 1.0:
+                gs.mul_(grad_scale)
+            self._step.copy_(step)  # adamw() adds 1 to each chunk's step: every chunk sees step + 1
+            _adamw([p[a:b]], [gs], [state["exp_avg"][a:b]], [state["exp_avg_sq"][a:b]], [], [self._step],
+                   fused=True, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=lr,
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        step.add_(1)
 
     def clip_factor(self, norms: dict[int, float]) -> tuple[float, float]:
         """(total norm, factor) from per-unit L2 norms, as ``torch.nn.utils.clip_grad_norm_`` computes them."""
