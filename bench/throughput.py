@@ -45,9 +45,12 @@ def main(argv=None) -> None:
     ap.add_argument("--pinned-gb", type=float, default=2.0)
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--no-trace", action="store_true")
-    ap.add_argument("--no-pin-store", action="store_true", help="pack from the fp32 master (no pinned bf16 copy)")
+    ap.add_argument("--pinning", choices=["auto", "cast", "shadow", "none"], default="auto",
+                    help="cast: pin the fp32 master, the GPU casts (auto's choice when RAM allows); shadow: a pinned "
+                         "bf16 copy; none: pack from pageable memory")
+    ap.add_argument("--no-pin-store", action="store_true", help="same as --pinning none")
     ap.add_argument("--offload-checkpoints", action="store_true", help="park recompute-block inputs in host memory")
-    ap.add_argument("--cast-on-device", action="store_true", help="pin the fp32 master; the GPU casts (2x PCIe bytes)")
+    ap.add_argument("--cast-on-device", action="store_true", help="same as --pinning cast")
     ap.add_argument("--save-trace", default=None, help="directory: save the last step's trace per batch")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
@@ -57,13 +60,15 @@ def main(argv=None) -> None:
     if a.stacks_every:
         import faulthandler
         faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
+    pinning = "none" if a.no_pin_store else "cast" if a.cast_on_device else a.pinning
+    pin_store, cast = {"auto": (None, None), "cast": (None, True), "shadow": (True, False), "none": (False, False)}[pinning]
     cfg = qwen_config(a.shape, layers=a.layers, seq=a.seq)
     t0 = time.perf_counter()
     s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, checkpoint_every=a.checkpoint_every,
                             micro_batch_size=a.micro_batch, weight_slots=a.slots,
                             pinned_budget_bytes=int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
-                            trace=not a.no_trace, pin_store=False if (a.no_pin_store or a.cast_on_device) else None,
-                            cast_on_device=a.cast_on_device, offload_checkpoints=a.offload_checkpoints)
+                            trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
+                            offload_checkpoints=a.offload_checkpoints)
     init_s = time.perf_counter() - t0
     rep = s.memory_report()
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
@@ -83,11 +88,11 @@ def main(argv=None) -> None:
             if k == 0:
                 continue
             times.append(r.seconds)
-            if s.trace is not None and len(s.trace.to_dataframe()):
-                df = s.trace.to_dataframe()
-                summaries.append(summarize(df))
-                st = find_stalls(df)
-                waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
+        if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
+            df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
+            summaries.append(summarize(df))
+            st = find_stalls(df)
+            waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
         t = statistics.median(times)
         tokens = B * a.seq
         N = rep["params"]
@@ -98,7 +103,7 @@ def main(argv=None) -> None:
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                    loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
-                   checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=a.cast_on_device,
+                   checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
                    offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap,
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
         if summaries:

@@ -58,17 +58,18 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
-        from .preflight import check, resolve_pin_store
+        from .preflight import check, resolve_pinning
 
         check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
-        shadow = self.engine_cfg.dtype if resolve_pin_store(self.engine_cfg, self.arch) else None
-        self.store = HostStore(self.arch, grad_dtype=self.engine_cfg.dtype, shadow_dtype=shadow,
-                               pin_master=self.engine_cfg.cast_on_device)
+        pin, cast = resolve_pinning(self.engine_cfg, self.arch)
+        resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast)  # engine_cfg keeps "auto"
+        self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
+                               pin_master=cast)
         _init(self.store)
         self.store.refresh_shadow()
         self.optim = HostAdamW(self.store, self.optim_cfg)
         self.recorder = Recorder(enabled=self.engine_cfg.trace, device=self.engine_cfg.device)
-        self.engine = Engine(self.arch, self.store, self.optim, self.engine_cfg, self.optim_cfg, self.recorder)
+        self.engine = Engine(self.arch, self.store, self.optim, resolved, self.optim_cfg, self.recorder)
         self._driver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-driver")
         self.history: list[StepResult] = []
         self.skipped_steps = 0

@@ -288,13 +288,15 @@ def test_checkpoint_of_another_model(saved):
         resume(saved)
 
 
-# ---- CUDA: bf16 compute, pinned shadow, the activation policy and the CUDA RNG -------------------
+# ---- CUDA: bf16 compute, pinned store (master or shadow), the activation policy and the CUDA RNG ---
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_resume_is_bitwise_on_cuda(tmp_path):
+@pytest.mark.parametrize("cast_on_device", [None, False], ids=["pinned-master", "pinned-shadow"])
+def test_resume_is_bitwise_on_cuda(tmp_path, cast_on_device):
     cfg = make_config("llama", hidden_size=64, intermediate_size=128)
     cfg._attn_implementation = "eager"  # deterministic backward (SDPA's efficient kernel is not)
-    settings = dict(device="cuda", grad_clip=1.0, lr_schedule="linear", total_steps=STEPS)
+    settings = dict(device="cuda", grad_clip=1.0, lr_schedule="linear", total_steps=STEPS,
+                    cast_on_device=cast_on_device)
     batches = make_batches(cfg.vocab_size, STEPS, batch=2, seq=16)
     straight = Session.from_config(cfg, seed=0, **settings)
     losses = [straight.step(b).loss for b in batches]
@@ -314,7 +316,10 @@ def test_resume_is_bitwise_on_cuda(tmp_path):
     assert s.engine_cfg.dtype == torch.bfloat16 and s.engine.keep == keep
     for u in s.store.order:
         unit = s.store.units[u]
-        assert unit.shadow is not None and torch.equal(unit.shadow, unit.master.to(unit.shadow.dtype))
+        if cast_on_device is None:  # auto: the master itself is pinned, the device casts
+            assert unit.shadow is None and unit.master.is_pinned()
+        else:
+            assert unit.shadow is not None and torch.equal(unit.shadow, unit.master.to(unit.shadow.dtype))
     assert [s.step(b).loss for b in batches[CUT:]] == losses[CUT:]
     _assert_same(_state(s), want)
     s.close()

@@ -69,7 +69,7 @@ def test_engine_buffers_equal_what_the_engine_allocates(family):
 def test_cast_on_device_pins_the_master_and_adds_device_landing_buffers(monkeypatch):
     arch = load_architecture(make_config("llama"))
     cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16, transfer_chunk_bytes=1 << 20,
-                     pinned_budget_bytes=8 << 20)
+                     pinned_budget_bytes=8 << 20, cast_on_device=False, pin_store=None)
     plain = estimate(arch, cfg)
     cfg.cast_on_device = True  # after validation (needs CUDA)
     est = estimate(arch, cfg)
@@ -155,13 +155,45 @@ def test_invalid_pin_store_is_a_value_error():
         estimate(arch, EngineConfig(pin_store=True))
 
 
-def test_session_pin_store_rule_is_the_one_used(monkeypatch):
-    """estimate resolves pin_store=None with the one rule Session uses too (preflight.resolve_pin_store)."""
+def test_session_pinning_rule_is_the_one_used(monkeypatch):
+    """estimate resolves pin_store/cast_on_device=None with the one rule Session uses too
+    (preflight.resolve_pinning)."""
     import megatrain_nb.preflight as preflight_mod
 
     arch = load_architecture(make_config("llama"))
-    monkeypatch.setattr(preflight_mod, "resolve_pin_store", lambda cfg, arch: True)
+    monkeypatch.setattr(preflight_mod, "resolve_pinning", lambda cfg, arch: (True, False))
     assert estimate(arch)["store"]["shadow"] > 0
+
+
+@pytest.mark.parametrize("settings, ram_params, want", [
+    ({}, 100, (False, True)),                          # auto: pin the fp32 master, the device casts
+    ({}, 13.5, (False, False)),                        # store (14 B/param) does not fit in 90% of RAM
+    ({"cast_on_device": False}, 100, (True, False)),   # no device cast: a pinned bf16 copy when it fits
+    ({"cast_on_device": False}, 15.5, (False, False)),  # ... which needs 16 B/param
+    ({"pin_store": True}, 1, (True, False)),           # explicit settings are obeyed
+    ({"pin_store": False}, 100, (False, False)),
+    ({"cast_on_device": True}, 1, (False, True)),
+])
+def test_pinning_rule(monkeypatch, settings, ram_params, want):
+    """Auto pinning on CUDA by host RAM, in bytes per parameter of the model (RAM is 90% usable)."""
+    arch = load_architecture(make_config("llama"))
+    params = sum(p.numel() for p in arch.model.parameters())
+    _fake_ram(monkeypatch, available=1 << 40, total=int(params * ram_params / 0.9))
+    cfg = _fake_cuda(monkeypatch, 1 << 40)
+    for k, v in settings.items():
+        setattr(cfg, k, v)  # after validation, which refuses pinning without CUDA
+    assert preflight.resolve_pinning(cfg, arch) == want
+    est = estimate(arch, cfg)
+    assert (est["settings"]["pin_store"], est["settings"]["cast_on_device"]) == want
+
+
+def test_pinning_needs_cuda():
+    arch = load_architecture(make_config("llama"))
+    cfg = EngineConfig()
+    cfg.cast_on_device = True  # after validation, which refuses it too
+    with pytest.raises(ValueError, match="cast_on_device=True needs device='cuda'"):
+        preflight.resolve_pinning(cfg, arch)
+    assert preflight.resolve_pinning(EngineConfig(), arch) == (False, False)
 
 
 @pytest.mark.gpu
@@ -172,13 +204,18 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     e = s.engine
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     est = check(s, batch=2, seq=12)
-    assert est["store"] == s.memory_report() and est["store"]["shadow"] > 0  # pin_store: auto on CUDA
+    assert est["store"] == s.memory_report() and est["store"]["shadow"] == 0  # auto on CUDA: the master is pinned
+    assert s.store.units[0].master.is_pinned() and est["settings"]["cast_on_device"] is True
     assert est["host"]["staging"] == nbytes(e.io.staging + e.io.gstaging) and all(t.is_pinned() for t in e.io.staging)
     dev = est["device"]
     assert dev["weight_slots"] == nbytes(e.slots) and dev["grad_slots"] == nbytes(e.gslots)
     assert dev["head_slots"] == nbytes([e.head_slot, e.head_gslot])
     assert 0 < dev["available"] <= torch.cuda.get_device_properties(0).total_memory
     assert est["host"]["device_buffers"] == 0
+    s.close()
+    s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=False)
+    est = estimate(s)
+    assert est["store"] == s.memory_report() and est["store"]["shadow"] > 0  # pin_store: auto without the cast
     s.close()
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=True)
     est = estimate(s)
