@@ -33,7 +33,7 @@ from .binding import Layout, SlotRefs, call, grads_into
 from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
-from .optim import HostAdamW
+from .optim import HostAdamW, grad_norm
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
@@ -397,7 +397,7 @@ class Engine:
                 total += loss.detach()
             grads.append(g)
         n_head = self.store.units[L].layout.numel
-        self.norm_dev[L + 1].copy_(torch.linalg.vector_norm(self.head_gslot[:n_head], dtype=torch.float32))
+        self.norm_dev[L + 1].copy_(grad_norm(self.head_gslot[:n_head]))
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
@@ -450,7 +450,7 @@ class Engine:
                 for m in range(len(outs)):
                     torch.autograd.backward(outs[m], gs[m])
                     gs[m] = xs[m].grad
-                self.norm_dev[i + 1].copy_(torch.linalg.vector_norm(g, dtype=torch.float32))
+                self.norm_dev[i + 1].copy_(grad_norm(g))
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 self._done(plan, k)
@@ -484,14 +484,15 @@ class Engine:
         with self.rec.span("host-unpack", "embed_grad", -1, "bwd", dE.numel() * dE.element_size()):
             if not self.arch.tied and self._embed_rows is not None:
                 grad.index_fill_(0, self._embed_rows, 0)  # only rows an earlier step touched are non-zero
-            if not self.arch.tied:  # tied: the head's gradient already landed here, whole
-                self._embed_rows = ids
             rows = dE.view(-1, H)
             pad = self.arch.embed.padding_idx
             if pad is not None:
                 rows[ids == pad] = 0  # nn.Embedding gives padding_idx no gradient
             grad.index_add_(0, ids, rows)
-            return float(torch.linalg.vector_norm(unit.grad))
+            if self.arch.tied:  # the head's gradient landed here, whole: every row counts
+                return float(grad_norm(unit.grad))
+            self._embed_rows = touched = torch.unique(ids)
+            return float(grad_norm(grad.index_select(0, touched).flatten()))  # the other rows are zero
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def set_steps_done(self, n: int) -> None:

@@ -17,6 +17,26 @@ from .config import OptimConfig
 from .host_store import HostStore
 
 
+def grad_norm(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm of a flat tensor, as a 0-dim tensor on its device (no sync).
+
+    Note: [Host norms] on the CPU, ``torch.linalg.vector_norm`` of a long fp32 tensor is a serial
+    fp32 sum: 5% low at 311M elements (the 3B embedding's grad slab) and single-threaded. Rows of
+    4096 reduce in parallel with small sums; their norms are combined in fp64. On CUDA the
+    reduction is a tree already.
+    """
+    if t.device.type != "cpu" or t.numel() <= _ROW:
+        return torch.linalg.vector_norm(t, dtype=torch.float32)
+    k = t.numel() // _ROW * _ROW
+    parts = torch.linalg.vector_norm(t[:k].view(-1, _ROW), dim=1, dtype=torch.float32).double()
+    if k < t.numel():
+        parts = torch.cat([parts, torch.linalg.vector_norm(t[k:], dtype=torch.float32).double().view(1)])
+    return torch.linalg.vector_norm(parts)
+
+
+_ROW = 4096
+
+
 class HostAdamW:
     """AdamW over every unit of a HostStore."""
 

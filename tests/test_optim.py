@@ -98,6 +98,18 @@ def test_chunked_update_equals_whole_slab_update(arch, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(out[0], other))
 
 
+def test_grad_norm_of_a_long_host_tensor_is_accurate():
+    """Note [Host norms]: 2^25 + 3 fp32 values (rows of 4096 plus a tail) against an fp64 reference."""
+    from megatrain_nb.optim import grad_norm
+
+    x = torch.randn((1 << 25) + 3, generator=torch.Generator().manual_seed(0)) * 1e-3
+    want = x.double().square().sum().sqrt().item()
+    got = grad_norm(x)
+    assert got.shape == () and abs(got.item() - want) / want < 1e-7
+    assert grad_norm(x[:1000]).item() == pytest.approx(x[:1000].double().norm().item(), rel=1e-6)  # short: one call
+    assert not torch.isfinite(grad_norm(torch.cat([x, torch.tensor([float("nan")])])))
+
+
 def test_host_adamw_is_deterministic(arch):
     cfg = OptimConfig(lr=1e-3, weight_decay=0.1)
     out = []
