@@ -5,9 +5,12 @@ transformers config) and `plan` (host/device bytes, activation checkpointing, pe
 simulated step). It touches no device: a plan is arithmetic plus a small list-scheduling
 simulation of the engine's own operation order and slot assignment (`schedule.py`, pure Python),
 whose spans have the columns of `Trace.to_dataframe`, so `viz.timeline` and `trace.find_stalls`
-work on a plan exactly as on a recorded step. Why ~440 lines: the simulation follows the engine
-closely enough (chunked copies, packer/unpacker queues, grad-slot reuse) that its stalls read like
-a recorded trace's; `_simulate` is the part to split out if it grows.
+work on a plan exactly as on a recorded step. It models the engine's three ways of moving weights
+(packing from the fp32 master, `pin_store`, `cast_on_device`) but does not choose between them:
+that rule (`preflight.resolve_pinning`) needs the device type and the machine's RAM, which a
+`Hardware` profile does not say. Why ~500 lines: the simulation follows the engine closely enough
+(chunked copies, packer/unpacker queues, grad-slot reuse) that its stalls read like a recorded
+trace's; `_simulate` is the part to split out if it grows.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class Hardware:
     bf16_tflops: float
     """Effective decoder-layer fwd+bwd rate, counted as 6 * layer params * tokens."""
     host_adam_params_per_s: float
-    """Fused CPU AdamW over fp32 master weights and moments."""
+    """Host AdamW (`optim.HostAdamW`: torch's fused CPU kernel) over the layers' and head's gradients in a
+    2-byte compute dtype, which it upcasts to fp32 in chunks first."""
     host_cast_elems_per_s: float
     """Host fp32 -> bf16 cast into pinned buffers (also used for copying grads out)."""
     device_mem_bytes: int
@@ -53,25 +57,34 @@ class Hardware:
     """Host RAM."""
     gemm_tflops: float | None = None
     """Plain bf16 GEMM rate, used for the lm_head; None means `bf16_tflops`."""
+    host_adam_fp32_params_per_s: float | None = None
+    """Host AdamW with fp32 gradients (no upcast): the embedding's, or every unit's when dtype_bytes=4;
+    None means `host_adam_params_per_s`."""
 
     def __post_init__(self):
         for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
                      "host_adam_params_per_s", "host_cast_elems_per_s", "device_mem_bytes", "host_mem_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)!r}.")
-        if self.gemm_tflops is not None and not self.gemm_tflops > 0:
-            raise ValueError(f"Hardware.gemm_tflops must be > 0 or None, got {self.gemm_tflops!r}.")
+        for name in ("gemm_tflops", "host_adam_fp32_params_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"Hardware.{name} must be > 0 or None, got {getattr(self, name)!r}.")
         if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
             raise ValueError(f"Hardware.duplex_GBps ({self.duplex_GBps}) must be at least max(h2d_GBps, "
                              f"d2h_GBps) = {max(self.h2d_GBps, self.d2h_GBps)}.")
 
 
+# Copies, layer rate, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Host AdamW: bench/host_adam.py on the
+# same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results_h200_2026-11-29_s2.jsonl):
+# 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
+# step the same updates run slower (DMA and the unpacker share the host's memory bandwidth):
+# bench/planner_vs_measured.py reports both.
 H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
-         "fused CPU AdamW)",
+         "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
     bf16_tflops=490.0, gemm_tflops=774.0,
-    host_adam_params_per_s=3.76e9, host_cast_elems_per_s=12e9,
+    host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -179,16 +192,19 @@ class Plan:
     settings: dict
     """batch, seq, tokens and every plan() keyword as used."""
     host_bytes: dict
-    """master_fp32, adam_moments, grads, pinned_pool."""
+    """master_fp32, adam_moments, grads (fp32 for the embedding, compute dtype for the rest), pinned_pool,
+    and pinned_copy with pin_store."""
     host_bytes_per_param: float
-    """Host bytes per parameter excluding the pinned pool (12 + dtype_bytes)."""
+    """Host bytes per parameter excluding the pinned pool: 12 + dtype_bytes, + dtype_bytes with pin_store,
+    plus (4 - dtype_bytes) * embedding / all parameters for the fp32 embedding grads (14.2 for Qwen2.5-3B)."""
     device_bytes: dict
-    """weight_slots, grad_slots, head_slots, embedding_rows, activations_kept, checkpoints,
-    recompute_workspace, logits, reserve."""
+    """weight_slots, grad_slots, head_slots, cast_stage (cast_on_device only), embedding_rows,
+    activations_kept, checkpoints, recompute_workspace, logits, reserve."""
     keep: list[bool]
     """keep[i]: layer i's activations stay from the forward (else it is recomputed)."""
     layer_ms: dict
-    """Per decoder layer: pack, h2d, h2d_bwd (while d2h runs), fwd, bwd, d2h, unpack, adam."""
+    """Per decoder layer: pack, h2d, h2d_bwd (while d2h runs), fwd, bwd, d2h, unpack, adam (incl. the
+    pin_store refresh)."""
     step_ms: float
     """Simulated step from its start to the last AdamW update (the next step's first load waits for it)."""
     busy_ms: dict
@@ -246,11 +262,13 @@ class Plan:
 def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
          checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
-         overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False) -> Plan:
+         overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
+         cast_on_device: bool = False) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
-    Follows the engine: the host keeps fp32 master + Adam moments + grads in compute dtype; a packer
-    thread casts each load into pinned chunks whose copies overlap the packing; weight slots are
+    Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
+    compute dtype for the rest); a packer thread casts each load into pinned chunks whose copies
+    overlap the packing (or, with `pin_store` / `cast_on_device`, one pinned DMA per load); weight slots are
     assigned by `schedule.plan_loads` over `forward_ops` / `backward_ops`; embedding rows are
     gathered on the host; the head slot holds final norm + lm_head (the embedding when tied); an
     unpacker thread copies each unit's grads out chunk by chunk, then CPU AdamW updates that unit
@@ -266,8 +284,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         checkpoint_every: as `EngineConfig.checkpoint_every`: k >= 1 recomputes every layer in blocks
             of k, 0 keeps all, None keeps layers from the first while `activation_budget` allows.
         weight_slots: device weight slots (>= 2).
-        pinned_budget_bytes: pinned staging pool; below two chunks means pageable copies (what-if:
-            the engine always stages through pinned memory).
+        pinned_budget_bytes: pinned staging pool; below two chunks means pageable copies of everything,
+            pin_store / cast_on_device included (what-if: the engine always pins at least 4 chunks).
         transfer_chunk_bytes: size of one staging chunk.
         loss_chunk_tokens: sequence positions per lm_head + cross-entropy chunk.
         activation_budget: with checkpoint_every=None, fraction of device memory allocations may fill.
@@ -276,18 +294,28 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         pin_store: as `EngineConfig.pin_store`: loads read a pinned compute-dtype copy (no packing),
             grads land in pinned slabs (no unpacking), and each update also refreshes the copy (a
             cast of the unit in the Adam worker); +dtype_bytes per parameter of host memory.
+        cast_on_device: as `EngineConfig.cast_on_device`: the fp32 master and the grad slabs are
+            pinned; loads copy fp32 (4 bytes/param over PCIe) into two fp32 landing buffers on the
+            device (`cast_stage`) and the device casts (its cast is not timed: ~0.1 ms per 3B layer);
+            no host packing or unpacking of layers, no refresh, no extra host bytes. The engine turns
+            it on by itself on CUDA when the store fits in 90% of RAM (`preflight.resolve_pinning`);
+            here it stays off unless asked, since a `Hardware` profile does not say CUDA and the
+            default plan (packing) is what notebooks and the synthetic trace were made with.
+            In every mode the embedding rows are gathered and packed on the host, and a tied head's
+            embedding gradient is unpacked (cast) into the fp32 embedding grads.
 
     Returns:
         Plan.
 
     Raises:
-        ValueError: an argument is out of range or the config lacks a field (the message names it).
+        ValueError: an argument is out of range, pin_store and cast_on_device are both set, or the
+            config lacks a field (the message names it).
 
     Example:
         >>> p = plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        ...     num_attention_heads=4, vocab_size=100), batch=1, seq=16)
-        >>> p.host_bytes_per_param, list(p.simulate().columns)[:3]
-        (14.0, ['step', 'lane', 'op'])
+        ...     num_attention_heads=4, vocab_size=100), batch=1, seq=16, cast_on_device=True)
+        >>> round(p.host_bytes_per_param, 3), p.layer_ms["pack"], list(p.simulate().columns)[:3]
+        (14.144, 0.0, ['step', 'lane', 'op'])
     """
     for name, value, low in (("batch", batch, 1), ("seq", seq, 1), ("dtype_bytes", dtype_bytes, 1),
                              ("weight_slots", weight_slots, 2), ("pinned_budget_bytes", pinned_budget_bytes, 0),
@@ -297,21 +325,31 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     if not 0 < activation_budget <= 1:
         raise ValueError(f"activation_budget must be a fraction in (0, 1], got {activation_budget!r}.")
+    if pin_store and cast_on_device:
+        raise ValueError("pin_store=True and cast_on_device=True both pin the store (as in EngineConfig); "
+                         "set one of them to False.")
     s, hw = model_shape(config), hardware
     L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
                            s["params_per_layer"], s["n_params"])
     settings = dict(batch=batch, seq=seq, tokens=T, dtype_bytes=d, checkpoint_every=checkpoint_every,
                     weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
-                    activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip)
-    host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N, "pinned_pool": pinned_budget_bytes}
+                    activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
+                    pin_store=pin_store, cast_on_device=cast_on_device)
+    E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
+    host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
+            "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N
+    store = sum(v for k, v in host.items() if k != "pinned_pool")
 
     # device memory; keep[] mirrors Engine._keep_now
     act, boundary = T * _act_bytes_per_token(s, d), T * h * d
-    device = {"weight_slots": weight_slots * P * d, "grad_slots": _GRAD_SLOTS * P * d,
-              "head_slots": 2 * (V * h + h) * d, "embedding_rows": 2 * T * h * d}
+    device = {"weight_slots": weight_slots * P * d, "grad_slots": _GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
+    if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
+        largest = max(P, E, s["head_params"])
+        device["cast_stage"] = 2 * 4 * min(transfer_chunk_bytes // d, -(-largest // 64) * 64)
+    device["embedding_rows"] = 2 * T * h * d
     if checkpoint_every is None:
         keep, used = [], sum(device.values())
         for i in range(L):
@@ -328,26 +366,29 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
     up, down = (hw.h2d_GBps, hw.d2h_GBps) if pinned else (hw.pageable_GBps, hw.pageable_GBps)
     both_up, both_down = (min(up, hw.duplex_GBps / 2), min(down, hw.duplex_GBps / 2)) if pinned else (up, down)
-    cast, adam, rate = hw.host_cast_elems_per_s / 1e3, hw.host_adam_params_per_s / 1e3, hw.bf16_tflops * 1e9
+    cast, rate = hw.host_cast_elems_per_s / 1e3, hw.bf16_tflops * 1e9
+    adam32 = (hw.host_adam_fp32_params_per_s or hw.host_adam_params_per_s) / 1e3  # the embedding's grads are fp32
+    adam = hw.host_adam_params_per_s / 1e3 if d < 4 else adam32
+    wb = 4 if cast_on_device else d  # weight bytes per element over PCIe: fp32 when the device casts
     fwd = 2 * s["active_params_per_layer"] * T / rate
-    t = dict(pack=P / cast, h2d=P * d / up / 1e6, h2d_bwd=P * d / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
+    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
-    head_n = V * h + h  # head slot elements, tied or not
-    units = {  # unit -> (elements loaded, pack ms, h2d ms, grad elements, d2h ms, unpack ms, adam ms)
-        -1: (T * h, T * h / cast, T * h * d / up / 1e6, T * h, T * h * d / both_down / 1e6,
-             (T * h + V * h * (1 if s["tied"] else 2)) / cast, s["embed_params"] / adam),
-        L: (head_n, head_n / cast, head_n * d / up / 1e6, head_n, head_n * d / both_down / 1e6,
-            head_n / cast, s["head_params"] / adam),
+    if cast_on_device:  # pinned fp32 master in, pinned grad slabs out: no host cast anywhere
+        t.update(pack=0.0, unpack=0.0)
+    pinned_store = pin_store or cast_on_device
+    refresh = (lambda n: n / cast) if pin_store else (lambda n: 0.0)
+    tied_grads = V * h if s["tied"] else 0  # a tied head's embedding grads go through staging into fp32
+    units = {  # unit -> (bytes loaded, pack ms, h2d ms, grad bytes, d2h ms, unpack ms, adam ms)
+        -1: (T * h * d, T * h / cast, T * h * d / up / 1e6, T * h * 4, T * h * 4 / both_down / 1e6,  # dE is fp32
+             (T * h + V * h * (1 if s["tied"] else 2)) / cast, E / adam32 + refresh(E)),
+        L: (head_n * wb, 0.0 if pinned_store else head_n / cast, head_n * wb / up / 1e6, head_n * d,
+            head_n * d / both_down / 1e6, (tied_grads if pinned_store else head_n) / cast,
+            s["head_params"] / adam + refresh(s["head_params"])),
     }
-    if pin_store:
-        units[L] = (head_n, 0.0, units[L][2], head_n, units[L][4], 0.0,
-                    s["head_params"] / adam + s["head_params"] / cast)
-        e = units[-1]
-        units[-1] = (*e[:6], e[6] + s["embed_params"] / cast)
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
-    spans, busy = _simulate(L, P, d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
+    spans, busy = _simulate(L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
                             pinned_budget_bytes if pinned else 0, transfer_chunk_bytes,
                             overlap_optimizer and not grad_clip)
     step_ms = max(b for *_, b, _ in spans)
@@ -355,7 +396,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
             "host-adam": busy.get("host-adam", 0.0)}
     matmul_params = L * s["active_params_per_layer"] + V * h
-    p = Plan(shape=s, hardware=hw, settings=settings, host_bytes=host, host_bytes_per_param=12.0 + d,
+    p = Plan(shape=s, hardware=hw, settings=settings, host_bytes=host, host_bytes_per_param=store / N,
              device_bytes=device, keep=keep, layer_ms=t, step_ms=step_ms, busy_ms=busy,
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
              fits_device=sum(device.values()) <= hw.device_mem_bytes,
@@ -371,8 +412,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     return p
 
 
-def _simulate(L, P, d, t, units, loss_ms, keep, block, S, budget, chunk, overlap) -> tuple[list[tuple], dict]:
-    """List-schedules one step from cold; each lane runs its ops in issue order.
+def _simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
+              overlap) -> tuple[list[tuple], dict]:
+    """List-schedules one step from cold; each lane runs its ops in issue order. A load with no pack
+    time (pack_ms == 0) is one DMA from a pinned slab, a grad copy with no unpack time lands in one.
     Returns (Trace.spans rows, lane -> work ms)."""
     free: dict[str, float] = {}
     work: dict[str, float] = {}
@@ -387,8 +430,11 @@ def _simulate(L, P, d, t, units, loss_ms, keep, block, S, budget, chunk, overlap
         spans.append((lane, op, layer, phase, round(a, 4), round(b, 4), int(nbytes)))
         return b
 
-    def load(unit, phase, elems, pack_ms, h2d_ms, slot_free=0.0):
-        nbytes, ring, acc = elems * d, 0.0, elems * d
+    def load(unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0):
+        if pack_ms == 0:  # pinned source: no staging, no packing
+            h0 = max(free.get("h2d", 0.0), slot_free)
+            return put("h2d", "h2d", unit, phase, h0, h0 + h2d_ms, nbytes)
+        ring, acc = 0.0, nbytes
         for end, b in reversed(loads):  # pinned chunks still waiting for their copy
             acc += b
             if acc > budget:
@@ -402,12 +448,15 @@ def _simulate(L, P, d, t, units, loss_ms, keep, block, S, budget, chunk, overlap
                       nbytes))
         return loads[-1][0]
 
-    def grads(unit, phase, ready, elems, d2h_ms, unpack_ms, adam_ms, op="unpack"):
-        nbytes, c = elems * d, max(1, math.ceil(elems * d / chunk))
+    def grads(unit, phase, ready, nbytes, d2h_ms, unpack_ms, adam_ms, op="unpack"):
+        c = max(1, math.ceil(nbytes / chunk))
         a = max(ready, free.get("host-unpack", 0.0))  # the unpacker finishes one unit before the next
         b = put("d2h", "d2h", unit, phase, a, a + d2h_ms, nbytes)
         u0 = a + d2h_ms / c
-        u = put("host-unpack", op, unit, phase, u0, max(u0 + unpack_ms, b + unpack_ms / c), nbytes, unpack_ms)
+        if unpack_ms == 0:  # pinned grad slab: the unpacker only waits for the copy
+            u = free["host-unpack"] = b
+        else:
+            u = put("host-unpack", op, unit, phase, u0, max(u0 + unpack_ms, b + unpack_ms / c), nbytes, unpack_ms)
         landed.append((unit, u, adam_ms))
         if overlap:
             a = max(u, free.get("host-adam", 0.0))
@@ -430,7 +479,7 @@ def _simulate(L, P, d, t, units, loss_ms, keep, block, S, budget, chunk, overlap
         ld = lds.get(k)
         if ld is not None:
             rel = slot_end[ld.slot] if ld.after is None else end[ld.after]
-            have[ld.slot] = load(op.layer, op.phase, P, t["pack"], h2d_ms, rel)
+            have[ld.slot] = load(op.layer, op.phase, w_bytes, t["pack"], h2d_ms, rel)
         return slot_of[k]
 
     end: dict[int, float] = {}
@@ -447,7 +496,7 @@ def _simulate(L, P, d, t, units, loss_ms, keep, block, S, budget, chunk, overlap
             end[k] = slot_end[s] = compute("recompute", op.layer, "recompute", t["fwd"], have[s])
             continue
         end[k] = slot_end[s] = compute("bwd", op.layer, "bwd", t["bwd"], have[s], gslot_free[gi])
-        gslot_free[gi] = grads(op.layer, "bwd", end[k], P, t["d2h"], t["unpack"], t["adam"])  # slot reusable
+        gslot_free[gi] = grads(op.layer, "bwd", end[k], g_bytes, t["d2h"], t["unpack"], t["adam"])  # slot reusable
         gi ^= 1
     grads(-1, "bwd", compute("embed_bwd", -1, "bwd", 0.0), *units[-1][3:], op="embed_grad")
     if not overlap:  # clipping / no overlap: AdamW starts once every unit's grads have landed
