@@ -324,9 +324,14 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
 
     A gap is the time from the step start (0) to the first compute span, or between consecutive
     compute spans, of at least `min_ms`. Its cause is the span on another lane that was running
-    during the gap and whose end is closest to the gap's end. When that is an h2d copy, packing is
-    blamed if a host-pack span of the same layer was still running in the gap (chunked copies wait
-    for their chunk), and a lack of free weight slots if the copy only started after the gap began.
+    during the gap and whose end is closest to the gap's end. When that is an h2d copy, the
+    optimizer is blamed if the loader recorded a ``wait-update`` in the gap for that layer, or for
+    any layer before the copy started (the loader is one FIFO thread: a held load holds the ones
+    behind it); else packing if a host-pack span of the same layer was still running in the gap
+    (chunked copies wait for their chunk), and a lack of free weight slots if the copy only
+    started after the gap began. Compute never waits for the optimizer directly, only through a
+    load: in traces that record ``wait-update`` spans (the engine's), host-adam spans are not
+    candidates; in traces without them (older recordings, `Plan.simulate`) they are.
 
     Args:
         spans: `Trace.to_dataframe()` (or `Plan.simulate()`); several steps are handled per step.
@@ -348,6 +353,8 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
         return pd.concat(parts, ignore_index=True)
     comp = spans[spans.lane == "compute"].sort_values("start_ms", kind="stable")
     others = spans[spans.lane != "compute"]
+    if (others.op == "wait-update").any():  # the engine's own record of holds: AdamW acts only through them
+        others = others[others.lane != "host-adam"]
     rows, busy_until = [], 0.0
     for start, end, layer, phase in zip(comp.start_ms, comp.end_ms, comp.layer, comp.phase):
         if start - busy_until >= min_ms:
@@ -367,8 +374,9 @@ def _explain(a: float, b: float, layer: int, phase: str, others: pd.DataFrame) -
         if key == "h2d":  # was the copy itself held up by packing, or started late?
             packing = running[(running.lane == "host-pack") & (running.layer == hit.layer)]
             key = "host-pack" if len(packing) else "h2d-late" if hit.start_ms >= a else "h2d"
-            held = running[(running.op == "wait-update") & (running.layer == hit.layer)]
-            if len(held):  # the load waited for that layer's optimizer update before it could start
+            waits = running[running.op == "wait-update"]
+            held = waits[(waits.layer == hit.layer) | (waits.end_ms <= hit.start_ms)]
+            if len(held):  # the load waited for an optimizer update (its own, or one queued before it)
                 key = "host-adam"
     waited_on, reason, setting = _CAUSES.get(key, (key, f"lane {key} was still running.", "-"))
     return (a, b, b - a, layer, phase, waited_on, _WHY.format(dur=b - a, phase=phase, layer=layer) + reason, setting)

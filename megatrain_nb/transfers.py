@@ -100,7 +100,8 @@ class Transfers:
             prev = after.get()  # host wait until the driver recorded the slot's release
             self.delay("host-pack")
             srcs = [(src_fn(), off) for _, src_fn, off in segments]
-            nbytes = sum(src.numel() for src, _ in srcs) * dst.element_size()
+            nbytes = sum(src.numel() * (src.element_size() if src.is_pinned() else dst.element_size())
+                         for src, _ in srcs)  # bytes over PCIe: a pinned source goes as it is, fp32 for the device cast
             with self.dev.on(self.dev.h2d):
                 self.dev.wait(self.dev.h2d, prev)
                 self.delay("h2d")
