@@ -117,6 +117,9 @@ class Session:
         Raises:
             TypeError / ValueError: a malformed batch, before any state changes.
         """
+        if self.engine.closed:
+            raise RuntimeError("this Session is closed (close() released its buffers and threads); make a new one, "
+                               "or Session.resume(path) from a checkpoint saved before closing")
         mbs, n_valid, tokens = self._prepare(batch)
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
