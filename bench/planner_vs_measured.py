@@ -16,10 +16,15 @@ device category (its 2 GiB reserve included) against torch.cuda.max_memory_alloc
 Second table: each lane's work in one step, planner vs the row's own recorded trace
 (tests/data/trace_*.json.gz whose meta step_s equals the row's), to show which rate is off.
 Third table: step time under planner variants: packing (the pinning modelled before cast_on_device),
-as run (the prediction), and two variants whose rates are read from the row's own trace — host AdamW
-alone, then also H2D, layer and loss compute. Those are fitted to the data they are compared with:
-they locate the error, they do not predict. What the all-rates variant still misses is the
-simulation's structure (one step from cold, not the steady state; see the planner's docstring).
+as run (the prediction: `Plan.step_ms`, one step from cold), the same settings in the steady state
+(`Plan.steady_step_ms`: steps back to back, each load waiting for its unit's previous update, the
+optimizer's tail overlapping the next forward), and two variants whose rates are read from the row's
+own trace — host AdamW alone, then also H2D, layer and loss compute. Those are fitted to the data they
+are compared with: they locate the error, they do not predict.
+Fourth table: the steady state against the recorded trace (itself a step in a run of steps): the
+fitted variants in the steady state, how long the host AdamW lane sits idle within the step, how long
+compute waits on the optimizer (`find_stalls`), and the host-unpack time of the embedding's gradients,
+which ends the step (the driver returns once they landed).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb.planner import H200, model_shape, plan  # noqa: E402
-from megatrain_nb.trace import Trace  # noqa: E402
+from megatrain_nb.trace import Trace, find_stalls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results_h200_2026-11-29_s2.jsonl"
@@ -119,6 +124,26 @@ def predict(row: dict, hardware, **pinning):
                 checkpoint_every=row.get("checkpoint_every"), overlap_optimizer=row.get("overlap", True), **pinning)
 
 
+def adam_idle_ms(df) -> float:
+    """ms between 0 and the step's last end during which the host-adam lane runs nothing."""
+    step = max(float(df.end_ms.max()), 0.0)
+    adam, busy, until = df[df.lane == "host-adam"], 0.0, 0.0
+    for a, b in sorted(zip(adam.start_ms.clip(0, step), adam.end_ms.clip(0, step))):
+        busy, until = busy + max(0.0, b - max(a, until)), max(until, b)
+    return step - busy
+
+
+def optimizer_stall_ms(df) -> float:
+    """ms compute waited on the optimizer, as `find_stalls` attributes it."""
+    st = find_stalls(df)
+    return float(st[st.waited_on == "optimizer"].dur_ms.sum())
+
+
+def embed_grad_ms(df) -> float:
+    """host-unpack time of the embedding's gradients (the step's last landing)."""
+    return float(df[(df.lane == "host-unpack") & (df.op == "embed_grad")].dur_ms.sum())
+
+
 def err(pred: float, meas: float) -> str:
     return f"{(pred - meas) / meas * 100:+.1f}%"
 
@@ -160,6 +185,7 @@ def main(argv=None) -> list[dict]:
         r, p = o["row"], o["plan"]
         trace = find_trace(r)
         o["trace"] = work = lane_work(trace) if trace is not None else None
+        o["trace_df"] = trace.to_dataframe() if trace is not None else None
         if work is None:
             print(f"| {r['shape']} | {r['batch']} | no trace with step_s {r['step_s']} in {TRACES} |")
             continue
@@ -171,17 +197,36 @@ def main(argv=None) -> list[dict]:
 
     print("\n## Step time (ms) under planner variants (the last two are fitted to each row's own trace)\n")
     print("| shape | batch | measured | packing (no pinning) | err | as run (prediction) | err "
-          "| + AdamW rate from trace | err | + H2D, layer, loss rates from trace | err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| as run, steady state | err | + AdamW rate from trace | err | + H2D, layer, loss rates from trace | err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for o in out:
-        r, m_ms = o["row"], o["measured_step_ms"]
+        r, m_ms, p = o["row"], o["measured_step_ms"], o["plan"]
         pack = predict(r, H200, pin_store=False, cast_on_device=False).step_ms
-        o.update(packing_ms=pack)
-        cells = [f"{pack:.0f} | {err(pack, m_ms)}", f"{o['plan'].step_ms:.0f} | {err(o['plan'].step_ms, m_ms)}"]
+        o.update(packing_ms=pack, steady_ms=p.steady_step_ms, steady_err=(p.steady_step_ms - m_ms) / m_ms)
+        cells = [f"{pack:.0f} | {err(pack, m_ms)}", f"{p.step_ms:.0f} | {err(p.step_ms, m_ms)}",
+                 f"{p.steady_step_ms:.0f} | {err(p.steady_step_ms, m_ms)}"]
         if o["trace"] is not None:
-            for k, adam_only in (("fit_adam_ms", True), ("fit_all_ms", False)):
-                o[k] = predict(r, fitted(r, o["trace"], adam_only=adam_only, layer_bytes=o["layer_bytes"])).step_ms
+            for k, adam_only in (("fit_adam", True), ("fit_all", False)):
+                o[k] = predict(r, fitted(r, o["trace"], adam_only=adam_only, layer_bytes=o["layer_bytes"]))
+                o[f"{k}_ms"], o[f"{k}_steady_ms"] = o[k].step_ms, o[k].steady_step_ms
             cells += [f"{o[k]:.0f} | {err(o[k], m_ms)}" for k in ("fit_adam_ms", "fit_all_ms")]
+        print(f"| {r['shape']} | {r['batch']} | {m_ms:.0f} | " + " | ".join(cells) + " |")
+
+    print("\n## Steady state (steps back to back) against the recorded trace (fitted variants as above)\n")
+    print("| shape | batch | measured | cold | err | steady | err | steady, AdamW fitted | err | steady, all fitted "
+          "| err | AdamW idle ms: cold / steady / trace | optimizer stall ms: cold / steady / trace "
+          "| embedding grads unpack ms: plan / trace |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for o in out:
+        r, m_ms, p, df = o["row"], o["measured_step_ms"], o["plan"], o["trace_df"]
+        cells = [f"{p.step_ms:.0f} | {err(p.step_ms, m_ms)}", f"{o['steady_ms']:.0f} | {err(o['steady_ms'], m_ms)}"]
+        if df is None:
+            print(f"| {r['shape']} | {r['batch']} | {m_ms:.0f} | " + " | ".join(cells) + " | no trace |")
+            continue
+        cold, steady = p.simulate(), p.simulate_steady()
+        cells += [f"{o[k]:.0f} | {err(o[k], m_ms)}" for k in ("fit_adam_steady_ms", "fit_all_steady_ms")]
+        cells += [" / ".join(f"{f(x):.0f}" for x in (cold, steady, df)) for f in (adam_idle_ms, optimizer_stall_ms)]
+        cells.append(f"{embed_grad_ms(cold):.0f} / {embed_grad_ms(df):.0f}")
         print(f"| {r['shape']} | {r['batch']} | {m_ms:.0f} | " + " | ".join(cells) + " |")
     return out
 

@@ -8,7 +8,7 @@ import pytest
 from transformers import Qwen2Config
 
 from megatrain_nb.planner import CPU_LAPTOP, H200, Hardware, model_shape, plan
-from megatrain_nb.trace import LANES, Trace, find_stalls
+from megatrain_nb.trace import LANES, Trace, find_stalls, summarize
 
 QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -243,3 +243,124 @@ def test_fp32_adam_rate_defaults_to_the_main_rate():
     assert plan(QWEN25_3B, batch=1, seq=4096, dtype_bytes=4).layer_ms["adam"] == pytest.approx(77_076_992 / 3.90e6)
     with pytest.raises(ValueError, match="host_adam_fp32_params_per_s"):
         dataclasses.replace(H200, host_adam_fp32_params_per_s=0.0)
+
+
+# ---- steady state: steps back to back (Note: [Steady state] in planner.py) ----------------------------
+
+
+def _previous_updates(df) -> dict:
+    """unit -> end of the previous step's update of it, for those that end within the steady step (a
+    step's own update of a unit starts only after the compute that made its gradients: bwd, loss, embed_bwd)."""
+    made = df[(df.lane == "compute") & df.op.isin(["bwd", "loss", "embed_bwd"])]
+    made = dict(zip(made.layer, made.end_ms))
+    adam = df[df.lane == "host-adam"]
+    prev = adam[adam.start_ms < adam.layer.map(made)]
+    assert prev.layer.is_unique
+    return dict(zip(prev.layer, prev.end_ms))
+
+
+def _units_of_load(layer: int, p) -> tuple:
+    """Units whose update a load of `layer` waits for: a tied head's slot also holds the embedding."""
+    L = p.shape["layers"]
+    return (L, -1) if layer == L and p.shape["tied"] else (layer,)
+
+
+@pytest.mark.parametrize("config, batch", [(QWEN25_3B, 1), (QWEN25_3B, 4), (QWEN25_7B, 2)])
+def test_steady_step_is_shorter_than_cold_when_adamw_bounds(config, batch):
+    # Cold, AdamW idles through the whole forward; back to back, the previous step's updates fill it.
+    p = plan(config, batch=batch, seq=4096, cast_on_device=True)
+    assert p.bottleneck == "host-adam"
+    assert p.busy_ms["host-adam"] <= p.steady_step_ms < 0.95 * p.step_ms  # each period holds a step's updates
+
+
+def test_steady_loads_start_after_their_units_previous_update():
+    p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True)
+    df = p.simulate_steady()
+    prev = _previous_updates(df)
+    assert {-1, 0, 1} <= set(prev)  # the last step's tail: the embedding first, then layers in forward order
+    held = 0
+    for r in df[(df.lane == "h2d") & df.phase.isin(["fwd", "loss"])].itertuples():
+        for u in _units_of_load(r.layer, p):
+            if u in prev:
+                assert r.start_ms >= prev[u] - 1e-3, (r.layer, r.start_ms, prev[u])
+                held += abs(r.start_ms - prev[u]) < 1e-3  # a pinned DMA starts right as its update ends
+    assert held >= 20  # most forward loads are held by AdamW on this row
+
+
+def test_steady_wait_update_spans_are_exactly_where_the_loader_waited():
+    p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True)
+    df = p.simulate_steady()
+    prev, L = _previous_updates(df), p.shape["layers"]
+    pack = df[df.lane == "host-pack"]
+    expected, at = [], 0.0  # the loader is one FIFO thread: it reaches a load once the earlier ones are through
+    for layer in [-1, *range(L), L]:
+        for u in _units_of_load(layer, p):
+            if prev.get(u, float("-inf")) > at:
+                expected.append((layer, round(at, 3), round(prev[u], 3)))
+                at = prev[u]
+        at = max([at, *pack[pack.layer == layer].end_ms])  # its own packing (the embedding rows)
+    waits = df[df.op == "wait-update"]
+    got = [(r.layer, round(r.start_ms, 3), round(r.end_ms, 3)) for r in waits.itertuples()]
+    assert len(expected) >= 20 and got == expected
+    assert (waits.lane == "host-pack").all() and set(waits.phase) <= {"fwd", "loss"}
+    # trace.find_stalls blames the optimizer through them, as on recordings; the cold step never waits on it
+    blamed = find_stalls(df).groupby("waited_on").dur_ms.sum()
+    assert blamed["optimizer"] > 0.4 * p.steady_step_ms and blamed.idxmax() == "optimizer"
+    assert "optimizer" not in set(find_stalls(p.simulate()).waited_on)
+
+
+def test_steady_updates_go_in_forward_order_once_every_unit_landed():
+    p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True)
+    order = p.simulate_steady().query("lane == 'host-adam'").sort_values("start_ms").layer.tolist()
+    i = order.index(-1)
+    before, m = order[:i], min(order[:i])  # the last step's updates still running in landing order (..., m)
+    assert before == sorted(before, reverse=True) and order[i + 1:i + 1 + m] == list(range(m))
+    own = order[i + 1 + m:]  # this step's, in landing order: head first
+    assert own == list(range(36, 36 - len(own), -1)) and len(own) > 5
+    # gated (grad_clip): no update before the last landing, then all in forward order, during the next step
+    clip = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, grad_clip=True).simulate_steady()
+    assert clip.query("lane == 'host-adam'").sort_values("start_ms").layer.tolist() == list(range(-1, 37))
+
+
+@pytest.mark.parametrize("pinning", [{}, dict(cast_on_device=True)])
+def test_steady_and_cold_agree_when_the_optimizer_is_fast(pinning):
+    fast = dataclasses.replace(H200, name="H200, instant AdamW", host_adam_params_per_s=1e15,
+                               host_adam_fp32_params_per_s=1e15)
+    p = plan(QWEN25_3B, batch=1, seq=4096, hardware=fast, **pinning)
+    assert p.steady_step_ms == pytest.approx(p.step_ms, rel=1e-5)
+    steady, cold = p.simulate_steady(), p.simulate()
+    assert steady.query("op == 'wait-update'").dur_ms.sum() < 0.01  # the embedding's update: ~0.3 µs
+    assert (steady.start_ms >= -0.01).all()  # nothing of the last step is left to run into this one
+    work = steady[steady.op != "wait-update"]
+    assert work.groupby(["lane", "op"]).size().to_dict() == cold.groupby(["lane", "op"]).size().to_dict()
+    a, b = (x[x.lane != "host-adam"].sort_values(["lane", "start_ms"], kind="stable") for x in (work, cold))
+    assert a[["lane", "op", "layer"]].values.tolist() == b[["lane", "op", "layer"]].values.tolist()
+    assert (a.start_ms.values - b.start_ms.values).max() < 0.01  # the same timeline, not merely the same length
+
+
+def test_steady_state_repeats_and_reads_like_a_recording():
+    p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True)
+    df = p.simulate_steady()
+    assert list(df.columns) == list(Trace(step=0).to_dataframe().columns)
+    assert df.end_ms.max() == pytest.approx(p.steady_step_ms, abs=1e-3) == summarize(df)["step_ms"]
+    assert df[df.lane == "host-adam"].start_ms.min() < 0  # the last step's update that was running at the start
+    assert (df[df.lane != "host-adam"].start_ms >= 0).all()
+    comp = df[df.lane == "compute"].op.value_counts().to_dict()
+    assert comp == {"fwd": 36, "bwd": 36, "loss": 1, "embed_bwd": 1}  # one step's compute, whole
+    for n in (4, 7):  # periodic: more steps give the same step
+        more = p.simulate_steady(steps=n)
+        assert set(more.step) == {n - 1}
+        assert more[["lane", "op", "layer"]].values.tolist() == df[["lane", "op", "layer"]].values.tolist()
+        assert abs(more[["start_ms", "end_ms"]].values - df[["start_ms", "end_ms"]].values).max() < 1e-3
+    first = p.simulate_steady(steps=1)  # from cold, ending when its driver returns
+    assert first.start_ms.min() >= 0 and "wait-update" not in set(first.op)
+    assert first.end_ms.max() < p.step_ms - 50  # the cold step also waits for its last updates
+
+
+def test_steady_errors_name_the_problem():
+    p = plan(QWEN25_05B, batch=1, seq=256)
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="^steps must be an int >= 1"):
+            p.simulate_steady(steps=bad)
+    with pytest.raises(ValueError, match="not made by plan"):
+        dataclasses.replace(p, _sim=()).simulate_steady()
