@@ -46,6 +46,36 @@ def unit_layouts(arch: Architecture) -> dict[int, tuple[Layout, str]]:
     return out
 
 
+def carve(want: dict, alloc, align: int = 4096) -> dict:
+    """Zeroed flat tensors for ``want`` (key -> (numel, dtype)), carved from a few uint8 blocks.
+
+    Note: [Pinned arena] torch's pinned allocator rounds every request up to a power of two: slab by
+    slab, a 3B model's pinned master and grads took ~11 GB more host RAM than they hold (308 MB
+    layer masters in 512 MB blocks). Here each block is a power of two, filled first-fit with the
+    slabs, largest first, each at an ``align``-byte offset; only the last block's tail is left over.
+
+    Args:
+        want: key -> (numel, dtype).
+        alloc: nbytes -> zeroed uint8 tensor (pinned on CUDA).
+    Returns:
+        key -> flat tensor of that numel and dtype, a view into one block.
+    """
+    size = {k: -(-n * torch.tensor([], dtype=dt).element_size() // align) * align for k, (n, dt) in want.items()}
+    todo = sorted(want, key=lambda k: -size[k])
+    out = {}
+    while todo:
+        rest = sum(size[k] for k in todo)
+        block = max(1 << (rest.bit_length() - 1), 1 << (size[todo[0]] - 1).bit_length())
+        buf, used = alloc(block), 0
+        for k in list(todo):
+            if used + size[k] <= block:
+                n, dt = want[k]
+                out[k] = buf[used:used + n * torch.tensor([], dtype=dt).element_size()].view(dt)
+                used += size[k]
+                todo.remove(k)
+    return out
+
+
 class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
@@ -63,15 +93,37 @@ class HostStore:
         self.num_layers = arch.num_layers
         self.shadow_dtype = shadow_dtype
         layouts = unit_layouts(arch)
+        pin = shadow_dtype is not None or pin_master
+        want = {}  # (unit, slab) -> (numel, dtype, pinned)
+        for u, (layout, _) in layouts.items():
+            want[u, "master"] = (layout.numel, torch.float32, pin_master)
+            want[u, "grad"] = (layout.numel, torch.float32 if u == -1 else grad_dtype, pin and u != -1)
+            if shadow_dtype is not None:
+                want[u, "shadow"] = (layout.numel, shadow_dtype, True)
+        slabs = self._alloc_all(want)
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
-            g = torch.float32 if u == -1 else grad_dtype
-            pin = shadow_dtype is not None or pin_master
-            self.units[u] = Unit(layer=u, layout=layout, prefix=prefix,
-                                 master=self._alloc(layout.numel, torch.float32, pin=pin_master),
-                                 grad=self._alloc(layout.numel, g, pin=pin and u != -1),
-                                 exp_avg=torch.zeros(layout.numel), exp_avg_sq=torch.zeros(layout.numel),
-                                 shadow=None if shadow_dtype is None else self._alloc(layout.numel, shadow_dtype, pin=True))
+            self.units[u] = Unit(layer=u, layout=layout, prefix=prefix, master=slabs[u, "master"],
+                                 grad=slabs[u, "grad"], exp_avg=torch.zeros(layout.numel),
+                                 exp_avg_sq=torch.zeros(layout.numel), shadow=slabs.get((u, "shadow")))
+
+    @classmethod
+    def _alloc_all(cls, want: dict) -> dict:
+        """Zeroed slabs; the pinned ones carved from a few power-of-two pinned blocks (Note: [Pinned arena])."""
+        out = {k: cls._alloc(n, dt, pin=False) for k, (n, dt, pinned) in want.items() if not pinned}
+        pinned = {k: (n, dt) for k, (n, dt, p) in want.items() if p}
+        if pinned:
+            try:
+                out.update(carve(pinned, cls._pinned_block))
+            except RuntimeError as e:  # e.g. a driver refusing one large pinned block: pin slab by slab
+                import warnings
+                warnings.warn(f"pinning the store in large blocks failed ({e}); pinning each slab on its own, "
+                              "which torch rounds up to a power of two (more host memory)", stacklevel=3)
+                out.update({k: cls._alloc(n, dt, pin=True) for k, (n, dt) in pinned.items()})
+        return out
+    @staticmethod
+    def _pinned_block(nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
 
     @staticmethod
     def _alloc(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

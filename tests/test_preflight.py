@@ -42,7 +42,7 @@ def test_store_estimate_equals_bytes_report(family, dtype):
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "mixtral"])
 def test_store_estimate_with_pinned_shadow(family, monkeypatch):
     """pin_store adds a compute-dtype shadow; pinning is faked here (no CUDA), the sizes are real."""
-    monkeypatch.setattr(HostStore, "_alloc", staticmethod(lambda n, dtype, pin: torch.zeros(n, dtype=dtype)))
+    monkeypatch.setattr(HostStore, "_pinned_block", staticmethod(lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8)))
     arch = load_architecture(make_config(family))
     want = HostStore(arch, grad_dtype=torch.bfloat16, shadow_dtype=torch.bfloat16).bytes_report()
     cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16, pin_store=True)

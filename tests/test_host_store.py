@@ -1,0 +1,99 @@
+"""host_store.carve (Note [Pinned arena]) and the pinned slabs HostStore carves with it.
+
+Pinning itself needs CUDA; here the block allocator is a plain zeroed uint8 tensor, and what is
+under test is the carving: sizes, dtypes, zeroes, alignment, no overlap, few blocks, little waste.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_config
+from megatrain_nb.hf import load_architecture
+from megatrain_nb.host_store import HostStore, carve
+
+ALIGN = 4096
+
+
+def _blocks():
+    made = []
+
+    def alloc(nbytes: int) -> torch.Tensor:
+        made.append(torch.zeros(nbytes, dtype=torch.uint8))
+        return made[-1]
+
+    return made, alloc
+
+
+def _nbytes(n: int, dtype: torch.dtype) -> int:
+    return n * torch.tensor([], dtype=dtype).element_size()
+
+
+def test_carved_slabs_are_disjoint_aligned_zeroed_views_of_power_of_two_blocks():
+    want = {("emb", "master"): (3_111_649, torch.float32)}
+    for i in range(12):
+        want[(i, "master")] = (770_703 + i, torch.float32)
+        want[(i, "grad")] = (770_703 + i, torch.bfloat16)
+    made, alloc = _blocks()
+    out = carve(want, alloc, align=ALIGN)
+    assert out.keys() == want.keys()
+    spans = []
+    for k, (n, dt) in want.items():
+        t = out[k]
+        assert t.shape == (n,) and t.dtype == dt and not t.any(), k
+        block = next(b for b in made if b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel())
+        start = t.data_ptr() - block.data_ptr()
+        assert start % ALIGN == 0 and start + _nbytes(n, dt) <= block.numel(), k
+        spans.append((t.data_ptr(), t.data_ptr() + _nbytes(n, dt)))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "slabs overlap"
+    assert all(b.numel() & (b.numel() - 1) == 0 for b in made), "every block is a power of two"
+    need = sum(-(-_nbytes(n, dt) // ALIGN) * ALIGN for n, dt in want.values())
+    rounded_one_by_one = sum(1 << (_nbytes(n, dt) - 1).bit_length() for n, dt in want.values())
+    total = sum(b.numel() for b in made)
+    assert need <= total < need + max(_nbytes(n, dt) for n, dt in want.values())  # at most one slab's worth over
+    assert total < rounded_one_by_one
+    out[(0, "grad")].fill_(1)  # writes stay in their slab
+    assert out[(0, "grad")].all() and not any(out[k].any() for k in want if k != (0, "grad"))
+
+
+def test_a_slab_larger_than_the_rest_together_gets_its_own_block():
+    made, alloc = _blocks()
+    out = carve({"big": (10_000, torch.float32), "small": (10, torch.float32)}, alloc, align=64)
+    assert [b.numel() for b in made][0] == 1 << (40_000 - 1).bit_length()
+    assert out["big"].numel() == 10_000 and out["small"].numel() == 10
+
+
+@pytest.mark.parametrize("settings", [dict(pin_master=True), dict(shadow_dtype=torch.bfloat16)],
+                         ids=["pinned-master", "pinned-shadow"])
+def test_store_carves_its_pinned_slabs_from_blocks(monkeypatch, settings):
+    """What would be pinned on CUDA comes out of a few blocks; the moments and the embedding's fp32
+    grads stay pageable; every slab is zeroed and the byte report counts only what is asked."""
+    arch = load_architecture(make_config("llama"))
+    made, alloc = _blocks()
+    monkeypatch.setattr(HostStore, "_pinned_block", staticmethod(alloc))
+    store = HostStore(arch, grad_dtype=torch.bfloat16, **settings)
+    report = store.bytes_report()
+    assert report["shadow"] == (sum(u.layout.numel for u in store.units.values()) * 2 if "shadow_dtype" in settings else 0)
+    assert report["total"] == sum(report[k] for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow"))
+    in_blocks = lambda t: any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() for b in made)  # noqa: E731
+    for u, unit in store.units.items():
+        assert in_blocks(unit.master) == ("pin_master" in settings), u
+        assert in_blocks(unit.grad) == (u != -1), u
+        assert not in_blocks(unit.exp_avg) and not in_blocks(unit.exp_avg_sq)
+        if "shadow_dtype" in settings:
+            assert in_blocks(unit.shadow) and unit.shadow.dtype == torch.bfloat16
+        assert not unit.master.any() and not unit.grad.any()
+    assert 1 <= len(made) <= 4
+
+
+def test_a_failed_block_falls_back_to_pinning_slab_by_slab(monkeypatch):
+    def refuse(nbytes):
+        raise RuntimeError("no pinned block of that size")
+
+    monkeypatch.setattr(HostStore, "_pinned_block", staticmethod(refuse))
+    monkeypatch.setattr(HostStore, "_alloc", staticmethod(lambda n, dtype, pin: torch.zeros(n, dtype=dtype)))
+    arch = load_architecture(make_config("llama"))
+    with pytest.warns(UserWarning, match="pinning each slab on its own"):
+        store = HostStore(arch, grad_dtype=torch.bfloat16, pin_master=True)
+    assert all(u.master.numel() == u.layout.numel for u in store.units.values())
