@@ -364,3 +364,13 @@ def test_steady_errors_name_the_problem():
             p.simulate_steady(steps=bad)
     with pytest.raises(ValueError, match="not made by plan"):
         dataclasses.replace(p, _sim=()).simulate_steady()
+
+
+def test_plan_is_part_of_the_package_api():
+    """The contract says `megatrain_nb.plan(...)`."""
+    import megatrain_nb
+
+    assert megatrain_nb.plan is plan and megatrain_nb.H200 is H200 and megatrain_nb.Hardware is Hardware
+    p = megatrain_nb.plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               vocab_size=100), batch=1, seq=16)
+    assert p.step_ms > 0 and p.steady_step_ms > 0
