@@ -10,27 +10,23 @@ work on a plan exactly as on a recorded step. The same simulation runs one step 
 (`Plan.simulate_steady`, `Plan.steady_step_ms`; Note: [Steady state]). It models the engine's
 three ways of moving weights (packing from the fp32 master, `pin_store`, `cast_on_device`) but does
 not choose between them: that rule (`preflight.resolve_pinning`) needs the device type and the
-machine's RAM, which a `Hardware` profile does not say. Why ~650 lines: the simulation follows the engine closely enough
-(chunked copies, packer/unpacker queues, grad-slot reuse, the loader's waits for the previous step's
-updates) that its stalls read like a recorded trace's; `_Sim` and `_simulate_steady` are the part to
-split out into a module of their own.
+machine's RAM, which a `Hardware` profile does not say. The scheduler itself lives in `simulate.py`.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
 import pandas as pd
 
-from .schedule import backward_ops, forward_ops, make_blocks, plan_loads
+from .schedule import make_blocks
+from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
 
 _GIB = 1 << 30
 _DEVICE_RESERVE = 2 * _GIB  # CUDA context, cuBLAS / attention workspaces, allocator slack
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
-_GRAD_SLOTS = 2  # the engine alternates two device grad slots
 
 
 @dataclass(kw_only=True)
@@ -282,7 +278,7 @@ class Plan:
             raise ValueError("this Plan holds no simulation inputs (it was not made by plan()); "
                              "call plan(...) and use its result.")
         if steps not in self._steady:
-            self._steady[steps] = _simulate_steady(self._sim, steps)
+            self._steady[steps] = simulate_steady(self._sim, steps)
         spans, _, index = self._steady[steps]
         return Trace(step=index, spans=spans).to_dataframe()
 
@@ -401,7 +397,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
 
     # device memory; keep[] mirrors Engine._keep_now
     act, boundary = T * _act_bytes_per_token(s, d), T * h * d
-    device = {"weight_slots": weight_slots * P * d, "grad_slots": _GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
+    device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
     if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
         largest = max(P, E, s["head_params"])
         device["cast_stage"] = 2 * 4 * min(transfer_chunk_bytes // d, -(-largest // 64) * 64)
@@ -446,7 +442,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
-    spans, busy = _simulate(*sim)
+    spans, busy = simulate(*sim)
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
@@ -466,194 +462,3 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                       f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool); "
                       f"lower pinned_budget_bytes or use a smaller model.", stacklevel=2)
     return p
-
-
-def _simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
-              overlap) -> tuple[list[tuple], dict]:
-    """List-schedules one step from cold. Returns (Trace.spans rows, lane -> work ms)."""
-    sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap)
-    sim.step()
-    return sim.spans, sim.work
-
-
-def _simulate_steady(sim_args: tuple, steps: int | None) -> tuple[list[tuple], float, int]:
-    """Runs consecutive steps (see Note: [Steady state]); returns the last step's spans (times from its
-    start, assigned to it as the recorder would), its step time and its index."""
-    sim = _Sim(*sim_args, steady=True)
-    starts, returns = [], []
-    for n in range(steps or _STEADY_MAX_STEPS):
-        sim.n, sim.t0 = n, returns[-1] if returns else 0.0
-        starts.append(sim.t0)
-        returns.append(sim.step())
-        periods = [b - a for a, b in zip(starts, returns)]
-        if steps is None and n >= 2 and abs(periods[-1] - periods[-2]) <= 1e-6 * periods[-1]:
-            break
-    else:
-        if steps is None:
-            warnings.warn(f"the steady-state simulation did not repeat within {_STEADY_MAX_STEPS} steps (last "
-                          f"periods {periods[-2]:.2f}, {periods[-1]:.2f} ms); reporting the last one.", stacklevel=3)
-    last, t0, ends = len(returns) - 1, starts[-1], [round(r, 4) for r in returns]  # spans hold rounded times
-    spans = []
-    for n, (lane, op, layer, phase, a, b, nbytes) in zip(sim.owner, sim.spans):
-        while n < last and b > ends[n]:  # the recorder files a span under the step open when it ends
-            n += 1
-        if n == last and b <= ends[last]:
-            spans.append((lane, op, layer, phase, round(a - t0, 4) + 0.0, round(b - t0, 4) + 0.0, nbytes))  # no -0.0
-    return spans, returns[-1] - t0, last
-
-
-# Note: [Steady state]
-# `Plan.simulate()` is one step from cold: nothing precedes it, and it ends with its last AdamW
-# update. The engine runs step after step (engine.py, transfers.py, workers.py), and `_simulate_steady`
-# follows it:
-#   - a step starts when the previous one's driver returned: once the embedding's gradients landed in
-#     host memory (`Engine._step`'s `last.get()`); the Adam worker may still be busy then;
-#   - the loader (`Transfers.load`, one FIFO thread) holds each load until the previous step's update
-#     of its unit (both units for a tied head) was processed, recording a `wait-update` span on the
-#     host-pack lane from when it reached the load to when the update ended;
-#   - the Adam worker takes units as they land, and once every unit of the step has landed the rest go
-#     in forward order, embedding first (Note: [Update order]); gated (grad_clip, no overlap), it
-#     starts after the last landing and goes in forward order; a step's updates wait for the previous
-#     step's;
-#   - lanes, weight slots, grad slots, the head slot and the pinned ring carry over between steps.
-# Host time between a driver's return and the next step (Session.step's own work) is not modelled.
-# The steady step is the last simulated one, shown as a recording shows a step: spans ending within
-# it, the previous step's updates included, with times from its start (negative before it).
-_STEADY_MAX_STEPS = 32
-
-
-class _Sim:
-    """List scheduler over the engine's lanes, each running its ops in issue order, for one step or
-    several in a row. A load with no pack time (pack_ms == 0) is one DMA from a pinned slab, a grad copy
-    with no unpack time lands in one. Without `steady`, AdamW runs inline as units land (the cold step)."""
-
-    def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
-                 tied=False, steady=False):
-        self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
-        self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
-        self.free: dict[str, float] = {}  # lane -> end of its latest op
-        self.work: dict[str, float] = {}
-        self.spans: list[tuple] = []
-        self.owner: list[int] = []  # step of each span
-        self.n, self.t0 = 0, 0.0  # current step and its start
-        self.loads: list[tuple] = []  # (h2d end, bytes) per load in packer order: the pinned ring
-        self.landed: list[tuple] = []  # (unit, unpack end, adam ms) in landing order, this step
-        self.updated: dict[int, float] = {}  # unit -> end of its latest update (steady: the next load waits)
-        self.gslot_free = [0.0] * _GRAD_SLOTS
-        self.slot_end = [0.0] * S  # compute end of each weight slot's latest user
-        self.have = [0.0] * S  # h2d end of each slot's current weights
-        self.head_free = self.head_copied = 0.0  # last loss compute end; last head grad copy end
-        self.fops, self.bops = forward_ops(L), backward_ops(make_blocks(L, keep, block))
-        self.f_loads, resident, self.f_slot = plan_loads(self.fops, S, [None] * S)
-        self.b_loads, _, self.b_slot = plan_loads(self.bops, S, resident)
-
-    def put(self, lane, op, layer, phase, a, b, nbytes=0, busy=None):
-        self.free[lane] = b
-        self.work[lane] = self.work.get(lane, 0.0) + (b - a if busy is None else busy)
-        self.spans.append((lane, op, layer, phase, round(a, 4), round(b, 4), int(nbytes)))
-        self.owner.append(self.n)
-        return b
-
-    def hold(self, layer, phase, units) -> float:
-        """The loader's wait for the last update of `units` (a wait-update span); returns when it goes on."""
-        a = max(self.free.get("host-pack", 0.0), self.t0)
-        for u in units:
-            if self.updated.get(u, 0.0) > a:
-                a = self.put("host-pack", "wait-update", layer, phase, a, self.updated[u], busy=0.0)
-        return max([self.t0, *(self.updated.get(u, 0.0) for u in units)])
-
-    def load(self, unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0, waits=()):
-        go = self.hold(unit, phase, waits)
-        free, put = self.free, self.put
-        if pack_ms == 0:  # pinned source: no staging, no packing
-            h0 = max(free.get("h2d", 0.0), slot_free, go)
-            return put("h2d", "h2d", unit, phase, h0, h0 + h2d_ms, nbytes)
-        ring, acc = 0.0, nbytes
-        for end, b in reversed(self.loads):  # pinned chunks still waiting for their copy
-            acc += b
-            if acc > self.budget:
-                ring = end
-                break
-        c = max(1, math.ceil(nbytes / self.chunk))  # chunks: a copy starts once its chunk is packed
-        p0 = max(free.get("host-pack", 0.0), ring, go)
-        put("host-pack", "pack", unit, phase, p0, p0 + pack_ms, nbytes)
-        h0 = max(free.get("h2d", 0.0), slot_free, p0 + pack_ms / c)
-        self.loads.append((put("h2d", "h2d", unit, phase, h0, max(h0 + h2d_ms, p0 + pack_ms + h2d_ms / c), nbytes,
-                               h2d_ms), nbytes))
-        return self.loads[-1][0]
-
-    def grads(self, unit, phase, ready, nbytes, d2h_ms, unpack_ms, adam_ms, op="unpack"):
-        free, put = self.free, self.put
-        c = max(1, math.ceil(nbytes / self.chunk))
-        a = max(ready, free.get("host-unpack", 0.0))  # the unpacker finishes one unit before the next
-        b = put("d2h", "d2h", unit, phase, a, a + d2h_ms, nbytes)
-        u0 = a + d2h_ms / c
-        if unpack_ms == 0:  # pinned grad slab: the unpacker only waits for the copy
-            u = free["host-unpack"] = b
-        else:
-            u = put("host-unpack", op, unit, phase, u0, max(u0 + unpack_ms, b + unpack_ms / c), nbytes, unpack_ms)
-        self.landed.append((unit, u, adam_ms))
-        if self.overlap and not self.steady:
-            a = max(u, free.get("host-adam", 0.0))
-            put("host-adam", "adam", unit, "optim", a, a + adam_ms, 0)
-        return u
-
-    def compute(self, op, layer, phase, dur, *after):
-        a = max([self.free.get("compute", 0.0), *after])
-        return self.put("compute", op, layer, phase, a, a + dur)
-
-    def use(self, k, op, lds, slot_of, h2d_ms, end):
-        """Issues op k's load if it has one (its slot is released by op `after`); returns its slot."""
-        ld = lds.get(k)
-        if ld is not None:
-            rel = self.slot_end[ld.slot] if ld.after is None else end[ld.after]
-            self.have[ld.slot] = self.load(op.layer, op.phase, self.w_bytes, self.t["pack"], h2d_ms, rel,
-                                           waits=(op.layer,))
-        return slot_of[k]
-
-    def step(self) -> float:
-        """Simulates one step from `t0`; returns when its driver returns (the embedding's grads landed)."""
-        L, t, units, compute, slot_end = self.L, self.t, self.units, self.compute, self.slot_end
-        self.landed = []
-        rows = self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # embedding rows gathered on the host
-        end: dict[int, float] = {}
-        at = {ld.before: ld for ld in self.f_loads}
-        for k, op in enumerate(self.fops[:-1]):
-            s = self.use(k, op, at, self.f_slot, t["h2d"], end)
-            end[k] = slot_end[s] = compute("fwd", op.layer, "fwd", t["fwd"], self.have[s], rows)
-        # the packer takes the head after every forward load; a tied head's slot holds the embedding too
-        head = self.load(L, "loss", *units[L][:3], self.head_free, waits=(L, -1) if self.tied else (L,))
-        self.head_free = compute("loss", L, "loss", self.loss_ms, head, self.head_copied)
-        self.grads(L, "loss", self.head_free, *units[L][3:])
-        self.head_copied = self.free["d2h"]
-        end, at, gi = {}, {ld.before: ld for ld in self.b_loads}, 0
-        for k, op in enumerate(self.bops[:-1]):
-            s = self.use(k, op, at, self.b_slot, t["h2d_bwd"], end)
-            if op.kind == "recompute":
-                end[k] = slot_end[s] = compute("recompute", op.layer, "recompute", t["fwd"], self.have[s])
-                continue
-            end[k] = slot_end[s] = compute("bwd", op.layer, "bwd", t["bwd"], self.have[s], self.gslot_free[gi])
-            self.gslot_free[gi] = self.grads(op.layer, "bwd", end[k], self.g_bytes, t["d2h"], t["unpack"],
-                                             t["adam"])  # slot reusable
-            gi ^= 1
-        back = self.grads(-1, "bwd", compute("embed_bwd", -1, "bwd", 0.0), *units[-1][3:], op="embed_grad")
-        if self.steady:
-            self.optimizer()
-        elif not self.overlap:  # clipping / no overlap: AdamW starts once every unit's grads have landed
-            a = max(u for _, u, _ in self.landed)
-            for unit, _, ms in self.landed:
-                a = self.put("host-adam", "adam", unit, "optim", a, a + ms)
-        return back
-
-    def optimizer(self) -> None:
-        """The Adam worker over this step's landings (Note: [Update order]): in landing order while grads
-        still land, the rest in forward order; gated (no overlap), all in forward order after the last."""
-        rank = {u: k for k, u in enumerate([-1, *range(self.L), self.L])}
-        todo, last = list(self.landed), max(u for _, u, _ in self.landed)
-        a = self.free.get("host-adam", 0.0) if self.overlap else max(self.free.get("host-adam", 0.0), last)
-        while todo:
-            a = max(a, todo[0][1])  # with every landed unit done, the worker waits for the next arrival
-            pick = min(todo, key=lambda x: rank[x[0]]) if a >= last else todo[0]
-            todo.remove(pick)
-            unit, _, ms = pick
-            self.updated[unit] = a = self.put("host-adam", "adam", unit, "optim", a, a + ms)
