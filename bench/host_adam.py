@@ -9,12 +9,13 @@ ceiling, but 2 more bytes/param of host RAM), and bf16 grads upcast in chunks of
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import types
 
 import torch
+
+from rows import emit  # bench/ is on sys.path when this runs as a script
 
 from megatrain_nb.config import OptimConfig
 from megatrain_nb.optim import HostAdamW
@@ -51,10 +52,7 @@ def main(argv=None) -> None:
     rows = [measure(a.numel, torch.float32, 1 << 40, a.reps)]
     rows += [measure(a.numel, torch.bfloat16, c, a.reps) for c in a.chunks]
     for row in rows:
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, a.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tracemalloc
@@ -18,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from conftest import make_batches, make_config  # noqa: E402
+from rows import emit  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
 
@@ -76,11 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     for name in a.variants:
-        row = probe(name, VARIANTS[name], a.steps, a.device)
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(probe(name, VARIANTS[name], a.steps, a.device), a.out)
 
 
 if __name__ == "__main__":

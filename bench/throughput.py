@@ -9,7 +9,6 @@ host RSS and host bytes/param.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -18,6 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from rows import emit  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
@@ -112,10 +112,7 @@ def main(argv=None) -> None:
             row["trace_step_ms"] = round(sm.get("step_ms", float("nan")), 1)
             row["waits_ms"] = {k: round(v, 1) for k, v in waits[-1].items()}
             row["h2d_GBps"] = round(sm.get("h2d_GBps", float("nan")), 1)
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, a.out)
         if a.save_trace and s.trace is not None:
             os.makedirs(a.save_trace, exist_ok=True)
             s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))

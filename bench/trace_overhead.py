@@ -7,7 +7,6 @@ Prints and appends one JSON line: median step time with and without tracing, and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -15,6 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from rows import emit  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
@@ -49,10 +49,7 @@ def main(argv=None) -> dict:
                overhead_pct=round(100 * (on - off) / off, 2),
                on_all=[round(x, 4) for x in times[True]], off_all=[round(x, 4) for x in times[False]],
                gpu=torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu", torch=torch.__version__)
-    print(json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, a.out)
     return row
 
 

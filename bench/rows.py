@@ -1,0 +1,11 @@
+"""One benchmark result: printed as a JSON line and, with ``out``, appended to that JSONL file."""
+from __future__ import annotations
+
+import json
+
+
+def emit(row: dict, out: str | None) -> None:
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
