@@ -34,6 +34,18 @@ def _store(arch, grad_dtype=torch.float32, seed=0):
     return store
 
 
+def _train(arch, cfg, grad_dtype, *, steps: int, seed: int):
+    """A fresh store and HostAdamW after ``steps`` updates of every unit with seeded random grads (clip factor 0.5)."""
+    store = _store(arch, grad_dtype)
+    opt = HostAdamW(store, cfg)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for u in store.order:
+            store.units[u].grad.copy_(torch.randn(store.units[u].layout.numel, generator=g))
+            opt.update(u, cfg.lr, 0.5)
+    return store, opt
+
+
 def _reference(store, u, cfg):
     """The unit's parameters as separate tensors under torch.optim.AdamW (the default, non-fused kernel)."""
     unit = store.units[u]
@@ -84,13 +96,7 @@ def test_chunked_update_equals_whole_slab_update(arch, monkeypatch):
     out = []
     for chunk in (1 << 30, 1024, 1088, 4096 + 64):
         monkeypatch.setattr(HostAdamW, "chunk_numel", chunk)
-        store = _store(arch, torch.bfloat16)
-        opt = HostAdamW(store, cfg)
-        g = torch.Generator().manual_seed(3)
-        for _ in range(4):
-            for u in store.order:
-                store.units[u].grad.copy_(torch.randn(store.units[u].layout.numel, generator=g))
-                opt.update(u, cfg.lr, 0.5)
+        store, opt = _train(arch, cfg, torch.bfloat16, steps=4, seed=3)
         assert all(opt.steps_done(u) == 4 for u in store.order)
         out.append([torch.cat([store.units[u].master, store.units[u].exp_avg, store.units[u].exp_avg_sq])
                     for u in store.order])
@@ -114,13 +120,7 @@ def test_host_adamw_is_deterministic(arch):
     cfg = OptimConfig(lr=1e-3, weight_decay=0.1)
     out = []
     for _ in range(2):
-        store = _store(arch)
-        opt = HostAdamW(store, cfg)
-        g = torch.Generator().manual_seed(2)
-        for _ in range(5):
-            for u in store.order:
-                store.units[u].grad.copy_(torch.randn(store.units[u].layout.numel, generator=g))
-                opt.update(u, cfg.lr, 0.5)
+        store, _ = _train(arch, cfg, torch.float32, steps=5, seed=2)
         out.append({u: store.units[u].master.clone() for u in store.order})
     assert all(torch.equal(out[0][u], out[1][u]) for u in out[0])
 
