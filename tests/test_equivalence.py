@@ -199,8 +199,15 @@ def test_batch_shape_changes_between_steps(hf_dir, family, tmp_path):
     batches = [make_batches(VOCAB, 1, batch=b, seq=t, seed=10 + k, pad_id=0 if k == 1 else None)[0]
                for k, (b, t) in enumerate(shapes)]
     s = Session.from_pretrained(d, lr=LR, betas=BETAS, eps=EPS, checkpoint_every=2, micro_batch_size=2)
+    _train_both_and_compare(family, s, lambda: load_reference(d, s.arch.model.config._attn_implementation),
+                            batches, tmp_path)
+
+
+def _train_both_and_compare(family, s, make_reference, batches, tmp_path):
+    """Train the session and its plain-AdamW reference (built by ``make_reference()`` while the session is
+    open) on ``batches``, export the session, close it, and compare losses and weights."""
     try:
-        ref = load_reference(d, s.arch.model.config._attn_implementation)
+        ref = make_reference()
         got = train_session(s, batches)
         want, _, _ = train_reference(ref, batches, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
         s.save_pretrained(tmp_path / "out")
@@ -215,19 +222,15 @@ def test_from_config_matches_reference_built_from_its_weights(tiny_config, famil
     very config object the session holds."""
     cfg = tiny_config(family)
     s = Session.from_config(cfg, seed=3, lr=LR, betas=BETAS, eps=EPS)
-    try:
+
+    def reference():
         s.save_pretrained(tmp_path / "init")
         ref = AutoModelForCausalLM.from_config(s.config, dtype=torch.float32)
         init = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
         ref.load_state_dict(init.state_dict())
-        ref.train()
-        batches = make_batches(VOCAB, 4)
-        got = train_session(s, batches)
-        want, _, _ = train_reference(ref, batches, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-        s.save_pretrained(tmp_path / "out")
-    finally:
-        s.close()
-    _assert_matches(family, got, want, tmp_path / "out", ref)
+        return ref.train()
+
+    _train_both_and_compare(family, s, reference, make_batches(VOCAB, 4), tmp_path)
 
 
 def test_back_to_back_steps_do_not_deadlock(hf_dir):
