@@ -50,7 +50,7 @@ def carve(want: dict, alloc, align: int = 4096) -> dict:
     """Zeroed flat tensors for ``want`` (key -> (numel, dtype)), carved from a few uint8 blocks.
 
     Note: [Pinned arena] torch's pinned allocator rounds every request up to a power of two: slab by
-    slab, a 3B model's pinned master and grads took 29.0 GB for 16.7 GB of data (308 MB layer
+    slab, a 3B model's pinned master and grads took 29.0 GiB for 16.7 GiB of data (308 MB layer
     masters in 512 MB blocks). Here each block is a power of two, filled first-fit with the
     slabs, largest first, each at an ``align``-byte offset; only the last block's tail is left over.
 
