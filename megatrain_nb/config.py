@@ -106,6 +106,11 @@ class EngineConfig:
     with the backward), so nothing is applied; see docs/engine.md [Non-finite gradients] for "skip"."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
+    placement: str | dict = "auto"
+    """Where each unit's AdamW and state live (placement.py): "auto" (on CUDA, units resident on the
+    device while the memory the activations leave holds them), "host" (every update on the host,
+    nothing kept on the device), "stream", or a dict {unit: "host" | "resident"} (-1 embedding,
+    0..L-1 layers, L head). ``Session.placement`` shows the choice and why."""
 
     def __post_init__(self):
         try:
@@ -139,5 +144,8 @@ class EngineConfig:
             raise ValueError("cast_on_device=True and pin_store=True both pin the store; choose one")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
+        if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
+            raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
+                             "{unit: 'host' | 'resident'}")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

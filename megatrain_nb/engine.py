@@ -33,7 +33,8 @@ from .binding import Layout, SlotRefs, call, grads_into
 from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
-from .optim import HostAdamW, grad_norm
+from .optim import DeviceAdamW, HostAdamW, grad_norm
+from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
@@ -73,6 +74,10 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort)
+        self.dev_opt = DeviceAdamW(store, optim, ocfg, dev.device, self.dtype)  # resident units' state and update
+        self.placement_mode = placing.validate(ecfg.placement, L, arch.tied)
+        self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
+        self._free: int | None = None  # device bytes the activations left free, measured by a host-only step
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.offload = Offload(dev, recorder) if ecfg.offload_checkpoints else None
         self.steps_done = 0
@@ -104,6 +109,8 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
+        if unit in self.dev_opt.of:
+            return  # resident: the device updates it at the end of the step (_device_update)
         self.io.delay("host-adam")
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, lr, grad_scale)
@@ -168,6 +175,11 @@ class Engine:
             self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
         if self.keep is None:
             self._keep_tokens = tokens
+            self._free = None  # the activation policy is chosen again: so is the placement (Note: [Placement])
+        self._place()
+        measuring = dev.cuda and self.placement_mode == "auto" and self._free is None and not self.dev_opt.groups
+        if measuring:  # Note: [Placement] this step's allocator peak says what the activations leave free
+            torch.cuda.reset_peak_memory_stats(dev.device)  # allocator bookkeeping: no sync
         loss_box = Box(self.abort)
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
@@ -192,11 +204,70 @@ class Engine:
         with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
             norms = dict(adam_step["landed"])
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
+        if self.dev_opt.groups and math.isfinite(loss) and not bad:
+            self._device_update(norms)
+        if measuring:
+            budget = self.cfg.activation_budget * torch.cuda.get_device_properties(dev.device).total_memory
+            self._free = int(budget - torch.cuda.max_memory_allocated(dev.device))
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
                 "grad_norm": math.sqrt(sum(n * n for n in norms.values()))}
+
+    # ---- placement (driver thread, between steps) -------------------------------------------
+    def _place(self) -> None:
+        """Apply ``placement.choose`` for this step: move groups to or from the device where it changed.
+
+        Note: [Placement] under "auto" a step with nothing resident measures the device memory its
+        activations leave free (its allocator peak); the next step makes resident, in the order the
+        forward needs them, the groups that fit there. When the activation policy is chosen again
+        (more tokens), the placement is too: everything goes back to the host for one measuring step.
+        Only that step resets the allocator's peak statistics. A checkpoint keeps the measured bytes, so
+        a resumed run places as the first did from its first step (bit-identical results).
+        """
+        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
+        want = placing.choose(numel, mode=self.placement_mode, free_bytes=self._free,
+                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), tied=self.arch.tied,
+                              cuda=self.dev.cuda)
+        moving = [g for g in placing.groups(self.L, self.arch.tied)
+                  if (want[g[0]].placement == "resident") != (g in self.dev_opt.groups)]
+        if moving:
+            self.adam.wait_all(self.steps_done)  # host wait: every host update of finished steps is applied
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: device updates done before state moves
+            with self.dev.on(self.dev.compute):
+                for g in moving:
+                    self.dev_opt.remove(g) if g in self.dev_opt.groups else self.dev_opt.add(g)
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
+        self.choice = want
+
+    def _device_update(self, norms: dict) -> None:
+        """Driver: enqueue AdamW of every resident unit on the compute stream (the loss and norms are finite)."""
+        scale = self.optim.clip_factor(norms)[1]  # the host's clip factor: the same for every unit
+        n = sum(r.master.numel() for r in self.dev_opt.groups.values())
+        with self.dev.on(self.dev.compute):
+            tok = self.rec.cuda_begin("device-adam", "adam", -1, "optim", n * 16, self.dev.compute)
+            self.dev_opt.update(self.ocfg.lr_at(self.steps_done), scale)
+            self.rec.cuda_end(tok, self.dev.compute)
+
+    def placement_frame(self):
+        """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
+        import pandas as pd
+
+        choice = self.choice or placing.choose(
+            {u: unit.layout.numel for u, unit in self.store.units.items()}, mode=self.placement_mode,
+            free_bytes=self._free, dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
+            tied=self.arch.tied, cuda=self.dev.cuda)
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        rows = []
+        for u in self.store.order:
+            c, n = choice[u], self.store.units[u].layout.numel
+            name = "embedding" if u == -1 else "head" if u == self.L else f"layer {u}"
+            dev_bytes = placing.resident_bytes(u, n, size, self.arch.tied) if c.placement == "resident" else 0
+            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason))
+        return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "reason"])
 
     def _count_memory(self) -> None:
         """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""
@@ -212,9 +283,12 @@ class Engine:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         weights = size(self.slots + [self.head_slot])
         grads = size(self.gslots + [self.head_gslot])
+        resident = size([t for r in self.dev_opt.groups.values() for t in (r.w, r.grad, r.master, r.exp_avg,
+                                                                             r.exp_avg_sq, r.egrad) if t is not None])
         rec.counter("device_mem.weights", weights)
         rec.counter("device_mem.grads", grads)
-        rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads)
+        rec.counter("device_mem.resident", resident)
+        rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads - resident)
         rec.counter("pinned_in_use_bytes", size(self.io.staging + self.io.gstaging))
 
     @property
@@ -250,6 +324,11 @@ class Engine:
         """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves)."""
         ids = mb["input_ids"]
         H = self.arch.embed.weight.shape[1]
+        if -1 in self.dev_opt.of:  # resident: gather on the device from the current weights
+            r = self.dev_opt.of[-1]
+            a, b = r.seg(-1)
+            rows = r.w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
+            return rows.view(*ids.shape, H), Box(ready=True)
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
         rows = lambda: self.store.units[-1].master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
         box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", self.steps_done)
@@ -262,7 +341,8 @@ class Engine:
         "slot": op index -> slot}. A load waits for the release of its slot's previous use: in this
         plan (``Load.after``) or in an earlier one (``self.slot_box``).
         """
-        loads, _, slot_of_op = plan_loads(ops, len(self.slots), resident)
+        slot_ops = [Op("resident", op.layer, op.phase) if op.layer in self.dev_opt.of else op for op in ops]
+        loads, _, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
         rel = {k: Box(self.abort) for k in slot_of_op}
         boxes = {}
         for ld in loads:
@@ -276,6 +356,8 @@ class Engine:
 
     def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
         """Driver: the weight slot op k computes from; the compute stream waits for its load."""
+        if k not in plan["slot"]:
+            return self.dev_opt.of[op.layer].w  # resident: always current, never loaded
         s = plan["slot"][k]
         if k in plan["loads"]:
             ld, box = plan["loads"][k]
@@ -287,10 +369,13 @@ class Engine:
 
     def _done(self, plan: dict, k: int) -> None:
         """Driver: op k no longer needs its slot once the compute stream passes this point."""
-        plan["rel"][k].put(self.dev.record(self.dev.compute))
+        if k in plan["rel"]:
+            plan["rel"][k].put(self.dev.record(self.dev.compute))
 
     def _load_head(self) -> Box:
         L = self.L
+        if L in self.dev_opt.of:
+            return Box(ready=True)  # resident: the head group's buffer is the head slot
         segs = [(L, self._master(L), 0)]
         if self.arch.tied:
             segs.append((-1, self._master(-1), self.store.units[L].layout.numel))
@@ -373,10 +458,12 @@ class Engine:
         arch, dev, L, lay = self.arch, self.dev, self.L, self.head_layout
         self._ready(head_box)
         self.dev.wait(dev.compute, self.head_gbox.get())  # last step's head grads were copied out
+        res = self.dev_opt.of.get(L)
+        w, gslot = (self.head_slot, self.head_gslot) if res is None else (res.w, res.grad)
         tok = self.rec.cuda_begin("compute", "loss", L, "loss", 0, dev.compute)
-        self.head_gslot.zero_()
-        params = lay.views(self.head_slot, requires_grad=True)
-        grads_into(params, self.head_gslot, lay)
+        gslot.zero_()
+        params = lay.views(w, requires_grad=True)
+        grads_into(params, gslot, lay)
         norm_p = {n[len(arch.norm_prefix):]: p for n, p in params.items() if n.startswith(arch.norm_prefix)}
         W = params[arch.embed_name if arch.tied else arch.head_name]
         total = torch.zeros((), dtype=torch.float32, device=dev.device)
@@ -397,7 +484,7 @@ class Engine:
                 total += loss.detach()
             grads.append(g)
         n_head = self.store.units[L].layout.numel
-        self.norm_dev[L + 1].copy_(grad_norm(self.head_gslot[:n_head]))
+        self.norm_dev[L + 1].copy_(grad_norm(gslot[:n_head]))
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
@@ -405,7 +492,7 @@ class Engine:
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        self.head_gbox, _ = self.io.grads(L, self.head_gslot, segs, done, "loss")
+        self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -437,12 +524,16 @@ class Engine:
                 self._done(plan, k)
             elif op.kind == "bwd":
                 self._use(plan, k, op)
-                self._occ.append(("grad", gi, i, ("compute", "bwd", i, "bwd"), "computing", "ready"))
-                self._occ.append(("grad", gi, i, ("d2h", "d2h", i, "bwd"), "loading", "free"))
+                res = self.dev_opt.of.get(i)
                 params, xs, outs = kept.pop(i)
                 layout = self.store.units[i].layout
-                g = self.gslots[gi][:layout.numel]
-                dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
+                if res is None:
+                    self._occ.append(("grad", gi, i, ("compute", "bwd", i, "bwd"), "computing", "ready"))
+                    self._occ.append(("grad", gi, i, ("d2h", "d2h", i, "bwd"), "loading", "free"))
+                    g = self.gslots[gi][:layout.numel]
+                    dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
+                else:
+                    g = res.grad  # resident: gradients stay on the device for its AdamW
                 self.io.delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
                 g.zero_()
@@ -455,9 +546,12 @@ class Engine:
                 done = dev.record(dev.compute)
                 self._done(plan, k)
                 self._count_memory()
-                self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done,
-                                                           "bwd")
-                gi ^= 1
+                if res is not None:
+                    self.io.grads(i, g, [], done, "bwd")  # only its norm goes to the host (clip, report)
+                else:
+                    self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)],
+                                                          done, "bwd")
+                    gi ^= 1
                 del params, xs, outs
             else:
                 tok = rec.cuda_begin("compute", "embed_bwd", -1, "bwd", 0, dev.compute)
@@ -466,15 +560,36 @@ class Engine:
                     torch.autograd.backward(h0, gs[m])
                     dE.append(st["E"][m].grad.flatten())
                 dE = (torch.cat(dE) if len(dE) > 1 else dE[0]).float()  # the device casts: the host only adds
+                ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
+                if -1 in self.dev_opt.of:
+                    self._embed_grads_device(ids, dE)
+                    rec.cuda_end(tok, dev.compute)
+                    return self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():
                     self._dE_host = dev.host_buffer(dE.numel(), torch.float32)  # pinned: one DMA
                 host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
-                ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]
         raise AssertionError("backward_ops always ends with embed_bwd")
+
+    def _embed_grads_device(self, ids: torch.Tensor, dE: torch.Tensor) -> None:
+        """Compute stream: the resident embedding's fp32 gradient from its rows (and the head's, when tied)."""
+        r = self.dev_opt.of[-1]
+        H = self.arch.embed.weight.shape[1]
+        if self.arch.tied:
+            a, b = r.seg(-1)
+            r.egrad.copy_(r.grad[a:b])  # the lm_head's gradient of the shared weight, upcast as the host does
+        else:
+            r.egrad.zero_()
+        ids = ids.to(self.dev.device, non_blocking=True)
+        rows = dE.view(-1, H)
+        pad = self.arch.embed.padding_idx
+        if pad is not None:
+            rows = rows.masked_fill((ids == pad).unsqueeze(1), 0)  # nn.Embedding gives padding_idx no gradient
+        r.egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
+        self.norm_dev[0].copy_(grad_norm(r.egrad))
 
     def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive) -> float:
         """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
@@ -502,8 +617,15 @@ class Engine:
             self.adam.version = dict.fromkeys(self.adam.order, n)
 
     def drain(self) -> None:
-        """Block until every update of every finished step is applied to the host masters."""
+        """Block until every update of every finished step is applied to the host masters.
+
+        Resident units' state is written back to the host store (it stays on the device too).
+        """
         self.adam.wait_all(self.steps_done)
+        if self.dev_opt.groups:
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
+            self.dev_opt.write_back()
 
     def close(self) -> None:
         """Finish pending updates, then stop the worker threads. Idempotent."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from . import placement as placing
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -59,13 +60,16 @@ class Hardware:
     host_adam_fp32_params_per_s: float | None = None
     """Host AdamW with fp32 gradients (no upcast): the embedding's, or every unit's when dtype_bytes=4;
     None means `host_adam_params_per_s`."""
+    device_adam_params_per_s: float | None = None
+    """Device AdamW of resident units (`optim.DeviceAdamW`: torch's fused kernel, grads upcast first);
+    None means 25 x `host_adam_params_per_s` (a guess: the device's memory is that much faster)."""
 
     def __post_init__(self):
         for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
                      "host_adam_params_per_s", "host_cast_elems_per_s", "device_mem_bytes", "host_mem_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)!r}.")
-        for name in ("gemm_tflops", "host_adam_fp32_params_per_s"):
+        for name in ("gemm_tflops", "host_adam_fp32_params_per_s", "device_adam_params_per_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0 or None, got {getattr(self, name)!r}.")
         if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
@@ -84,6 +88,7 @@ H200 = Hardware(
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
     bf16_tflops=490.0, gemm_tflops=774.0,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
+    device_adam_params_per_s=1.0e11,  # LIMITS.md: fused AdamW of all 3.1B params of the 3B shape in ~0.03 s
     device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -217,6 +222,8 @@ class Plan:
     """Every device category together fits `hardware.device_mem_bytes`."""
     fits_host: bool
     """Host bytes, pinned pool included, fit `hardware.host_mem_bytes`."""
+    placement: dict = field(default_factory=dict)
+    """unit -> "host" or "resident" (placement.py), as the engine would choose with these settings."""
     spans: list[tuple] = field(repr=False, default_factory=list)
     """Simulated spans (Trace.spans layout)."""
     _sim: tuple = field(repr=False, compare=False, default=())
@@ -314,7 +321,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
-         cast_on_device: bool = False) -> Plan:
+         cast_on_device: bool = False, placement="host") -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -355,6 +362,11 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             default plan (packing) is what notebooks and the synthetic trace were made with.
             In every mode the embedding rows are gathered and packed on the host, and a tied head's
             embedding gradient is unpacked (cast) into the fp32 embedding grads.
+        placement: as `EngineConfig.placement` ("host", "stream", "auto" or a dict): "auto" makes
+            resident, in the forward's order, the units that fit in what the activations leave of
+            `activation_budget` (as the engine does on CUDA after its measuring step); resident units
+            take no loads and no grad copies, and their AdamW runs on the device after the backward.
+            Default "host" (what a CPU-only `Hardware` does); the engine's default on CUDA is "auto".
 
     Returns:
         Plan.
@@ -387,7 +399,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
-                    pin_store=pin_store, cast_on_device=cast_on_device)
+                    pin_store=pin_store, cast_on_device=cast_on_device, placement=placement)
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
@@ -413,6 +425,14 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     device.update(activations_kept=sum(keep) * act, checkpoints=len(blocks) * boundary,
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
+    numel = {-1: s["embed_params"], **dict.fromkeys(range(L), P), L: s["head_params"]}
+    mode = placing.validate(placement, L, s["tied"])
+    free = activation_budget * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
+    choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True)
+    resident = {u for u, c in choice.items() if c.placement == "resident"}
+    device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
+    dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
+    dev_adam_ms = sum(numel[u] for u in resident) / dev_adam * 1e3
 
     # rates (ms); copies in both directions at once share the duplex rate
     pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
@@ -442,7 +462,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
-    spans, busy = simulate(*sim)
+    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms)
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
@@ -452,7 +472,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
              device_bytes=device, keep=keep, layer_ms=t, step_ms=step_ms, busy_ms=busy,
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
              fits_device=sum(device.values()) <= hw.device_mem_bytes,
-             fits_host=sum(host.values()) <= hw.host_mem_bytes, spans=spans, _sim=(*sim, s["tied"]))
+             fits_host=sum(host.values()) <= hw.host_mem_bytes, placement={u: choice[u].placement for u in numel},
+             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms))
     if not p.fits_device:
         warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
                       f"{hw.device_mem_bytes / _GIB:.1f}; lower batch, seq or loss_chunk_tokens, or set "

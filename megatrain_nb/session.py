@@ -295,8 +295,19 @@ class Session:
         self.store.save_pretrained(out_dir, dtype=dtype)
 
     def memory_report(self) -> dict:
-        """Host bytes by category and bytes per parameter of the store."""
-        return self.store.bytes_report()
+        """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
+        bytes of the units placed there (see ``placement``)."""
+        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30)}
+
+    @property
+    def placement(self):
+        """Where each unit's AdamW and state live, and why (see ``EngineConfig.placement``).
+
+        Returns:
+            DataFrame, one row per unit (embedding, layers, head): unit, name, placement ("host" or
+            "resident"), params, device_GiB, reason.
+        """
+        return self.engine.placement_frame()
 
     def close(self) -> None:
         self.engine.close()

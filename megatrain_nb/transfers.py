@@ -179,7 +179,7 @@ class Transfers:
                         self._gnext = (self._gnext + 1) % len(self.gstaging)
                         buf.copy_(src[off + a:off + b], non_blocking=True)
                         pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
-                if unit != -1:
+                if host_fn is None:
                     self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
                 self.rec.cuda_end(tok, self.dev.d2h)
                 done = self.dev.record(self.dev.d2h)
