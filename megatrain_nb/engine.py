@@ -78,6 +78,9 @@ class Engine:
         self.placement_mode = placing.validate(ecfg.placement, L, arch.tied)
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
         self._free: int | None = None  # device bytes the activations left free, measured by a host-only step
+        self._bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
+        self._seen: set[int] = set()  # units whose gradients are complete this step
+        self._updated = None  # event after this step's last overlapped device update
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.offload = Offload(dev, recorder) if ecfg.offload_checkpoints else None
         self.steps_done = 0
@@ -184,6 +187,9 @@ class Engine:
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
+        overlap_dev = bool(self.dev_opt.groups) and not gate  # Note: [Device updates]
+        self._bad = torch.zeros((), dtype=torch.bool, device=dev.device) if overlap_dev else None
+        self._seen, self._updated = set(), None
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
         with dev.on(dev.compute):
             rec.begin_step(self.steps_done)
@@ -198,14 +204,15 @@ class Engine:
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
+            dev.wait(dev.compute, self._updated)  # the next step's compute follows this step's device updates
             self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have
         loss = float(loss_box.get())
         with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
             norms = dict(adam_step["landed"])
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
-        if self.dev_opt.groups and math.isfinite(loss) and not bad:
-            self._device_update(norms)
+        if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
+            self._device_update(norms)  # gated: the host's clip factor and verdict, for every unit at once
         if measuring:
             budget = self.cfg.activation_budget * torch.cuda.get_device_properties(dev.device).total_memory
             self._free = int(budget - torch.cuda.max_memory_allocated(dev.device))
@@ -242,6 +249,36 @@ class Engine:
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
         self.choice = want
+
+    def _landed(self, unit: int) -> None:
+        """Compute stream: ``unit``'s gradient and norm are complete. A resident group whose units all
+        are gets its AdamW now, on the optimizer stream, while the backward goes on.
+
+        Note: [Device updates] without a gate (grad_clip, overlap off, nonfinite="raise") each resident
+        group updates as soon as its gradients are complete, on its own stream: it overlaps the rest of
+        the backward, and the next step's compute waits for the last one. A non-finite loss, or a
+        non-finite norm of any unit whose gradients were complete before, skips it through the fused
+        kernel's ``found_inf`` (the host's [Non-finite gradients] rule, decided on the device). With a
+        gate the driver updates every resident unit after the backward with the host's clip factor.
+        """
+        if self._bad is None:
+            return
+        torch.logical_or(self._bad, ~torch.isfinite(self.norm_dev[unit + 1]), out=self._bad)
+        self._seen.add(unit)
+        r = self.dev_opt.of.get(unit)
+        if r is None or not set(r.units) <= self._seen:
+            return
+        dev = self.dev
+        found = self._bad.float()  # a snapshot: what lands later cannot change this group's verdict
+        ready = dev.record(dev.compute)
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, ready)
+            if dev.cuda:
+                found.record_stream(dev.optim)  # made on compute, read on optim: keep its memory until then
+            tok = self.rec.cuda_begin("device-adam", "adam", r.units[0], "optim", r.master.numel() * 16, dev.optim)
+            self.dev_opt.update(self.ocfg.lr_at(self.steps_done), groups=[r.units], found_inf=found)
+            self.rec.cuda_end(tok, dev.optim)
+            self._updated = dev.record(dev.optim)
 
     def _device_update(self, norms: dict) -> None:
         """Driver: enqueue AdamW of every resident unit on the compute stream (the loss and norms are finite)."""
@@ -485,6 +522,8 @@ class Engine:
             grads.append(g)
         n_head = self.store.units[L].layout.numel
         self.norm_dev[L + 1].copy_(grad_norm(gslot[:n_head]))
+        if self._bad is not None:
+            torch.logical_or(self._bad, ~torch.isfinite(total), out=self._bad)  # a non-finite loss skips every unit
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
@@ -493,6 +532,7 @@ class Engine:
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
         self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
+        self._landed(L)
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -544,6 +584,7 @@ class Engine:
                 self.norm_dev[i + 1].copy_(grad_norm(g))
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
+                self._landed(i)
                 self._done(plan, k)
                 self._count_memory()
                 if res is not None:
@@ -564,7 +605,9 @@ class Engine:
                 if -1 in self.dev_opt.of:
                     self._embed_grads_device(ids, dE)
                     rec.cuda_end(tok, dev.compute)
-                    return self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
+                    landed = self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
+                    self._landed(-1)
+                    return landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():

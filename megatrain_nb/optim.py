@@ -186,11 +186,16 @@ class DeviceAdamW:
         for u in r.units:
             del self.of[u]
 
-    def update(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW step on every resident unit, on the current stream (enqueued: no host wait)."""
+    def update(self, lr: float, grad_scale: float = 1.0, *, groups=None, found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW step on resident groups (``None``: all), on the current stream (enqueued: no host wait).
+
+        Args:
+            found_inf: 0-dim fp32 on the device; 1.0 skips the update (the fused kernel's own flag: the
+                step count is not advanced either), so a non-finite gradient needs no host decision.
+        """
         group = dict(lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], eps=self.cfg.eps,
-                     weight_decay=self.cfg.weight_decay)
-        for r in self.groups.values():
+                     weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+        for r in (self.groups.values() if groups is None else [self.groups[g] for g in groups]):
             for u, a, b in r.segs:
                 g = r.egrad if u == -1 else r.grad[a:b].float()  # fp32 grads: a copy when low precision
                 if grad_scale != 1.0:

@@ -45,7 +45,8 @@ class Hardware:
     pageable_GBps: float
     """Copy rate from/to pageable (unpinned) host memory."""
     bf16_tflops: float
-    """Effective decoder-layer fwd+bwd rate, counted as 6 * layer params * tokens."""
+    """Effective decoder-layer fwd+bwd rate on its FLOPs: 6 * layer params * tokens plus causal
+    attention, 6 * batch * seq^2 * heads * head_dim (see `elementwise_s_per_token_dim` for the rest)."""
     host_adam_params_per_s: float
     """Host AdamW (`optim.HostAdamW`: torch's fused CPU kernel) over the layers' and head's gradients in a
     2-byte compute dtype, which it upcasts to fp32 in chunks first."""
@@ -63,6 +64,14 @@ class Hardware:
     device_adam_params_per_s: float | None = None
     """Device AdamW of resident units (`optim.DeviceAdamW`: torch's fused kernel, grads upcast first);
     None means 25 x `host_adam_params_per_s` (a guess: the device's memory is that much faster)."""
+    elementwise_s_per_token_dim: float = 0.0
+    """A layer's memory-bound work (norms, activation, rotary, residuals; fwd+bwd) per token and per
+    element of hidden + intermediate size, added to its FLOPs at `bf16_tflops`. 0: FLOPs alone."""
+    layer_launch_ms: tuple[float, float] = (0.0, 0.0)
+    """The host's time to launch one layer's (forward, backward): the driver's Python, autograd's
+    engine. A layer never computes faster than its kernels are launched (small batches)."""
+    loss_s_per_logit: float = 0.0
+    """Cross-entropy's memory-bound work (fp32 softmax and its gradient) per logit, beside the lm_head GEMM."""
 
     def __post_init__(self):
         for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
@@ -77,7 +86,10 @@ class Hardware:
                              f"d2h_GBps) = {max(self.h2d_GBps, self.d2h_GBps)}.")
 
 
-# Copies, layer rate, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Host AdamW: bench/host_adam.py on the
+# Copies, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Layer rate and elementwise term: fitted to the
+# Qwen2.5-7B layer at 16 x 4096 (LIMITS.md: 191 ms) and the 3B layer at 8 x 4096 in the engine (36.6 ms,
+# bench/results_h200_2026-12-01.jsonl trace); they give the 7B layer at 1 and 4 x 4096 within 4%.
+# Launch floor, loss and device AdamW: the 3B x 1 and x 8 traces of that file. Host AdamW: bench/host_adam.py on the
 # same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results_h200_2026-11-29_s2.jsonl):
 # 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
 # step the same updates run slower (DMA and the unpacker share the host's memory bandwidth):
@@ -86,9 +98,10 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
-    bf16_tflops=490.0, gemm_tflops=774.0,
+    bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 3.6),
+    loss_s_per_logit=1.45e-11,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
-    device_adam_params_per_s=1.0e11,  # LIMITS.md: fused AdamW of all 3.1B params of the 3B shape in ~0.03 s
+    device_adam_params_per_s=8.2e10,
     device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -432,7 +445,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     resident = {u for u, c in choice.items() if c.placement == "resident"}
     device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
     dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
-    dev_adam_ms = sum(numel[u] for u in resident) / dev_adam * 1e3
+    dev_adam_ms = {u: numel[u] / dev_adam * 1e3 for u in resident}
 
     # rates (ms); copies in both directions at once share the duplex rate
     pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
@@ -442,8 +455,12 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     adam32 = (hw.host_adam_fp32_params_per_s or hw.host_adam_params_per_s) / 1e3  # the embedding's grads are fp32
     adam = hw.host_adam_params_per_s / 1e3 if d < 4 else adam32
     wb = 4 if cast_on_device else d  # weight bytes per element over PCIe: fp32 when the device casts
-    fwd = 2 * s["active_params_per_layer"] * T / rate
-    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
+    flops = 2 * s["active_params_per_layer"] * T + 2 * batch * seq * seq * s["heads"] * s["head_dim"]  # fwd, causal
+    elementwise = T * (h + s["intermediate"] * (s["experts_per_tok"] or 1)) * hw.elementwise_s_per_token_dim * 1e3
+    fwd = flops / rate + elementwise / 3
+    bwd = 2 * flops / rate + 2 * elementwise / 3
+    fwd, bwd = max(fwd, hw.layer_launch_ms[0]), max(bwd, hw.layer_launch_ms[1])
+    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
@@ -459,7 +476,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             head_n * d / both_down / 1e6, (tied_grads if pinned_store else head_n) / cast,
             s["head_params"] / adam + refresh(s["head_params"])),
     }
-    loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
+    loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9) + V * T * hw.loss_s_per_logit * 1e3
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
     spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms)

@@ -17,7 +17,7 @@ GRAD_SLOTS = 2  # the engine alternates two device grad slots
 
 
 def simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
-             overlap, tied=False, resident=frozenset(), dev_adam_ms=0.0) -> tuple[list[tuple], dict]:
+             overlap, tied=False, resident=frozenset(), dev_adam_ms=None) -> tuple[list[tuple], dict]:
     """List-schedules one step from cold. Returns (Trace.spans rows, lane -> work ms)."""
     sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap, tied, resident,
                dev_adam_ms)
@@ -75,12 +75,14 @@ class _Sim:
     """List scheduler over the engine's lanes, each running its ops in issue order, for one step or
     several in a row. A load with no pack time (pack_ms == 0) is one DMA from a pinned slab, a grad copy
     with no unpack time lands in one. Without `steady`, AdamW runs inline as units land (the cold step).
-    Units in `resident` (placement.py) are never loaded nor copied out; their AdamW (`dev_adam_ms` for
-    all of them) runs on the compute stream after the embedding's backward, on the device-adam lane."""
+    Units in `resident` (placement.py) are never loaded nor copied out; their AdamW (`dev_adam_ms`:
+    unit -> ms) runs on the device-adam lane: each group as its gradients are complete, beside the
+    compute, when `overlap`; else all after the embedding's backward (engine Note: [Device updates]).
+    The next step's compute waits for the last one."""
 
     def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
-                 tied=False, resident=frozenset(), dev_adam_ms=0.0, steady=False):
-        self.resident, self.dev_adam_ms = frozenset(resident), dev_adam_ms
+                 tied=False, resident=frozenset(), dev_adam_ms=None, steady=False):
+        self.resident, self.dev_adam_ms = frozenset(resident), dev_adam_ms or {}
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
         self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
         self.free: dict[str, float] = {}  # lane -> end of its latest op
@@ -184,6 +186,7 @@ class _Sim:
         head = self.t0 if L in res else self.load(L, "loss", *units[L][:3], self.head_free,
                                                   waits=(L, -1) if self.tied else (L,))
         self.head_free = compute("loss", L, "loss", self.loss_ms, head, self.head_copied)
+        self.device_update((L,) if not self.tied else (), self.head_free)
         if L not in res:
             self.grads(L, "loss", self.head_free, *units[L][3:])
             self.head_copied = self.free["d2h"]
@@ -201,12 +204,15 @@ class _Sim:
                 gi ^= 1
             if s is not None:
                 slot_end[s] = end[k]
+            if op.kind == "bwd":
+                self.device_update((op.layer,), end[k])
         e = compute("embed_bwd", -1, "bwd", 0.0)
         back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
-        if res:  # the driver enqueues the device's AdamW once every gradient has landed
-            a = max(back, self.free["compute"])
-            self.put("device-adam", "adam", -1, "optim", a, a + self.dev_adam_ms)
-            self.free["compute"] = a + self.dev_adam_ms  # on the compute stream: the next forward follows it
+        self.device_update((L, -1) if self.tied else (-1,), e)
+        if res and not self.overlap:  # gated: the driver enqueues every update once every gradient landed
+            self.device_update(tuple(sorted(res)), max(back, self.free["compute"]), gated=True)
+        if "device-adam" in self.free:  # the next step's compute follows this step's device updates
+            self.free["compute"] = max(self.free["compute"], self.free["device-adam"])
         if self.steady:
             self.optimizer()
         elif not self.overlap and self.landed:  # clipping / no overlap: AdamW after every unit's grads landed
@@ -214,6 +220,13 @@ class _Sim:
             for unit, _, ms in self.landed:
                 a = self.put("host-adam", "adam", unit, "optim", a, a + ms)
         return back
+
+    def device_update(self, units: tuple, ready: float, gated: bool = False) -> None:
+        """A resident group's AdamW on the device-adam lane once its gradients are complete at `ready`."""
+        if not units or units[0] not in self.resident or (not self.overlap and not gated):
+            return
+        a = max(ready, self.free.get("device-adam", 0.0))
+        self.put("device-adam", "adam", units[0], "optim", a, a + sum(self.dev_adam_ms[u] for u in units))
 
     def optimizer(self) -> None:
         """The Adam worker over this step's landings (Note: [Update order]): in landing order while grads

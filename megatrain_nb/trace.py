@@ -313,6 +313,9 @@ _CAUSES = {  # key -> (waited_on, reason, setting to change)
                   "placement='auto' (the units the forward needs first update on the device; see "
                   "Session.placement); tokens per step; keep overlap_optimizer=True, grad_clip=None"),
     "d2h": ("d2h", "gradients were still leaving a device grad slot.", "tokens per step (batch or seq)"),
+    "device-adam": ("device optimizer", "the device's AdamW of resident units was running (after the backward when "
+                    "gated, else beside it on its own stream).", "grad_clip=None and overlap_optimizer=True (device "
+                    "updates then overlap the backward)"),
     "host-unpack": ("unpacking", "host threads were still copying gradients out of pinned buffers, so no grad "
                     "slot was free.", "pin_store=True (gradients land in pinned slabs: no unpacking)"),
     None: ("host/launch", "no transfer or host job was running (launch or Python overhead).",

@@ -21,7 +21,8 @@ from .workers import AdamWorker, Box, Worker
 
 
 class Streams:
-    """The compute, h2d and d2h streams and event helpers; every method is a no-op or a plain call on the CPU."""
+    """The compute, h2d, d2h (and optim) streams and event helpers; every method is a no-op or a plain
+    call on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -31,6 +32,7 @@ class Streams:
         self.compute = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.optim = torch.cuda.Stream(device) if self.cuda else None  # resident units' AdamW beside the backward
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()

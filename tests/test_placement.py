@@ -175,3 +175,35 @@ def test_a_failed_step_leaves_resident_state_untouched(hf_dir):
     finally:
         s.close()
     assert got == want[1:]
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_non_finite_loss_skips_resident_updates_too(hf_dir, nonfinite):
+    """Overlapped device updates decide on the device (found_inf); gated ones on the host: neither applies."""
+    import math
+    import warnings
+
+    d = hf_dir("llama")
+    L_ = _head(d)
+    s = Session.from_pretrained(d, lr=LR, nonfinite=nonfinite, placement={u: "resident" for u in (-1, 1, 2, L_)})
+    try:
+        train_session(s, make_batches(VOCAB, 1))
+        with torch.no_grad():
+            s.engine.dev_opt.of[1].w[:8] = float("nan")  # layer 1's weights: the loss becomes NaN
+        before = {u: (s.engine.dev_opt.of[u].master.clone(), float(s.engine.dev_opt.of[u].steps[u])) for u in (-1, 2, L_)}
+        host0 = s.store.units[0].master.clone()
+        if nonfinite == "raise":
+            with pytest.raises(FloatingPointError, match="no update was applied"):
+                s.step(make_batches(VOCAB, 1, seed=5)[0])
+        else:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                r = s.step(make_batches(VOCAB, 1, seed=5)[0])
+            assert r.skipped and math.isnan(r.loss) and s.skipped_steps == 1
+        s.engine.adam.wait_all(s.engine.steps_done)
+        for u, (m, n) in before.items():
+            assert torch.equal(s.engine.dev_opt.of[u].master, m), u
+            assert float(s.engine.dev_opt.of[u].steps[u]) == n == 1.0, u
+        assert torch.equal(s.store.units[0].master, host0)
+    finally:
+        s.close()
