@@ -409,14 +409,48 @@ class Engine:
         if k in plan["rel"]:
             plan["rel"][k].put(self.dev.record(self.dev.compute))
 
-    def _load_head(self) -> Box:
+    def _load_head(self, dst: torch.Tensor | None = None, after: Box | None = None) -> Box:
         L = self.L
         if L in self.dev_opt.of:
             return Box(ready=True)  # resident: the head group's buffer is the head slot
         segs = [(L, self._master(L), 0)]
         if self.arch.tied:
             segs.append((-1, self._master(-1), self.store.units[L].layout.numel))
-        return self.io.load(L, self.head_slot, segs, self.head_box, "loss", self.steps_done)
+        return self.io.load(L, self.head_slot if dst is None else dst, segs, self.head_box if after is None else after,
+                            "loss", self.steps_done)
+
+    # ---- forward-only passes (inference.py): a step's loads, no gradients ----------------------
+    def stream_layers(self, *, head: bool):
+        """Driver: yield (unit, its weights on the device) for layers 0..L-1, then the head (unit L) if ``head``.
+
+        Loads go through the weight slots from ``_master``, ordered as a step's forward; a slot is
+        released once the caller has enqueued its compute and resumes the generator. The caller
+        runs on the compute stream, under no_grad.
+        """
+        ops = forward_ops(self.L)[:-1]
+        self._occ = []  # this pass's slot uses: no step's trace holds them
+        plan = self._plan(ops, [None] * len(self.slots))
+        head_box = self._load_head() if head else None
+        for k, op in enumerate(ops):
+            yield op.layer, self.store.units[op.layer].layout.views(self._use(plan, k, op))
+            self._done(plan, k)
+        if head:
+            self._ready(head_box)
+            res = self.dev_opt.of.get(self.L)
+            yield self.L, self.head_layout.views(self.head_slot if res is None else res.w)
+            self.head_box = Box(ready=True, value=self.dev.record(self.dev.compute))  # the next head load waits
+
+    def weights_copy(self, unit: int) -> dict:
+        """Driver: a device copy of unit ``unit``'s current weights (0..L-1, or L: the head) outside the
+        slots, for a caller that keeps it (generation); the compute stream waits for its load."""
+        lay = self.head_layout if unit == self.L else self.store.units[unit].layout
+        buf = torch.empty(lay.numel, dtype=self.dtype, device=self.dev.device)
+        if unit in self.dev_opt.of:
+            return lay.views(buf.copy_(self.dev_opt.of[unit].w))  # resident: its current weights are there
+        box = (self._load_head(buf, Box(ready=True)) if unit == self.L else
+               self.io.load(unit, buf, [(unit, self._master(unit), 0)], Box(ready=True), "fwd", self.steps_done))
+        self._ready(box)
+        return lay.views(buf)
 
     # ---- compute (driver thread, compute stream) -------------------------------------------
     def _template(self, i: int):
@@ -442,9 +476,10 @@ class Engine:
             self._ready(box)
             mask = mb["attention_mask"]
             mask = None if mask is None else mask.to(dev.device, non_blocking=True)
+            pos = arch.position_kwargs(mb.get("position_ids"), dev.device)  # packed rows: packing.py
             E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad():
-                h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask)
+                h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
             hs.append(h0.detach())
         deciding = self.keep is None
@@ -501,8 +536,6 @@ class Engine:
         gslot.zero_()
         params = lay.views(w, requires_grad=True)
         grads_into(params, gslot, lay)
-        norm_p = {n[len(arch.norm_prefix):]: p for n, p in params.items() if n.startswith(arch.norm_prefix)}
-        W = params[arch.embed_name if arch.tied else arch.head_name]
         total = torch.zeros((), dtype=torch.float32, device=dev.device)
         grads = []
         for mb, h in zip(mbs, hs):
@@ -511,9 +544,7 @@ class Engine:
             for a, b in chunks(h.shape[1], self.cfg.loss_chunk_tokens):
                 with torch.enable_grad():
                     x = h[:, a:b].detach().requires_grad_()
-                    logits = F.linear(call(arch.norm, norm_p, x), W)
-                    if arch.softcap:
-                        logits = torch.tanh(logits / arch.softcap) * arch.softcap
+                    logits = arch.logits(params, x)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(),
                                            ignore_index=-100, reduction="sum") / n_valid
                     loss.backward()
@@ -659,15 +690,19 @@ class Engine:
         with self.adam.cond:
             self.adam.version = dict.fromkeys(self.adam.order, n)
 
+    def settle(self) -> None:
+        """Block until every update of every finished step is applied, on the host and on the device."""
+        self.adam.wait_all(self.steps_done)
+        if self.dev_opt.groups and self.dev.cuda:
+            torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
+
     def drain(self) -> None:
         """Block until every update of every finished step is applied to the host masters.
 
         Resident units' state is written back to the host store (it stays on the device too).
         """
-        self.adam.wait_all(self.steps_done)
+        self.settle()
         if self.dev_opt.groups:
-            if self.dev.cuda:
-                torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
             self.dev_opt.write_back()
 
     def close(self) -> None:
