@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per batch, after the warm-up steps")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per batch (placement='auto' measures at "
+    ap.add_argument("--warmup", type=int, default=6, help="untimed steps per batch (placement='auto' measures at "
                                                           "the first and moves state to the device at the second)")
     ap.add_argument("--placement", default="auto", help="'auto', 'host', 'stream' (EngineConfig.placement)")
     ap.add_argument("--checkpoint-every", type=int, default=None)

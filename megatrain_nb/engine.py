@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import math
 import threading
+import time
 import weakref
 
 import torch
@@ -77,7 +78,7 @@ class Engine:
         self.dev_opt = DeviceAdamW(store, optim, ocfg, dev.device, self.dtype)  # resident units' state and update
         self.placement_mode = placing.validate(ecfg.placement, L, arch.tied)
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
-        self._free: int | None = None  # device bytes the activations left free, measured by a host-only step
+        self._search = placing.Search()  # "auto": measuring step, then activations first vs residency first
         self._bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
         self._seen: set[int] = set()  # units whose gradients are complete this step
         self._updated = None  # event after this step's last overlapped device update
@@ -178,11 +179,12 @@ class Engine:
             self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
         if self.keep is None:
             self._keep_tokens = tokens
-            self._free = None  # the activation policy is chosen again: so is the placement (Note: [Placement])
+            self._search = placing.Search()  # the activation policy is chosen again: so is the placement
         self._place()
-        measuring = dev.cuda and self.placement_mode == "auto" and self._free is None and not self.dev_opt.groups
+        measuring = dev.cuda and self.placement_mode == "auto" and self._search.phase == "measure"
         if measuring:  # Note: [Placement] this step's allocator peak says what the activations leave free
             torch.cuda.reset_peak_memory_stats(dev.device)  # allocator bookkeeping: no sync
+        t_start = time.perf_counter()
         loss_box = Box(self.abort)
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
@@ -215,7 +217,13 @@ class Engine:
             self._device_update(norms)  # gated: the host's clip factor and verdict, for every unit at once
         if measuring:
             budget = self.cfg.activation_budget * torch.cuda.get_device_properties(dev.device).total_memory
-            self._free = int(budget - torch.cuda.max_memory_allocated(dev.device))
+            free = int(budget - torch.cuda.max_memory_allocated(dev.device))
+            size = torch.tensor([], dtype=self.dtype).element_size()
+            all_in = all(c.placement == "resident" for c in self._choose(free).values())
+            self._search.measured(free=free, keep=self.keep, layer_bytes=self._act_bytes, everything_fits=all_in,
+                                  checkpoint_bytes=sum(mb["input_ids"].numel() for mb in mbs) * self.arch.embed.weight.shape[1] * size)
+        elif self._search.phase != "done":
+            self._search.stepped(time.perf_counter() - t_start, self.keep)
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
@@ -230,13 +238,16 @@ class Engine:
         activations leave free (its allocator peak); the next step makes resident, in the order the
         forward needs them, the groups that fit there. When the activation policy is chosen again
         (more tokens), the placement is too: everything goes back to the host for one measuring step.
-        Only that step resets the allocator's peak statistics. A checkpoint keeps the measured bytes, so
-        a resumed run places as the first did from its first step (bit-identical results).
+        Only that step resets the allocator's peak statistics. Then two ways to share the device are
+        timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
+        run places as the first did from its first step (bit-identical results).
         """
-        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
-        want = placing.choose(numel, mode=self.placement_mode, free_bytes=self._free,
-                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), tied=self.arch.tied,
-                              cuda=self.dev.cuda)
+        cand = self._search.candidate
+        want = self._choose(None if cand is None else self._search.free[cand])
+        if cand == "B" and self._search.phase == "B1":
+            self.keep = None  # residency first: the activation policy is decided around the residents
+        elif cand is not None and self._search.keep.get(cand) is not None:
+            self.keep = list(self._search.keep[cand])
         moving = [g for g in placing.groups(self.L, self.arch.tied)
                   if (want[g[0]].placement == "resident") != (g in self.dev_opt.groups)]
         if moving:
@@ -280,6 +291,11 @@ class Engine:
             self.rec.cuda_end(tok, dev.optim)
             self._updated = dev.record(dev.optim)
 
+    def _choose(self, free: int | None) -> dict:
+        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
+        return placing.choose(numel, mode=self.placement_mode, free_bytes=free, tied=self.arch.tied,
+                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda)
+
     def _device_update(self, norms: dict) -> None:
         """Driver: enqueue AdamW of every resident unit on the compute stream (the loss and norms are finite)."""
         scale = self.optim.clip_factor(norms)[1]  # the host's clip factor: the same for every unit
@@ -293,17 +309,16 @@ class Engine:
         """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
         import pandas as pd
 
-        choice = self.choice or placing.choose(
-            {u: unit.layout.numel for u, unit in self.store.units.items()}, mode=self.placement_mode,
-            free_bytes=self._free, dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
-            tied=self.arch.tied, cuda=self.dev.cuda)
+        cand = self._search.candidate
+        choice = self.choice or self._choose(None if cand is None else self._search.free[cand])
+        tried = self._search.summary()
         size = torch.tensor([], dtype=self.dtype).element_size()
         rows = []
         for u in self.store.order:
             c, n = choice[u], self.store.units[u].layout.numel
             name = "embedding" if u == -1 else "head" if u == self.L else f"layer {u}"
             dev_bytes = placing.resident_bytes(u, n, size, self.arch.tied) if c.placement == "resident" else 0
-            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason))
+            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason + (f"; {tried}" if tried else "")))
         return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "reason"])
 
     def _count_memory(self) -> None:

@@ -132,3 +132,67 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
                    "activations and the units before it")
             out.update({u: Choice("host", why) for u in g})
     return out
+
+
+@dataclasses.dataclass
+class Search:
+    """The "auto" mode's choice between two ways to share the device, made by timing both.
+
+    Note: [Auto search] candidate A, activations first: the layers the activation policy keeps stay
+    kept, and residency takes what they leave. Candidate B, residency first: the kept activations
+    give their memory back (less one layer's working set and a checkpoint per layer), units become
+    resident in that, and the activation policy keeps what is still free. A is right when the host's
+    AdamW hides behind a long step; B when the host's AdamW is what the step waits for. The engine
+    runs one measuring step (nothing resident), then each candidate for two steps (the second is
+    timed: it carries the first's trailing host updates, as every later step will), and keeps the
+    faster (B only if it is 3% faster). When A already makes every unit resident, B is not tried.
+    Phases: measure -> A1 -> A2 -> B1 -> B2 -> done.
+    """
+
+    phase: str = "measure"
+    free: dict = dataclasses.field(default_factory=dict)  # candidate -> device bytes for residents
+    keep: dict = dataclasses.field(default_factory=dict)  # candidate -> activation policy (list of bool)
+    seconds: dict = dataclasses.field(default_factory=dict)  # candidate -> its timed step
+    winner: str | None = None
+
+    @classmethod
+    def done_with(cls, free: int) -> "Search":
+        """A finished search that places from ``free`` bytes (a resumed run: its checkpoint says so)."""
+        return cls(phase="done", free={"A": free}, winner="A")
+
+    @property
+    def candidate(self) -> str | None:
+        """What the next step runs: None (measuring: nothing resident), "A" or "B"."""
+        if self.phase == "measure":
+            return None
+        return self.winner if self.phase == "done" else self.phase[0]
+
+    def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool) -> None:
+        """After the measuring step: A's and B's budgets (see the Note)."""
+        kept = sum(keep)
+        self.free["A"], self.keep["A"] = free, list(keep)
+        self.free["B"] = free + kept * (layer_bytes - checkpoint_bytes) - layer_bytes
+        if everything_fits or kept == 0:
+            self.phase, self.winner = "done", "A"
+        else:
+            self.phase = "A1"
+
+    def stepped(self, seconds: float, keep: list) -> None:
+        """After a step of a candidate: time it (the second of two) and move on."""
+        nxt = {"A1": "A2", "A2": "B1", "B1": "B2", "B2": "done"}
+        if self.phase in ("A2", "B2"):
+            self.seconds[self.phase[0]] = seconds
+        if self.phase == "B1":
+            self.keep["B"] = list(keep)  # decided in B1's forward, around the residents
+        if self.phase in nxt:
+            self.phase = nxt[self.phase]
+        if self.phase == "done" and self.winner is None:
+            self.winner = "B" if self.seconds["B"] < 0.97 * self.seconds["A"] else "A"
+
+    def summary(self) -> str:
+        """One line for Session.placement: what was tried and what won."""
+        if not self.seconds:
+            return ""
+        a, b = self.seconds.get("A"), self.seconds.get("B")
+        return (f"auto tried activations first ({a:.3f} s a step) and residency first ({b:.3f} s): "
+                f"{'residency' if self.winner == 'B' else 'activations'} first won")

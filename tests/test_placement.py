@@ -207,3 +207,30 @@ def test_non_finite_loss_skips_resident_updates_too(hf_dir, nonfinite):
         assert torch.equal(s.store.units[0].master, host0)
     finally:
         s.close()
+
+
+# ---- the auto search (pure) -------------------------------------------------------------------------
+def _searched(a_s: float, b_s: float, *, kept=3, fits=False) -> placing.Search:
+    s = placing.Search()
+    assert s.candidate is None  # measuring: nothing resident
+    s.measured(free=10, keep=[True] * kept + [False], layer_bytes=4, checkpoint_bytes=1, everything_fits=fits)
+    for phase, t in (("A1", 9.0), ("A2", a_s), ("B1", 9.0), ("B2", b_s)):
+        if s.phase == "done":
+            break
+        assert s.phase == phase and s.candidate == phase[0]
+        s.stepped(t, keep=[False] * 4 if phase[0] == "B" else [True] * kept + [False])
+    return s
+
+
+def test_search_times_both_candidates_and_keeps_the_faster():
+    s = _searched(1.65, 1.02)
+    assert (s.phase, s.winner, s.candidate) == ("done", "B", "B")
+    assert s.free == {"A": 10, "B": 10 + 3 * (4 - 1) - 4} and s.keep["B"] == [False] * 4
+    assert "residency first won" in s.summary() and "1.650 s" in s.summary()
+    assert _searched(1.00, 0.99).winner == "A", "B must be 3% faster to win (timing noise)"
+
+
+def test_search_skips_b_when_a_places_everything_or_nothing_is_kept():
+    assert _searched(1.0, 0.5, fits=True).seconds == {} and _searched(1.0, 0.5, fits=True).winner == "A"
+    assert _searched(1.0, 0.5, kept=0).winner == "A"
+    assert placing.Search.done_with(123).free["A"] == 123
