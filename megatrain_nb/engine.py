@@ -79,6 +79,11 @@ class Engine:
         self.placement_mode = placing.validate(ecfg.placement, L, arch.tied)
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
         self._search = placing.Search()  # "auto": measuring step, then activations first vs residency first
+        self._gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
+        self._share = 0.0  # "stream": share of the layers placed "device", from the rates of the first step
+        self._adam_rate = (0, 0.0)  # host AdamW so far: (params, seconds)
+        self._sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
+        self._sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
         self._bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
         self._seen: set[int] = set()  # units whose gradients are complete this step
         self._updated = None  # event after this step's last overlapped device update
@@ -113,12 +118,15 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
-        if unit in self.dev_opt.of:
-            return  # resident: the device updates it at the end of the step (_device_update)
+        if unit in self.dev_opt.of or unit in self.dev_opt.streamed:
+            return  # the device updated it (_landed, _device_update, _stream_update)
         self.io.delay("host-adam")
+        t0 = time.perf_counter()
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
+        self._adam_rate = (self._adam_rate[0] + self.store.units[unit].layout.numel, self._adam_rate[1]
+                           + time.perf_counter() - t0)  # params, seconds: what "stream" balances PCIe against
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -189,7 +197,7 @@ class Engine:
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
-        overlap_dev = bool(self.dev_opt.groups) and not gate  # Note: [Device updates]
+        overlap_dev = bool(self.dev_opt.groups or self.dev_opt.streamed) and not gate  # Note: [Device updates]
         self._bad = torch.zeros((), dtype=torch.bool, device=dev.device) if overlap_dev else None
         self._seen, self._updated = set(), None
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
@@ -242,6 +250,9 @@ class Engine:
         timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
         run places as the first did from its first step (bit-identical results).
         """
+        params, seconds = self._adam_rate
+        if self.placement_mode == "stream" and not self._share and seconds > 0:  # after the first step's updates
+            self._share = placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S)
         cand = self._search.candidate
         want = self._choose(None if cand is None else self._search.free[cand])
         if cand == "B" and self._search.phase == "B1":
@@ -250,13 +261,21 @@ class Engine:
             self.keep = list(self._search.keep[cand])
         moving = [g for g in placing.groups(self.L, self.arch.tied)
                   if (want[g[0]].placement == "resident") != (g in self.dev_opt.groups)]
-        if moving:
+        streaming = {u for u, c in want.items() if c.placement == "device"}
+        if moving or streaming != set(self.dev_opt.streamed):
             self.adam.wait_all(self.steps_done)  # host wait: every host update of finished steps is applied
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: device updates done before state moves
             with self.dev.on(self.dev.compute):
                 for g in moving:
                     self.dev_opt.remove(g) if g in self.dev_opt.groups else self.dev_opt.add(g)
+                for u in set(self.dev_opt.streamed) - streaming:
+                    self.dev_opt.stream_remove(u)
+                for u in streaming - set(self.dev_opt.streamed):
+                    self.dev_opt.stream_add(u)
+                n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
+                self._sslots = [torch.empty(n, device=self.dev.device) for _ in range(2)] if streaming else []
+                self._sslot_box = [Box(ready=True) for _ in self._sslots]
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
         self.choice = want
@@ -293,8 +312,41 @@ class Engine:
 
     def _choose(self, free: int | None) -> dict:
         numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
-        return placing.choose(numel, mode=self.placement_mode, free_bytes=free, tied=self.arch.tied,
-                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda)
+        want = placing.choose(numel, mode=self.placement_mode, free_bytes=free, tied=self.arch.tied,
+                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda,
+                              share=self._share)
+        if self._gate:  # Note: [Streamed updates] a gated update waits for every gradient: on the host
+            want = {u: placing.Choice("host", c.reason + "; gated (grad_clip, overlap_optimizer=False or nonfinite="
+                                      "'raise'): updated on the host") if c.placement == "device" else c
+                    for u, c in want.items()}
+        return want
+
+    def _stream_update(self, i: int, g: torch.Tensor, done, j: int, loaded: Box, written: Box) -> Box:
+        """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
+
+        The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
+        copies master and moments back once the update is done, and the unit lands (its norm) after
+        that, so the next forward's load of it reads the updated master. Returns the grad slot's box:
+        free once the update has read the gradients.
+        """
+        dev, n = self.dev, g.numel()
+        state = self._sslots[j][:3 * n]
+        found = self._bad.float()  # made on compute, read on optim (see _landed)
+        ev = loaded.get()  # driver waits until the state's copy is enqueued
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, done)
+            dev.wait(dev.optim, ev)
+            if dev.cuda:
+                found.record_stream(dev.optim)
+            tok = self.rec.cuda_begin("device-adam", "adam", i, "bwd", n * 16, dev.optim)
+            self.dev_opt.update_streamed(i, state, g, self.ocfg.lr_at(self.steps_done), found)
+            self.rec.cuda_end(tok, dev.optim)
+            updated = dev.record(dev.optim)
+            self._updated = updated
+        u = self.store.units[i]
+        self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)], updated, "bwd",
+                      op="state-out", enqueued=written)  # fills ``written``: the state slot's next load waits for it
+        return Box(ready=True, value=updated)
 
     def _device_update(self, norms: dict) -> None:
         """Driver: enqueue AdamW of every resident unit on the compute stream (the loss and norms are finite)."""
@@ -390,21 +442,36 @@ class Engine:
         """Submit every load ``ops`` need to the packer, in order of use.
 
         Returns {"loads": op index -> (Load, box), "rel": op index -> Box of that op's slot release,
-        "slot": op index -> slot}. A load waits for the release of its slot's previous use: in this
-        plan (``Load.after``) or in an earlier one (``self.slot_box``).
+        "slot": op index -> slot, "state": bwd op index -> (state slot, its load's box, its write-back's
+        box)}. A load waits for the release of its slot's previous use: in this plan (``Load.after``)
+        or in an earlier one (``self.slot_box``). The backward of a "device" unit also needs its
+        optimizer state: loaded right after its weights, into the state slot whose last write-back
+        has been copied out (Note: [Streamed updates] in placement.py).
         """
         slot_ops = [Op("resident", op.layer, op.phase) if op.layer in self.dev_opt.of else op for op in ops]
         loads, _, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
         rel = {k: Box(self.abort) for k in slot_of_op}
-        boxes = {}
-        for ld in loads:
-            after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
-            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
-                               ops[ld.before].phase, self.steps_done)
-            boxes[ld.before] = (ld, box)
+        jobs = [(ld.before, 0, ld) for ld in loads]
+        jobs += [(k, 1, op.layer) for k, op in enumerate(ops) if op.kind == "bwd" and op.layer in self.dev_opt.streamed]
+        boxes, state = {}, {}
+        for k, kind, what in sorted(jobs, key=lambda j: j[:2]):
+            if kind == 0:
+                ld = what
+                after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
+                box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
+                                   ops[ld.before].phase, self.steps_done)
+                boxes[ld.before] = (ld, box)
+                continue
+            j = len(state) % len(self._sslots)
+            u = self.store.units[what]
+            n = u.layout.numel
+            segs = [(what, lambda u=u: u.master, 0), (what, lambda u=u: u.exp_avg, n), (what, lambda u=u: u.exp_avg_sq, 2 * n)]
+            box = self.io.load(what, self._sslots[j], segs, self._sslot_box[j], "bwd", self.steps_done, op="state-in")
+            self._sslot_box[j] = Box(self.abort)  # filled by this unit's write-back (_stream_update)
+            state[k] = (j, box, self._sslot_box[j])
         for k, s in sorted(slot_of_op.items()):
             self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
-        return {"loads": boxes, "rel": rel, "slot": slot_of_op}
+        return {"loads": boxes, "rel": rel, "slot": slot_of_op, "state": state}
 
     def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
         """Driver: the weight slot op k computes from; the compute stream waits for its load."""
@@ -635,6 +702,9 @@ class Engine:
                 self._count_memory()
                 if res is not None:
                     self.io.grads(i, g, [], done, "bwd")  # only its norm goes to the host (clip, report)
+                elif k in plan["state"]:
+                    self.gslot_box[gi] = self._stream_update(i, g, done, *plan["state"][k])
+                    gi ^= 1
                 else:
                     self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)],
                                                           done, "bwd")
@@ -708,7 +778,7 @@ class Engine:
     def settle(self) -> None:
         """Block until every update of every finished step is applied, on the host and on the device."""
         self.adam.wait_all(self.steps_done)
-        if self.dev_opt.groups and self.dev.cuda:
+        if (self.dev_opt.groups or self.dev_opt.streamed) and self.dev.cuda:
             torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
 
     def drain(self) -> None:
@@ -717,7 +787,7 @@ class Engine:
         Resident units' state is written back to the host store (it stays on the device too).
         """
         self.settle()
-        if self.dev_opt.groups:
+        if self.dev_opt.groups or self.dev_opt.streamed:
             self.dev_opt.write_back()
 
     def close(self) -> None:

@@ -138,6 +138,7 @@ class DeviceAdamW:
         self.store, self.host, self.cfg, self.device, self.dtype = store, host, cfg, device, dtype
         self.groups: dict[tuple[int, ...], Resident] = {}
         self.of: dict[int, Resident] = {}  # unit -> its group
+        self.streamed: dict[int, torch.Tensor] = {}  # unit placed "device" -> its step count on the device
 
     def add(self, units: tuple[int, ...]) -> Resident:
         """Move a group's state from the host store to the device (the host's last update must be applied)."""
@@ -163,12 +164,35 @@ class DeviceAdamW:
         self.of.update(dict.fromkeys(units, r))
         return r
 
+    def stream_add(self, u: int) -> None:
+        """Unit ``u`` is placed "device": its state streams through, its step count lives here."""
+        self.streamed[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
+
+    def stream_remove(self, u: int) -> None:
+        self.host.set_steps_done(u, int(self.streamed.pop(u).item()))  # .item(): host sync (placement change)
+
+    def update_streamed(self, u: int, state: torch.Tensor, grad: torch.Tensor, lr: float,
+                        found_inf: torch.Tensor | None) -> None:
+        """AdamW of a "device" unit on the current stream, in place in its streamed-in state.
+
+        Args:
+            state: (3 * numel,) fp32 on the device: master, exp_avg, exp_avg_sq, as the host holds them.
+            grad: (numel,) compute dtype: its gradients (upcast here).
+        """
+        n = grad.numel()
+        _adamw([state[:n]], [grad.float()], [state[n:2 * n]], [state[2 * n:3 * n]], [], [self.streamed[u]],
+               fused=True, amsgrad=False, maximize=False, lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1],
+               eps=self.cfg.eps, weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+
     def write_back(self, units: tuple[int, ...] | None = None) -> None:
         """Copy master, moments and step counts of resident groups (``None``: all) into the host store.
 
         The caller makes sure the device's updates are done (a synchronize on CUDA): these copies
         read the buffers on the current stream.
         """
+        if units is None:
+            for u, step in self.streamed.items():  # "device" units: their state is on the host already
+                self.host.set_steps_done(u, int(step.item()))
         for key in list(self.groups) if units is None else [units]:
             r = self.groups[key]
             for u, a, b in r.segs:

@@ -8,6 +8,10 @@ what this module decides; ``optim.DeviceAdamW`` holds and updates the resident s
 Placements of one unit (-1 embedding, 0..L-1 decoder layers, L head):
   "host":     today's path: weights stream in from the host master, gradients stream out, AdamW runs
               on the host cores (overlapped with the backward).
+  "device":   (decoder layers) weights stream in as for "host", but no gradient goes out: the unit's
+              fp32 master and moments come in while its backward runs, the device's AdamW updates
+              them as soon as its gradients are complete, and they go back to the host; nothing of
+              it stays on the device between steps (Note: [Streamed updates]).
   "resident": fp32 master, both moments and the compute-dtype weights stay in device memory across
               steps; no load, no gradient over PCIe; AdamW (torch's fused kernel, fp32) runs on the
               device at the end of the step. The host copy is written back only when someone reads
@@ -16,9 +20,18 @@ Modes:
   "auto":   on CUDA, after the first step of a batch size has measured what the activations use,
             the units the next forward needs first become resident while they fit; the rest stay "host".
   "host":   nothing resident (the behaviour before placements existed).
-  "stream": nothing kept on the device between steps (reserved for streamed device updates; today
-            it places like "host" and says so in each unit's reason).
+  "stream": nothing kept on the device between steps: the first layers (the next forward needs them
+            first) are placed "device", the share that balances PCIe against the host's AdamW
+            (``stream_share``), the rest "host". What a model far larger than the GPU gets.
   {unit: placement}: experts; units not named stay "host".
+
+Note: [Streamed updates] a "device" unit moves 12 more bytes per parameter in (master and moments)
+and 10 more out than a "host" one (12 out instead of 2 bytes of gradients), and takes its update off
+the host cores. With host AdamW at A params/s and PCIe at B bytes/s each way, a share f of the
+parameters on the device balances the two when (8 + 12 f) / B = (1 - f) / A (8: the weights, in
+twice, as fp32 for the device cast). With a gate (grad_clip, overlap off, nonfinite="raise") a
+"device" unit is updated on the host like a "host" one: its update would have to wait for every
+gradient, after its state had come and gone.
 
 Note: [Tied head group] a tied model's embedding is also its lm_head, so units -1 and L share one
 placement: the head slot holds them together (``Engine.head_layout``), resident or streamed.
@@ -27,9 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 
-PLACEMENTS = ("host", "resident")
+PLACEMENTS = ("host", "device", "resident")
 MODES = ("auto", "host", "stream")
 RESERVE_BYTES = 2 << 30  # left free for allocator slack and workspaces when choosing residents
+PCIE_BYTES_PER_S = 55e9  # each way, pinned: PCIe Gen5 x16 as measured on the H200 (shared/LIMITS.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +76,9 @@ def validate(placement, num_layers: int, tied: bool):
                              f"and {num_layers} (head)")
         if v not in PLACEMENTS:
             raise ValueError(f"placement[{k}]={v!r}: use one of {PLACEMENTS}")
+        if v == "device" and k in (-1, num_layers):
+            raise ValueError(f"placement[{k}]='device': only decoder layers (0..{num_layers - 1}) stream their "
+                             f"optimizer state; place the {'embedding' if k == -1 else 'head'} 'host' or 'resident'")
         out[k] = v
     if tied and out.get(-1, "host") != out.get(num_layers, "host"):
         raise ValueError(f"placement: this model ties its embedding to its lm_head, so units -1 and {num_layers} "
@@ -85,8 +102,19 @@ def resident_bytes(unit: int, numel: int, dtype_bytes: int, tied: bool) -> int:
     return numel * (12 + 2 * dtype_bytes)
 
 
+def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float) -> float:
+    """The share of parameters placed "device" that balances PCIe against host AdamW (Note: [Streamed updates]).
+
+    Example:
+        >>> round(stream_share(3.5e9, 55e9), 2)  # the H200's host: about a quarter
+        0.28
+    """
+    a, b = host_adam_params_per_s, pcie_bytes_per_s
+    return min(1.0, max(0.0, (1 / a - 8 / b) / (1 / a + 12 / b)))
+
+
 def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: int, tied: bool,
-           cuda: bool) -> dict[int, Choice]:
+           cuda: bool, share: float = 0.0) -> dict[int, Choice]:
     """Each unit's placement.
 
     Args:
@@ -96,6 +124,7 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
         dtype_bytes: bytes of the compute dtype.
         tied: the embedding is the lm_head (Note: [Tied head group]).
         cuda: the device is a GPU (on "cpu" residency would hold a second copy in the same RAM).
+        share: under "stream", the share of the layers placed "device" (``stream_share``).
     Returns:
         unit -> Choice, for every unit in ``numel``.
 
@@ -111,12 +140,15 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
                           else "not named in the placement dict") for u in numel}
     if mode == "host":
         return {u: Choice("host", "placement='host'") for u in numel}
-    if mode == "stream":
-        return {u: Choice("host", "placement='stream' keeps nothing on the device between steps; "
-                                  "streamed device updates are not built yet, so AdamW runs on the host")
-                for u in numel}
     if not cuda:
         return {u: Choice("host", "device 'cpu': host and device memory are the same RAM") for u in numel}
+    if mode == "stream":
+        k = round(share * L)
+        why = f"placement='stream': the first {k} of {L} layers update on the device (a share of {share:.2f} balances PCIe "
+        return {u: Choice("device", why + "against the host's AdamW)") if 0 <= u < k else
+                Choice("host", why + "against the host's AdamW); " +
+                       ("the embedding and head update on the host" if u in (-1, L) else "this one on the host"))
+                for u in numel}
     if free_bytes is None:
         return {u: Choice("host", "first step of this batch size: measuring what the activations use") for u in numel}
     left = free_bytes - RESERVE_BYTES

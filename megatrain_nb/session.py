@@ -63,11 +63,16 @@ class Session:
         check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
         pin, cast = resolve_pinning(self.engine_cfg, self.arch)
         resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast)  # engine_cfg keeps "auto"
+        if torch.device(resolved.device).type == "cuda" and not cast and _streams_state(resolved.placement):
+            raise ValueError(f"placement={resolved.placement!r} streams fp32 masters and moments over PCIe, which needs "
+                             f"them pinned (cast_on_device), but pin_store={resolved.pin_store} and cast_on_device="
+                             f"{self.engine_cfg.cast_on_device} leave them unpinned; set pin_store=None and cast_on_device="
+                             "None (it needs the store in 90% of host RAM), or use placement='auto' / 'host'")
         from .packing import install
 
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
         self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
-                               pin_master=cast)
+                               pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement))
         _init(self.store)
         self.store.refresh_shadow()
         self.optim = HostAdamW(self.store, self.optim_cfg)
@@ -418,6 +423,11 @@ def _run_uninterrupted(fn, driver):
                               "left without its update", stacklevel=3)
             interrupted = True
     return future.result(), interrupted  # re-raises the step's own error here, in the caller's thread
+
+
+def _streams_state(placement) -> bool:
+    """Whether some unit may be placed "device" (its master and moments cross PCIe: pin them)."""
+    return placement == "stream" or (isinstance(placement, dict) and "device" in placement.values())
 
 
 def _as_long(x, name: str) -> torch.Tensor:

@@ -34,10 +34,19 @@ def test_untied_head_comes_last_and_alone():
     assert placing.groups(L, tied=False)[-1] == (L,) and placing.groups(L, tied=True)[0] == (L, -1)
 
 
-@pytest.mark.parametrize("mode,why", [("host", "placement='host'"), ("stream", "not built yet")])
-def test_host_and_stream_keep_nothing(mode, why):
-    c = placing.choose(NUMEL, mode=mode, free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True)
-    assert {ch.placement for ch in c.values()} == {"host"} and all(why in ch.reason for ch in c.values())
+def test_host_keeps_nothing_and_stream_streams_the_first_layers():
+    c = placing.choose(NUMEL, mode="host", free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True)
+    assert {ch.placement for ch in c.values()} == {"host"} and all("placement='host'" in ch.reason for ch in c.values())
+    s = placing.choose(NUMEL, mode="stream", free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True, share=0.5)
+    assert [s[u].placement for u in (-1, 0, 1, 2, 3, 4)] == ["host", "device", "device", "host", "host", "host"]
+    assert "first 2 of 4 layers" in s[0].reason and "embedding and head update on the host" in s[-1].reason
+
+
+def test_stream_share_balances_pcie_against_host_adam():
+    a, b = 3.5e9, 55e9
+    f = placing.stream_share(a, b)
+    assert (8 + 12 * f) / b == pytest.approx((1 - f) / a)  # Note: [Streamed updates]
+    assert placing.stream_share(1e15, b) == 0.0 and placing.stream_share(1.0, b) == pytest.approx(1.0)
 
 
 def test_auto_waits_for_a_measuring_step_and_never_places_on_cpu():
@@ -49,6 +58,7 @@ def test_auto_waits_for_a_measuring_step_and_never_places_on_cpu():
 
 @pytest.mark.parametrize("bad,match", [("gpu", "use one of"), ({7: "resident"}, "placement key 7"),
                                        ({0: "device-ish"}, r"placement\[0\]"), ({-1: "resident"}, "placed alike"),
+                                       ({-1: "device", 4: "device"}, "only decoder layers"),
                                        (["host"], "use one of")])
 def test_bad_placement_names_the_value_and_fix(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -66,6 +76,8 @@ MIXES = {
     "layers_resident": lambda L: {u: "resident" for u in range(L)},
     "head_group_only": lambda L: {-1: "resident", L: "resident"},
     "alternating": lambda L: {u: "resident" for u in range(-1, L + 1) if u % 2 == 0} | {-1: "resident", L: "resident"},
+    "streamed_layers": lambda L: {0: "device", L - 1: "device"},
+    "every_kind": lambda L: {-1: "resident", L: "resident", 0: "device", 1: "resident"} | {u: "device" for u in range(2, L)},
 }
 
 
@@ -128,7 +140,8 @@ def test_resident_state_reaches_the_host_only_when_read(hf_dir, tmp_path):
 
 
 @pytest.mark.parametrize("first,then", [("host", {0: "resident", 2: "resident"}),
-                                        ({0: "resident", -1: "resident"}, "host")])
+                                        ({0: "resident", -1: "resident"}, "host"),
+                                        ({0: "device", 1: "resident"}, {0: "resident", 1: "device"})])
 def test_resume_is_bitwise_across_placements(hf_dir, tmp_path, first, then):
     """Checkpoint format unchanged: a run saved under one placement resumes under another bit for bit."""
     d = hf_dir("llama")
