@@ -375,7 +375,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             default plan (packing) is what notebooks and the synthetic trace were made with.
             In every mode the embedding rows are gathered and packed on the host, and a tied head's
             embedding gradient is unpacked (cast) into the fp32 embedding grads.
-        placement: as `EngineConfig.placement` ("host", "stream", "auto" or a dict): "auto" makes
+        placement: as `EngineConfig.placement` ("host", "stream", "auto" or a dict): "stream" places
+            "device" the share of the layers that balances PCIe against the host AdamW
+            (`placement.stream_share` of `host_adam_params_per_s` and `h2d_GBps`); "auto" makes
             resident, in the forward's order, the units that fit in what the activations leave of
             `activation_budget` (as the engine does on CUDA after its measuring step); resident units
             take no loads and no grad copies, and their AdamW runs on the device after the backward.
@@ -441,7 +443,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     numel = {-1: s["embed_params"], **dict.fromkeys(range(L), P), L: s["head_params"]}
     mode = placing.validate(placement, L, s["tied"])
     free = activation_budget * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
-    choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True)
+    share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9)
+    choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
+                            share=share)
+    streamed = {u for u, c in choice.items() if c.placement == "device"}
     resident = {u for u, c in choice.items() if c.placement == "resident"}
     device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
     dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
@@ -462,6 +467,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     fwd, bwd = max(fwd, hw.layer_launch_ms[0]), max(bwd, hw.layer_launch_ms[1])
     t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
+    t.update(state_bytes=12 * P, state_in=12 * P / both_up / 1e6, state_out=12 * P / both_down / 1e6,
+             dev_adam=P / dev_adam * 1e3)  # a "device" layer's fp32 master and moments, in and out
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
     if cast_on_device:  # pinned fp32 master in, pinned grad slabs out: no host cast anywhere
@@ -479,7 +486,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9) + V * T * hw.loss_s_per_logit * 1e3
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
-    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms)
+    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed))
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
@@ -490,7 +497,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
              fits_device=sum(device.values()) <= hw.device_mem_bytes,
              fits_host=sum(host.values()) <= hw.host_mem_bytes, placement={u: choice[u].placement for u in numel},
-             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms))
+             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed)))
     if not p.fits_device:
         warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
                       f"{hw.device_mem_bytes / _GIB:.1f}; lower batch, seq or loss_chunk_tokens, or set "

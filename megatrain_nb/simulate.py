@@ -17,10 +17,10 @@ GRAD_SLOTS = 2  # the engine alternates two device grad slots
 
 
 def simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
-             overlap, tied=False, resident=frozenset(), dev_adam_ms=None) -> tuple[list[tuple], dict]:
+             overlap, tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset()) -> tuple[list[tuple], dict]:
     """List-schedules one step from cold. Returns (Trace.spans rows, lane -> work ms)."""
     sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap, tied, resident,
-               dev_adam_ms)
+               dev_adam_ms, streamed)
     sim.step()
     return sim.spans, sim.work
 
@@ -78,11 +78,15 @@ class _Sim:
     Units in `resident` (placement.py) are never loaded nor copied out; their AdamW (`dev_adam_ms`:
     unit -> ms) runs on the device-adam lane: each group as its gradients are complete, beside the
     compute, when `overlap`; else all after the embedding's backward (engine Note: [Device updates]).
-    The next step's compute waits for the last one."""
+    The next step's compute waits for the last one. Layers in `streamed` (placement "device") load
+    their fp32 state (t["state_in"]) after their backward's weights, are updated on the device-adam
+    lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"])."""
 
     def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
-                 tied=False, resident=frozenset(), dev_adam_ms=None, steady=False):
+                 tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(), steady=False):
         self.resident, self.dev_adam_ms = frozenset(resident), dev_adam_ms or {}
+        self.streamed = frozenset(streamed) if overlap else frozenset()  # gated: on the host (placement.py)
+        self.sslot_free = [0.0, 0.0]  # end of each state slot's last write-back
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
         self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
         self.free: dict[str, float] = {}  # lane -> end of its latest op
@@ -117,12 +121,12 @@ class _Sim:
                 a = self.put("host-pack", "wait-update", layer, phase, a, self.updated[u], busy=0.0)
         return max([self.t0, *(self.updated.get(u, 0.0) for u in units)])
 
-    def load(self, unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0, waits=()):
+    def load(self, unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0, waits=(), op="h2d"):
         go = self.hold(unit, phase, waits)
         free, put = self.free, self.put
         if pack_ms == 0:  # pinned source: no staging, no packing
             h0 = max(free.get("h2d", 0.0), slot_free, go)
-            return put("h2d", "h2d", unit, phase, h0, h0 + h2d_ms, nbytes)
+            return put("h2d", op, unit, phase, h0, h0 + h2d_ms, nbytes)
         ring, acc = 0.0, nbytes
         for end, b in reversed(self.loads):  # pinned chunks still waiting for their copy
             acc += b
@@ -197,6 +201,18 @@ class _Sim:
                 end[k] = compute("recompute", op.layer, "recompute", t["fwd"], have(s))
             elif s is None:
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"])
+            elif op.layer in self.streamed:
+                j = sum(1 for o in self.bops[:k] if o.kind == "bwd" and o.layer in self.streamed) % 2
+                got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],
+                                waits=(op.layer,), op="state-in")
+                end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])
+                a = max(end[k], got, self.free.get("device-adam", 0.0))
+                upd = self.put("device-adam", "adam", op.layer, "bwd", a, a + t["dev_adam"])
+                self.gslot_free[gi] = upd
+                gi ^= 1
+                o0 = max(upd, self.free.get("d2h", 0.0))
+                self.sslot_free[j] = self.put("d2h", "state-out", op.layer, "bwd", o0, o0 + t["state_out"])
+                self.landed.append((op.layer, self.sslot_free[j], 0.0))  # the host's update is a no-op
             else:
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])
                 self.gslot_free[gi] = self.grads(op.layer, "bwd", end[k], self.g_bytes, t["d2h"], t["unpack"],

@@ -38,9 +38,10 @@ def _batches(n, B=4, T=128, seed=0):
 
 
 MIXED = {-1: "resident", 1: "resident", 3: "resident"}  # embedding, two layers; the (untied) head on the host
+STREAMED = {0: "device", 2: "device", 3: "resident"}  # state streamed through for two layers
 
 
-@pytest.mark.parametrize("placement", ["host", "auto", {u: "resident" for u in range(-1, 5)}, MIXED])
+@pytest.mark.parametrize("placement", ["host", "auto", "stream", {u: "resident" for u in range(-1, 5)}, MIXED, STREAMED])
 def test_bf16_stream_matches_native_autocast(model_dir, placement):
     """One step: weights agree to bf16 rounding. 20 steps: loss curves within 2%.
 
@@ -91,7 +92,7 @@ def _run(model_dir, delays, steps=3, **kw):
     return losses, weights
 
 
-@pytest.mark.parametrize("placement", ["host", MIXED])
+@pytest.mark.parametrize("placement", ["host", MIXED, STREAMED])
 @pytest.mark.parametrize("lane,delay", [("h2d", 20_000_000), ("compute", 20_000_000), ("d2h", 20_000_000),
                                         ("host-pack", 0.02), ("host-unpack", 0.02), ("host-adam", 0.02)])
 def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay, placement):
