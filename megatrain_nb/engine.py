@@ -35,6 +35,7 @@ from .host_store import HostStore
 from .hf import Architecture
 from .optim import HostAdamW, grad_norm
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .tiling import SequenceTiling
 from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
 
@@ -74,7 +75,12 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort)
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
-        self.offload = Offload(dev, recorder) if ecfg.offload_checkpoints else None
+        self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
+        self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
+                                    device=dev.device, dtype_bytes=self.dtype.itemsize)  # wraps the templates
+        self.park: dict | None = None  # recompute-block start -> its input waits in host memory (chosen with keep)
+        self.block = ecfg.checkpoint_every or 1  # layers per recompute block
+        self._pred = {"act": 0, "transient": 0, "cap": L}  # predicted bytes of this policy (longcontext.py)
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
@@ -153,14 +159,14 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
-        if self.offload is not None:
-            self.offload.reset()
+        self.offload.reset()
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int) -> dict:
         L, dev, rec = self.L, self.dev, self.rec
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
+        self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
         tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
         if self.keep is not None and not self._keep_tokens:
             self._keep_tokens = tokens  # a policy restored by resume: it stands for this batch size
@@ -168,12 +174,13 @@ class Engine:
             self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
         if self.keep is None:
             self._keep_tokens = tokens
+            self.park, self._pred = None, self._predict(mbs)
         loss_box = Box(self.abort)
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
-        with dev.on(dev.compute):
+        with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
             self._count_memory()
             embeds = [self._gather(mb) for mb in mbs]
@@ -182,7 +189,7 @@ class Engine:
             head_box = self._load_head()
             state = self._forward(mbs, embeds, fops, fboxes)
             hL_grads = self._loss(mbs, state.pop("hL"), n_valid, head_box, loss_box)
-            blocks = make_blocks(L, self.keep, self.cfg.checkpoint_every or 1)
+            blocks = make_blocks(L, self.keep, self.block)
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
@@ -310,7 +317,64 @@ class Engine:
             return True  # host memory holds activations on "cpu": keep all
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
         used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
-        return used + 2 * self._act_bytes + (4 << 30) < self.cfg.activation_budget * total
+        act = self._act_bytes or self._pred["act"]  # measured once a layer was kept, else predicted
+        return i < self._pred["cap"] and used + 2 * act + (4 << 30) < self.cfg.activation_budget * total
+
+    def _predict(self, mbs) -> dict:
+        """Predicted bytes of a layer at this batch (longcontext.layer_bytes) and the keep cap that leaves
+        the later layers' checkpoints a place (longcontext.keep_cap); see _place."""
+        from .longcontext import keep_cap, layer_bytes
+        from .planner import _act_bytes_per_token, model_shape
+
+        try:
+            s = model_shape(self.arch.config)
+        except (ValueError, KeyError, TypeError):
+            return {"act": 0, "transient": 0, "cap": self.L}
+        d, n = self.dtype.itemsize, sum(mb["input_ids"].numel() for mb in mbs)
+        lb = layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d))
+        out = {"act": lb["act"], "transient": lb["transient"], "cap": self.L}
+        if self.dev.cuda and self.cfg.checkpoint_every is None and self.cfg.offload_checkpoints is None:
+            used = torch.cuda.memory_allocated(self.dev.device) + 2 * lb["boundary"]  # + the embedding rows
+            out["cap"] = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"], used=used,
+                                  budget=self._device_budget(), reserve=lambda k: k * lb["act"] + lb["transient"],
+                                  host_free=self._host_free(lb["boundary"] * 4 // d), host_each=_pinned(lb["boundary"]))
+        return out
+
+    def _device_budget(self) -> float:
+        total = torch.cuda.get_device_properties(self.dev.device).total_memory
+        return self.cfg.activation_budget * total - (2 << 30)  # the planner's reserve: context, workspaces
+
+    def _host_free(self, dE_bytes: int) -> float:
+        """Host bytes free for parked block inputs: available RAM less the margin and the dE buffer to come."""
+        import psutil
+
+        from .longcontext import HOST_MARGIN
+
+        have = 0 if self._dE_host is None else self._dE_host.numel() * 4
+        return psutil.virtual_memory().available - HOST_MARGIN - max(0, _pinned(dE_bytes) - have)
+
+    def _parked(self, i: int, hs: list) -> bool:
+        """Whether the input of the recompute block starting at layer i waits in host memory."""
+        if self.park is None:
+            self.park = self._place(i, sum(h.numel() * h.element_size() for h in hs))
+        return self.park.get(i, False)
+
+    def _place(self, i0: int, nbytes: int) -> dict:
+        """Block length and parked inputs for layers i0..L-1 (all recomputed): longcontext.place_checkpoints
+        with measured free memory, as planner.plan predicts it. Raises PlacementError where nothing fits."""
+        setting, fixed = self.cfg.offload_checkpoints, self.cfg.checkpoint_every or None
+        if setting is not None or not self.dev.cuda:
+            self.block = fixed or 1
+            return dict.fromkeys(range(i0, self.L, self.block), bool(setting))
+        from .longcontext import place_checkpoints
+
+        used = torch.cuda.memory_allocated(self.dev.device) - nbytes  # the input itself is one of the checkpoints
+        act, transient = self._pred["act"], self._pred["transient"]
+        self.block, parked = place_checkpoints(
+            layers=self.L - i0, ckpt_bytes=nbytes, device_free=self._device_budget() - used,
+            reserve=lambda k: k * act + transient, host_free=self._host_free(nbytes * 4 // self.dtype.itemsize),
+            host_each=_pinned(nbytes), block=fixed)
+        return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}
 
     def _forward(self, mbs, embeds, fops, plan) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
@@ -326,7 +390,7 @@ class Engine:
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
             hs.append(h0.detach())
         deciding = self.keep is None
-        keep, K = [], self.cfg.checkpoint_every or 1
+        keep = []
         self._act_bytes = 0
         for k, op in enumerate(fops[:-1]):
             i = op.layer
@@ -349,9 +413,9 @@ class Engine:
                 st["kept"][i] = (params, xs, outs)
                 self._act_bytes = (torch.cuda.memory_allocated(dev.device) - before) if dev.cuda else 0
             else:
-                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-K])) >= K
+                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-self.block])) >= self.block
                 if run_start:  # Note: block inputs are the only activations a recompute block keeps
-                    if self.offload is not None:
+                    if self._parked(i, hs):
                         self.offload.park(i, hs)  # to host memory: the device keeps none
                         st["ckpt"][i] = None
                     else:
@@ -416,13 +480,12 @@ class Engine:
                 slot = self._use(plan, k, op)
                 if i not in st["ckpt"]:
                     hs = [o.detach() for o in kept[i - 1][2]]
-                elif self.offload is None:
-                    hs = st["ckpt"].pop(i)
                 else:
-                    st["ckpt"].pop(i)
-                    hs = self.offload.take(i)
+                    hs = st["ckpt"].pop(i)
+                    if hs is None:  # parked in host memory
+                        hs = self.offload.take(i)
                     ahead = max(st["ckpt"], default=None)  # the next block the backward reaches
-                    if ahead is not None:
+                    if ahead is not None and st["ckpt"][ahead] is None:
                         self.offload.fetch(ahead)
                 params = self.store.units[i].layout.views(slot, requires_grad=True)
                 tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
@@ -515,3 +578,9 @@ class Engine:
         finally:
             self.abort.set()
             self.io.close(), self.adam.close()
+
+
+def _pinned(n: int) -> int:
+    from .longcontext import pinned_bytes
+
+    return pinned_bytes(n)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from .longcontext import HOST_MARGIN, PlacementError, keep_cap, layer_bytes, pinned_bytes, place_checkpoints
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -59,13 +60,18 @@ class Hardware:
     host_adam_fp32_params_per_s: float | None = None
     """Host AdamW with fp32 gradients (no upcast): the embedding's, or every unit's when dtype_bytes=4;
     None means `host_adam_params_per_s`."""
+    attn_tflops: float | None = None
+    """Causal attention rate (fwd FLOPs 2 * T^2 * heads * head_dim per sequence, bwd 2.5x that) for the
+    part of attention beyond `layer_rate_seq`, which `bf16_tflops` already includes; None: not timed."""
+    layer_rate_seq: int = 4096
+    """Sequence length at which `bf16_tflops` was measured."""
 
     def __post_init__(self):
         for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
                      "host_adam_params_per_s", "host_cast_elems_per_s", "device_mem_bytes", "host_mem_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)!r}.")
-        for name in ("gemm_tflops", "host_adam_fp32_params_per_s"):
+        for name in ("gemm_tflops", "host_adam_fp32_params_per_s", "attn_tflops"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0 or None, got {getattr(self, name)!r}.")
         if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
@@ -73,6 +79,10 @@ class Hardware:
                              f"d2h_GBps) = {max(self.h2d_GBps, self.d2h_GBps)}.")
 
 
+# Attention beyond 4096 tokens: fitted to the one long-context row measured before tiling (LIMITS.md,
+# 7B x 1 x 131072 tokens, default settings: 42.7 s; the same rate then predicts 4.8 s for the 32K row,
+# measured 5.06 s), to be re-fitted from bench/long_context.py rows.
+_H200_ATTN_TFLOPS = 520.0
 # Copies, layer rate, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Host AdamW: bench/host_adam.py on the
 # same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results_h200_2026-11-29_s2.jsonl):
 # 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
@@ -82,7 +92,7 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
-    bf16_tflops=490.0, gemm_tflops=774.0,
+    bf16_tflops=490.0, gemm_tflops=774.0, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
 )
@@ -216,7 +226,15 @@ class Plan:
     fits_device: bool
     """Every device category together fits `hardware.device_mem_bytes`."""
     fits_host: bool
-    """Host bytes, pinned pool included, fit `hardware.host_mem_bytes`."""
+    """Host bytes, pinned pool included, fit `hardware.host_mem_bytes` less `longcontext.HOST_MARGIN`."""
+    tile_rows: int = 0
+    """Rows per tile of the layers' norms and dense MLP (0: untiled); see `tiling.py`."""
+    block: int = 1
+    """Layers per recompute block (`longcontext.place_checkpoints`' choice, or `checkpoint_every`)."""
+    parked: int = 0
+    """Recompute-block inputs parked in host memory (the earliest blocks); the others stay on the device."""
+    advice: list = field(default_factory=list)
+    """When something does not fit: what, and each single setting that makes the plan fit."""
     spans: list[tuple] = field(repr=False, default_factory=list)
     """Simulated spans (Trace.spans layout)."""
     _sim: tuple = field(repr=False, compare=False, default=())
@@ -229,6 +247,13 @@ class Plan:
     bwd_ms = property(lambda self: self.layer_ms["bwd"], doc="Per-layer backward, recompute excluded (ms).")
     d2h_ms = property(lambda self: self.layer_ms["d2h"], doc="Per-layer grad copy out (ms).")
     adam_ms = property(lambda self: self.layer_ms["adam"], doc="Per-layer CPU AdamW (ms).")
+
+    @property
+    def paper_tflops(self) -> float:
+        """MegaTrain's long-context count, (6 * N * tokens + 12 * L * hidden * seq^2 * batch) / step time."""
+        s, st = self.shape, self.settings
+        flops = 6 * s["n_params"] * st["tokens"] + 12 * s["layers"] * s["hidden"] * st["seq"] ** 2 * st["batch"]
+        return flops / self.step_ms / 1e9
 
     @property
     def kept_layers(self) -> int:
@@ -294,6 +319,8 @@ class Plan:
         s = self.settings
         return {"batch": s["batch"], "seq": s["seq"], "tokens": s["tokens"], "step_ms": self.step_ms,
                 "tokens_per_s": s["tokens"] / self.step_ms * 1e3, "model_tflops": self.model_tflops,
+                "paper_tflops": self.paper_tflops, "tile_rows": self.tile_rows, "block": self.block,
+                "parked": self.parked,
                 "bottleneck": self.bottleneck, "kept_layers": self.kept_layers,
                 "recomputed_layers": self.recomputed_layers, "compute_ms": self.busy_ms.get("compute", 0.0),
                 "host_GiB": sum(self.host_bytes.values()) / _GIB,
@@ -314,7 +341,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
-         cast_on_device: bool = False) -> Plan:
+         cast_on_device: bool = False, tile_tokens: int | None = None, offload_checkpoints: bool | None = None,
+         _advise: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -355,13 +383,20 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             default plan (packing) is what notebooks and the synthetic trace were made with.
             In every mode the embedding rows are gathered and packed on the host, and a tied head's
             embedding gradient is unpacked (cast) into the fp32 embedding grads.
+        tile_tokens: as `EngineConfig.tile_tokens`: rows per tile of the norms and dense MLP (0: never,
+            None: `tiling.auto_tiles` against `hardware.device_mem_bytes`). Tiled layers keep
+            `longcontext.tiled_bytes_per_token` per token and run one more MLP forward in the backward.
+        offload_checkpoints: as `EngineConfig.offload_checkpoints`: True parks every recompute-block input
+            in host memory, False none, None lets `longcontext.place_checkpoints` choose the block length
+            and how many to park from both budgets, as the engine does (Note: [Long-context memory]).
 
     Returns:
         Plan.
 
     Raises:
         ValueError: an argument is out of range, pin_store and cast_on_device are both set, or the
-            config lacks a field (the message names it).
+            config lacks a field (the message names it). A plan that does not fit is returned, with
+            `fits_device` / `fits_host` False, a warning and `advice`.
 
     Example:
         >>> p = plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -387,32 +422,58 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
-                    pin_store=pin_store, cast_on_device=cast_on_device)
+                    pin_store=pin_store, cast_on_device=cast_on_device, tile_tokens=tile_tokens,
+                    offload_checkpoints=offload_checkpoints)
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N
     store = sum(v for k, v in host.items() if k != "pinned_pool")
+    host["embedding_grad_rows"] = pinned_bytes(T * h * 4)  # the engine's pinned fp32 dE buffer
 
-    # device memory; keep[] mirrors Engine._keep_now
-    act, boundary = T * _act_bytes_per_token(s, d), T * h * d
+    # device memory; keep[] mirrors Engine._keep_now, the checkpoints' placement Engine._place
+    from .tiling import AUTO_ROWS, auto_tiles
+
+    rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
+        (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d) else 0)
+    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d))
+    act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
+    budget, host_free = activation_budget * hw.device_mem_bytes - _DEVICE_RESERVE, None
     device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
     if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
         largest = max(P, E, s["head_params"])
         device["cast_stage"] = 2 * 4 * min(transfer_chunk_bytes // d, -(-largest // 64) * 64)
     device["embedding_rows"] = 2 * T * h * d
+    host_free = hw.host_mem_bytes - sum(host.values()) - HOST_MARGIN
+    reserve = lambda k: k * act + transient  # noqa: E731
     if checkpoint_every is None:
+        cap = L if offload_checkpoints is not None else keep_cap(
+            layers=L, act=act, boundary=boundary, used=sum(device.values()), budget=budget, reserve=reserve,
+            host_free=host_free, host_each=pinned_bytes(boundary))
         keep, used = [], sum(device.values())
         for i in range(L):
-            keep.append(used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
+            keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
             used += act if keep[-1] else boundary
     else:
         keep = [checkpoint_every == 0] * L
-    blocks = [b for b in make_blocks(L, keep, checkpoint_every or 1) if b.recompute]
-    device.update(activations_kept=sum(keep) * act, checkpoints=len(blocks) * boundary,
+    block, parked, recomputed, placement = checkpoint_every or 1, 0, L - sum(keep), None
+    if recomputed and offload_checkpoints is None:
+        free = budget - sum(device.values()) - sum(keep) * act
+        try:
+            block, parked = place_checkpoints(layers=recomputed, ckpt_bytes=boundary, device_free=free,
+                                              reserve=reserve, host_free=host_free,
+                                              host_each=pinned_bytes(boundary), block=checkpoint_every or None)
+        except PlacementError as e:
+            placement = str(e)
+    blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
+    parked = len(blocks) if offload_checkpoints else parked
+    if parked:
+        host["parked_checkpoints"] = parked * pinned_bytes(boundary)
+    device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
+    device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
 
     # rates (ms); copies in both directions at once share the duplex rate
     pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
@@ -422,8 +483,12 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     adam32 = (hw.host_adam_fp32_params_per_s or hw.host_adam_params_per_s) / 1e3  # the embedding's grads are fp32
     adam = hw.host_adam_params_per_s / 1e3 if d < 4 else adam32
     wb = 4 if cast_on_device else d  # weight bytes per element over PCIe: fp32 when the device casts
-    fwd = 2 * s["active_params_per_layer"] * T / rate
-    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
+    lin = 2 * s["active_params_per_layer"] * T / rate
+    q_dim, beyond = s["heads"] * s["head_dim"], max(0, seq - hw.layer_rate_seq)
+    attn = 2 * batch * q_dim * seq * beyond / (hw.attn_tflops * 1e9) if hw.attn_tflops else 0.0  # causal fwd
+    mlp = 2 * 3 * h * s["intermediate"] * (s["experts_per_tok"] or 1) * T / rate if rows else 0.0  # tiled: again in bwd
+    fwd = lin + attn
+    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=2 * lin + 2.5 * attn + mlp,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
@@ -440,7 +505,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             s["head_params"] / adam + refresh(s["head_params"])),
     }
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
-    sim = (L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
+    sim = (L, P * wb, P * d, t, units, loss_ms, keep, block, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
     spans, busy = simulate(*sim)
     step_ms = max(b for *_, b, _ in spans)
@@ -451,14 +516,62 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     p = Plan(shape=s, hardware=hw, settings=settings, host_bytes=host, host_bytes_per_param=store / N,
              device_bytes=device, keep=keep, layer_ms=t, step_ms=step_ms, busy_ms=busy,
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
-             fits_device=sum(device.values()) <= hw.device_mem_bytes,
-             fits_host=sum(host.values()) <= hw.host_mem_bytes, spans=spans, _sim=(*sim, s["tied"]))
-    if not p.fits_device:
-        warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
-                      f"{hw.device_mem_bytes / _GIB:.1f}; lower batch, seq or loss_chunk_tokens, or set "
-                      f"checkpoint_every=1.", stacklevel=2)
-    if not p.fits_host:
-        warnings.warn(f"plan does not fit host RAM: {sum(host.values()) / _GIB:.1f} GiB of "
-                      f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool); "
-                      f"lower pinned_budget_bytes or use a smaller model.", stacklevel=2)
+             fits_device=sum(device.values()) <= hw.device_mem_bytes and placement is None,
+             fits_host=sum(host.values()) + HOST_MARGIN <= hw.host_mem_bytes, spans=spans, _sim=(*sim, s["tied"]),
+             tile_rows=rows, block=block, parked=parked)
+    if _advise and not (p.fits_device and p.fits_host):
+        p.advice = _advice(p, placement, dict(config=config, hardware=hardware, **{
+            k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes")}, dtype_bytes=d))
+        if not p.fits_device:
+            warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
+                          f"{hw.device_mem_bytes / _GIB:.1f}. " + " ".join(p.advice), stacklevel=2)
+        if not p.fits_host:
+            warnings.warn(f"plan does not fit host RAM: {sum(host.values()) / _GIB:.1f} GiB of "
+                          f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool"
+                          + (f" + {parked} parked checkpoints" if parked else "") + "). " + " ".join(p.advice),
+                          stacklevel=2)
     return p
+
+
+def _advice(p: Plan, placement: str | None, kwargs: dict) -> list[str]:
+    """What does not fit, and each single setting that makes the plan fit (re-planned without advice)."""
+    dev, host, hw = sum(p.device_bytes.values()), sum(p.host_bytes.values()), p.hardware
+    out = []
+    if not p.fits_device:
+        top = sorted(p.device_bytes.items(), key=lambda kv: -kv[1])[:3]
+        out.append(f"Device: needs {dev / _GIB:.1f} GiB of {hw.device_mem_bytes / _GIB:.1f} ("
+                   + ", ".join(f"{k} {v / _GIB:.1f}" for k, v in top) + ")."
+                   + (f" Checkpoints: {placement}." if placement else ""))
+    if not p.fits_host:
+        out.append(f"Host: needs {(host + HOST_MARGIN) / _GIB:.1f} GiB of {hw.host_mem_bytes / _GIB:.1f} "
+                   f"(store {(host - p.host_bytes['pinned_pool'] - p.host_bytes.get('parked_checkpoints', 0) - p.host_bytes['embedding_grad_rows']) / _GIB:.1f}, "
+                   f"parked checkpoints {p.host_bytes.get('parked_checkpoints', 0) / _GIB:.1f}, "
+                   f"margin {HOST_MARGIN / _GIB:.0f}).")
+    tries = []
+    if kwargs["offload_checkpoints"] is not None:
+        tries.append(("offload_checkpoints", None))
+    if kwargs["tile_tokens"] != 16384 and kwargs["batch"] * kwargs["seq"] > 16384:
+        tries.append(("tile_tokens", 16384))
+    if kwargs["activation_budget"] < 0.95:
+        tries.append(("activation_budget", 0.95))
+    if kwargs["pinned_budget_bytes"] > (512 << 20):
+        tries.append(("pinned_budget_bytes", 512 << 20))
+    if kwargs["checkpoint_every"] is not None:
+        tries.append(("checkpoint_every", None))
+    fixes = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, value in tries:
+            q = plan(**{**kwargs, name: value, "_advise": False})
+            if q.fits_device and q.fits_host:
+                fixes.append(f"{name}={value!r}")
+        if not fixes:
+            seq = kwargs["seq"]
+            while seq > 1024 and not fixes:
+                seq //= 2
+                q = plan(**{**kwargs, "seq": seq, "_advise": False})
+                if q.fits_device and q.fits_host:
+                    fixes.append(f"seq={seq} (or shorter)")
+    out.append("Fits with " + " or ".join(fixes) + "." if fixes else
+               "No single setting fits; a smaller batch, seq or model is needed.")
+    return out
