@@ -3,18 +3,20 @@
 Rows (default mode), e.g. on the H200, each row appended to --out as soon as its context is done:
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/long_context.py --seq 32k 128k 256k --steps 2 \
         --out bench/results_long_context.jsonl
-A 512K step (~10 min) detached:
+A 512K step (~9 min) detached; with the defaults the planner finds no place for its checkpoints (see
+--mode plan --seq 512k), with a 0.95 device share and a 0.5 GB pinned pool it does:
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True nohup python bench/long_context.py --seq 512k --steps 1 \
-        --out bench/results_long_context.jsonl > long_512k.log 2>&1 &
+        --activation-budget 0.95 --pinned-gb 0.5 --out bench/results_long_context.jsonl > long_512k.log 2>&1 &
 Each row: step_s, paper_tflops = (6*N*T + 12*L*d*T^2) / step (MegaTrain's count), model_tflops = 6*N*T / step,
 peak_gpu_gib, host_rss_gib, what the engine chose (tile rows, attention kernel, block length, parked inputs,
-kept layers) and plan_* — planner.plan's step time, device and host GiB for the same settings.
+kept layers, resident units: main's placement, "auto" by default) and plan_* — planner.plan's step time, device and host GiB for the same settings.
 
     --mode compare   one 7B step at --seq (32K) tiled and untiled from the same weights and batch (lr 0, so the
                      weights do not move between them): loss and gradient differences (bf16 noise check).
     --mode attention SDPA fwd+bwd time of each fused kernel at the 7B head layout (choose attention_backend).
     --mode plan      the planner's rows only (no GPU needed).
-CPU check (a tiny Qwen2, tiled): python bench/long_context.py --shape tiny --device cpu --seq 2k --steps 1
+CPU check (a tiny Qwen2, tiled, every layer recomputed):
+    python bench/long_context.py --shape tiny --device cpu --seq 2k --steps 1 --tile-tokens 512 --checkpoint-every 1
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def settings_of(a) -> dict:
     return dict(device=a.device, lr=a.lr, tile_tokens=a.tile_tokens, attention_backend=a.attention,
                 activation_budget=a.activation_budget, pinned_budget_bytes=int(a.pinned_gb * (1 << 30)),
                 offload_checkpoints={"auto": None, "all": True, "none": False}[a.offload],
-                checkpoint_every=a.checkpoint_every, trace=False)
+                checkpoint_every=a.checkpoint_every, placement=a.placement, trace=False)
 
 
 def predicted(cfg, a, seq: int) -> dict:
@@ -75,11 +77,12 @@ def predicted(cfg, a, seq: int) -> dict:
         p = plan(cfg, batch=1, seq=seq, hardware=hw, cast_on_device=a.device.startswith("cuda") or a.mode == "plan",
                  tile_tokens=st["tile_tokens"], offload_checkpoints=st["offload_checkpoints"],
                  activation_budget=a.activation_budget, pinned_budget_bytes=st["pinned_budget_bytes"],
-                 checkpoint_every=a.checkpoint_every)
+                 checkpoint_every=a.checkpoint_every, placement=a.placement if hw is H200 else "host")
     return dict(plan_step_s=round(p.step_ms / 1e3, 2), plan_paper_tflops=round(p.paper_tflops, 1),
                 plan_device_gib=round(sum(p.device_bytes.values()) / 2**30, 1),
                 plan_host_gib=round(sum(p.host_bytes.values()) / 2**30, 1), plan_fits=p.fits_device and p.fits_host,
                 plan_tile_rows=p.tile_rows, plan_block=p.block, plan_parked=p.parked, plan_kept=p.kept_layers,
+                plan_resident=sum(v == "resident" for v in p.placement.values()),
                 plan_advice=" ".join(p.advice) or None, plan_hardware=hw.name.split(" (")[0])
 
 
@@ -104,7 +107,8 @@ def run_rows(a, cfg) -> None:
                    model_tflops=round(6 * N * T / t / 1e12, 1), loss=round(r.loss, 4),
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    host_rss_gib=round(rss_bytes() / 2**30, 1), tile_rows=e.tiler.rows, attention=e.tiler.backend,
-                   block=e.block, parked=sum(map(bool, (e.park or {}).values())), kept_layers=sum(e.keep),
+                   block=e.ckpts.block, parked=sum(map(bool, (e.ckpts.park or {}).values())), kept_layers=sum(e.keep),
+                   resident=sum(c.placement == "resident" for c in (e.choice or {}).values()),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
                    settings={k: v for k, v in settings_of(a).items() if k not in ("device", "trace")},
                    **predicted(cfg, a, T))
@@ -183,6 +187,8 @@ def main(argv=None) -> None:
     ap.add_argument("--attention", default=None, help="EngineConfig.attention_backend: flash, cudnn, efficient")
     ap.add_argument("--offload", choices=["auto", "all", "none"], default="auto", help="EngineConfig.offload_checkpoints")
     ap.add_argument("--checkpoint-every", type=int, default=None)
+    ap.add_argument("--placement", choices=["auto", "host"], default="auto",
+                    help="EngineConfig.placement (auto: resident units where the activations leave room)")
     ap.add_argument("--activation-budget", type=float, default=0.85)
     ap.add_argument("--pinned-gb", type=float, default=2.0)
     ap.add_argument("--lr", type=float, default=1e-5)

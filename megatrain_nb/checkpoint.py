@@ -120,6 +120,7 @@ def resume(path: str | os.PathLike, **overrides):
     _set_engine_steps(session.engine, state["steps_done"])
     if state.get("keep") is not None and not set(overrides) & {f.name for f in dataclasses.fields(session.engine_cfg)}:
         session.engine.keep = list(state["keep"])  # the same activation policy, so the same kernels run
+        session.engine._free = state.get("placement_free_bytes")  # and the same placement (Note: [Placement])
     _set_rng(state["rng"])
     session.history = _history(state["history"])
     if hasattr(session, "skipped_steps"):
@@ -143,6 +144,7 @@ def _state(session, data_state) -> dict:
         "unit_steps": {str(u): session.optim.steps_done(u) for u in session.store.order},
         "numel": {str(u): session.store.units[u].layout.numel for u in session.store.order},
         "keep": getattr(session.engine, "keep", None),
+        "placement_free_bytes": getattr(session.engine, "_free", None),  # what placement="auto" measured
         "rng": _get_rng(),
         "history": [dataclasses.asdict(r) for r in getattr(session, "history", [])],
         "data_state": data_state,

@@ -119,6 +119,11 @@ class EngineConfig:
     with the backward), so nothing is applied; see docs/engine.md [Non-finite gradients] for "skip"."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
+    placement: str | dict = "auto"
+    """Where each unit's AdamW and state live (placement.py): "auto" (on CUDA, units resident on the
+    device while the memory the activations leave holds them), "host" (every update on the host,
+    nothing kept on the device), "stream", or a dict {unit: "host" | "resident"} (-1 embedding,
+    0..L-1 layers, L head). ``Session.placement`` shows the choice and why."""
 
     def __post_init__(self):
         try:
@@ -157,5 +162,8 @@ class EngineConfig:
         if self.attention_backend not in (None, "flash", "cudnn", "efficient", "math"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: use 'flash', 'cudnn', 'efficient', 'math' "
                              "or None (the fused kernels in torch's order)")
+        if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
+            raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
+                             "{unit: 'host' | 'resident'}")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

@@ -3,8 +3,9 @@ step's backward, and where recompute-block inputs wait — device first, host fo
 blocks — from both budgets. Pure Python: no torch, no device.
 
 Owns ``place_checkpoints``, the one rule for checkpoint placement: ``planner.plan`` calls it with a
-``Hardware`` profile's capacities to predict, ``Engine`` with measured free memory (device
-allocator, ``psutil``) to decide, at the first step and again when the tokens per micro-batch grow.
+``Hardware`` profile's capacities to predict, ``Engine`` (through ``Checkpoints``, which holds the
+engine's choice) with measured free memory (device allocator, ``psutil``) to decide, at the first
+step and again when the tokens per micro-batch grow.
 Does not own the tiling itself (``tiling.py``), the parking and fetching (``transfers.Offload``),
 or time (``planner.py``).
 
@@ -138,3 +139,70 @@ def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: flo
         except PlacementError:
             continue
     return 0
+
+
+def host_free_bytes(to_come: int = 0) -> float:
+    """Host bytes free for parked block inputs: ``psutil``'s available RAM less ``HOST_MARGIN`` and
+    ``to_come`` (host buffers the step will still allocate, e.g. the pinned embedding-grad rows)."""
+    import psutil
+
+    return psutil.virtual_memory().available - HOST_MARGIN - to_come
+
+
+class Checkpoints:
+    """The engine's checkpoint placement for one activation policy: the layer's predicted bytes, how
+    many leading layers may keep their activations (``cap``), the recompute-block length (``block``)
+    and which block inputs wait in host memory (``park``). Chosen again whenever the engine chooses its
+    keep policy again (more tokens); ``Engine`` passes measured memory, ``planner.plan`` does the same
+    arithmetic from a ``Hardware`` profile.
+
+    Args:
+        layers: decoder layers of the model.
+        checkpoint_every: ``EngineConfig.checkpoint_every`` (k >= 1 fixes the block length).
+        offload_checkpoints: ``EngineConfig.offload_checkpoints`` (True / False fix where inputs wait).
+
+    Example:
+        >>> c = Checkpoints(4, checkpoint_every=1, offload_checkpoints=True)
+        >>> c.parked(0, 10, None), c.park, c.block
+        (True, {0: True, 1: True, 2: True, 3: True}, 1)
+    """
+
+    def __init__(self, layers: int, *, checkpoint_every: int | None, offload_checkpoints: bool | None):
+        self.L, self.fixed, self.setting = layers, checkpoint_every or None, offload_checkpoints
+        self.block = checkpoint_every or 1
+        self.park: dict | None = None  # recompute-block start -> its input waits in host memory
+        self.act, self.transient, self.cap = 0, 0, layers
+
+    def reset(self, lb: dict | None, memory=None) -> None:
+        """A new keep policy: ``lb`` is ``layer_bytes`` at its tokens (None: unknown shape, nothing
+        predicted); ``memory`` (None off CUDA) returns (device bytes in use, device budget, host bytes
+        the step will still allocate). The cap applies only when both settings are automatic."""
+        self.park, self.cap = None, self.L
+        self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
+        if lb is None or memory is None or self.fixed is not None or self.setting is not None:
+            return
+        used, budget, to_come = memory()
+        self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"],
+                            used=used + 2 * lb["boundary"], budget=budget,  # + the embedding rows
+                            reserve=lambda k: k * lb["act"] + lb["transient"],
+                            host_free=host_free_bytes(to_come), host_each=pinned_bytes(lb["boundary"]))
+
+    def parked(self, i: int, nbytes: int, memory=None) -> bool:
+        """Whether the input (``nbytes`` on the device) of the recompute block starting at layer ``i``
+        waits in host memory; placed for layers i..L-1 at the first block of the step. Raises
+        PlacementError where nothing fits."""
+        if self.park is None:
+            self.park = self._place(i, nbytes, memory)
+        return self.park.get(i, False)
+
+    def _place(self, i0: int, nbytes: int, memory) -> dict:
+        if self.setting is not None or memory is None:
+            self.block = self.fixed or 1
+            return dict.fromkeys(range(i0, self.L, self.block), bool(self.setting))
+        used, budget, to_come = memory()
+        act, transient = self.act, self.transient
+        self.block, parked = place_checkpoints(
+            layers=self.L - i0, ckpt_bytes=nbytes, device_free=budget - (used - nbytes),  # the input is one of them
+            reserve=lambda k: k * act + transient, host_free=host_free_bytes(to_come),
+            host_each=pinned_bytes(nbytes), block=self.fixed)
+        return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

@@ -21,7 +21,8 @@ from .workers import AdamWorker, Box, Worker
 
 
 class Streams:
-    """The compute, h2d and d2h streams and event helpers; every method is a no-op or a plain call on the CPU."""
+    """The compute, h2d, d2h (and optim) streams and event helpers; every method is a no-op or a plain
+    call on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -31,6 +32,7 @@ class Streams:
         self.compute = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.optim = torch.cuda.Stream(device) if self.cuda else None  # resident units' AdamW beside the backward
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
@@ -179,7 +181,7 @@ class Transfers:
                         self._gnext = (self._gnext + 1) % len(self.gstaging)
                         buf.copy_(src[off + a:off + b], non_blocking=True)
                         pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
-                if unit != -1:
+                if host_fn is None:
                     self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
                 self.rec.cuda_end(tok, self.dev.d2h)
                 done = self.dev.record(self.dev.d2h)

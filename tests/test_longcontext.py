@@ -69,3 +69,21 @@ def test_attention_makes_step_time_grow_with_the_square_of_the_context():
     flops = 6 * p.shape["n_params"] * 262144 + 12 * 28 * 3584 * 262144 ** 2
     assert p.paper_tflops == pytest.approx(flops / p.step_ms / 1e9)
     assert p.summary()["paper_tflops"] == p.paper_tflops
+
+
+def test_attention_is_counted_once_and_fits_the_rows_measured_before_tiling():
+    """Note: [Attention time]: keys within 4096 at the layer rate (main's model), the rest at attn_tflops."""
+    short = plan(QWEN25_7B, batch=4, seq=4096)
+    main_model = plan(QWEN25_7B, batch=4, seq=4096, hardware=dataclasses.replace(H200, attn_tflops=None))
+    assert short.layer_ms == main_model.layer_ms  # at 4096 nothing beyond the layer rate's attention
+    T, q = 32768, 28 * 128
+    p = _plan(T, tile_tokens=0)
+    elementwise = T * (3584 + 18944) * H200.elementwise_s_per_token_dim * 1e3
+    near = (2 * 233_057_792 * T + 2 * T * 4096 * q) / (H200.bf16_tflops * 1e9)
+    far = 2 * T * (T - 4096) * q / (H200.attn_tflops * 1e9)
+    assert p.layer_ms["fwd"] == pytest.approx(near + far + elementwise / 3)
+    assert p.layer_ms["bwd"] == pytest.approx(2 * near + 2.5 * far + 2 * elementwise / 3)
+    # LIMITS.md: 7B x 1, default settings before tiling and checkpoint placement: 32K 5.06 s, 128K 42.7 s
+    for seq, measured in ((32768, 5.06), (131072, 42.7)):
+        old = plan(QWEN25_7B, batch=1, seq=seq, tile_tokens=0, offload_checkpoints=False)
+        assert old.step_ms / 1e3 == pytest.approx(measured, rel=0.10)

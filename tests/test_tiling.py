@@ -118,19 +118,19 @@ def test_attention_kernel_is_chosen_and_named(monkeypatch):
 
 
 def test_mixed_device_and_host_checkpoints_train_bitwise_like_device_checkpoints():
-    """Some block inputs parked, the others on the device (as _place decides on CUDA): same bits."""
+    """Some block inputs parked, the others on the device (as Checkpoints._place decides on CUDA): same bits."""
     cfg = make_config("llama", num_hidden_layers=5)
     batches = make_batches(cfg.vocab_size, 3, batch=2, seq=10)
     runs = {}
     for mixed in (False, True):
         s = Session.from_config(cfg, seed=0, checkpoint_every=1)
         if mixed:
-            s.engine._place = lambda i0, n: {i: i % 2 == 0 for i in range(i0, 5)}  # noqa: E731
+            s.engine.ckpts._place = lambda i0, n, memory: {i: i % 2 == 0 for i in range(i0, 5)}  # noqa: E731
         runs[mixed] = [s.step(b).loss for b in batches]
         s.engine.drain()
         runs[(mixed, "w")] = [s.store.units[u].master.clone() for u in s.store.order]
         if mixed:
-            assert s.engine.park == {0: True, 1: False, 2: True, 3: False, 4: True}
+            assert s.engine.ckpts.park == {0: True, 1: False, 2: True, 3: False, 4: True}
             assert not s.engine.offload.parked and not s.engine.offload.fetched  # every park came back
         s.close()
     assert runs[True] == runs[False]
