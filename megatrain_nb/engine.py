@@ -37,6 +37,8 @@ from .hf import Architecture
 from .optim import DeviceAdamW, HostAdamW, grad_norm
 from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .longcontext import Checkpoints, layer_bytes, pinned_bytes
+from .tiling import SequenceTiling
 from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
 
@@ -88,7 +90,12 @@ class Engine:
         self._seen: set[int] = set()  # units whose gradients are complete this step
         self._updated = None  # event after this step's last overlapped device update
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
-        self.offload = Offload(dev, recorder) if ecfg.offload_checkpoints else None
+        self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
+        self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
+                                    device=dev.device, dtype_bytes=self.dtype.itemsize)  # wraps the templates
+        self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
+                                 offload_checkpoints=ecfg.offload_checkpoints)
+        self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
@@ -172,14 +179,14 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
-        if self.offload is not None:
-            self.offload.reset()
+        self.offload.reset()
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int) -> dict:
         L, dev, rec = self.L, self.dev, self.rec
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
+        self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
         tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
         if self.keep is not None and not self._keep_tokens:
             self._keep_tokens = tokens  # a policy restored by resume: it stands for this batch size
@@ -187,6 +194,7 @@ class Engine:
             self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
         if self.keep is None:
             self._keep_tokens = tokens
+            self._place_checkpoints(mbs)  # Note: [Long-context memory] (longcontext.py)
             self._search = placing.Search()  # the activation policy is chosen again: so is the placement
         self._place()
         measuring = dev.cuda and self.placement_mode == "auto" and self._search.phase == "measure"
@@ -201,7 +209,7 @@ class Engine:
         self._bad = torch.zeros((), dtype=torch.bool, device=dev.device) if overlap_dev else None
         self._seen, self._updated = set(), None
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
-        with dev.on(dev.compute):
+        with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
             self._count_memory()
             embeds = [self._gather(mb) for mb in mbs]
@@ -210,7 +218,7 @@ class Engine:
             head_box = self._load_head()
             state = self._forward(mbs, embeds, fops, fboxes)
             hL_grads = self._loss(mbs, state.pop("hL"), n_valid, head_box, loss_box)
-            blocks = make_blocks(L, self.keep, self.cfg.checkpoint_every or 1)
+            blocks = make_blocks(L, self.keep, self.ckpts.block)
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
@@ -228,7 +236,10 @@ class Engine:
             free = int(budget - torch.cuda.max_memory_allocated(dev.device))
             size = torch.tensor([], dtype=self.dtype).element_size()
             all_in = all(c.placement == "resident" for c in self._choose(free).values())
+            params, seconds = self._adam_rate
+            adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
             self._search.measured(free=free, keep=self.keep, layer_bytes=self._act_bytes, everything_fits=all_in,
+                                  host_bound=time.perf_counter() - t_start < 3 * adam_s,
                                   checkpoint_bytes=sum(mb["input_ids"].numel() for mb in mbs) * self.arch.embed.weight.shape[1] * size)
         elif self._search.phase != "done":
             self._search.stepped(time.perf_counter() - t_start, self.keep)
@@ -548,7 +559,34 @@ class Engine:
             return True  # host memory holds activations on "cpu": keep all
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
         used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
-        return used + 2 * self._act_bytes + (4 << 30) < self.cfg.activation_budget * total
+        act = self._act_bytes or self.ckpts.act  # measured once a layer was kept, else predicted
+        return i < self.ckpts.cap and used + 2 * act + (4 << 30) < self.cfg.activation_budget * total
+
+    def _place_checkpoints(self, mbs) -> None:
+        """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
+        where block inputs wait is decided at the forward's first recompute block (``_parked``)."""
+        from .planner import _act_bytes_per_token, model_shape
+
+        n, d = sum(mb["input_ids"].numel() for mb in mbs), self.dtype.itemsize
+        try:
+            s = model_shape(self.arch.config)
+        except (ValueError, KeyError, TypeError):
+            s = None  # a shape the planner cannot read: nothing predicted, no cap
+        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d))
+        self._dE_need = pinned_bytes(lb["boundary"] * 4 // d) if lb else 0  # the pinned dE buffer to come
+        self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
+
+    def _memory(self) -> tuple[float, float, float]:
+        """(device bytes in use, the planner's device budget, host bytes the step still allocates)."""
+        total = torch.cuda.get_device_properties(self.dev.device).total_memory
+        have = 0 if self._dE_host is None else self._dE_host.numel() * 4
+        return (torch.cuda.memory_allocated(self.dev.device),  # allocator bookkeeping: no sync
+                self.cfg.activation_budget * total - (2 << 30), max(0, self._dE_need - have))
+
+    def _parked(self, i: int, hs: list) -> bool:
+        """Whether the input of the recompute block starting at layer i waits in host memory."""
+        nbytes = sum(h.numel() * h.element_size() for h in hs)
+        return self.ckpts.parked(i, nbytes, self._memory if self.dev.cuda else None)
 
     def _forward(self, mbs, embeds, fops, plan) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
@@ -565,7 +603,7 @@ class Engine:
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
             hs.append(h0.detach())
         deciding = self.keep is None
-        keep, K = [], self.cfg.checkpoint_every or 1
+        keep = []
         self._act_bytes = 0
         for k, op in enumerate(fops[:-1]):
             i = op.layer
@@ -588,9 +626,9 @@ class Engine:
                 st["kept"][i] = (params, xs, outs)
                 self._act_bytes = (torch.cuda.memory_allocated(dev.device) - before) if dev.cuda else 0
             else:
-                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-K])) >= K
+                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-self.ckpts.block])) >= self.ckpts.block
                 if run_start:  # Note: block inputs are the only activations a recompute block keeps
-                    if self.offload is not None:
+                    if self._parked(i, hs):
                         self.offload.park(i, hs)  # to host memory: the device keeps none
                         st["ckpt"][i] = None
                     else:
@@ -656,13 +694,12 @@ class Engine:
                 slot = self._use(plan, k, op)
                 if i not in st["ckpt"]:
                     hs = [o.detach() for o in kept[i - 1][2]]
-                elif self.offload is None:
-                    hs = st["ckpt"].pop(i)
                 else:
-                    st["ckpt"].pop(i)
-                    hs = self.offload.take(i)
+                    hs = st["ckpt"].pop(i)
+                    if hs is None:  # parked in host memory
+                        hs = self.offload.take(i)
                     ahead = max(st["ckpt"], default=None)  # the next block the backward reaches
-                    if ahead is not None:
+                    if ahead is not None and st["ckpt"][ahead] is None:
                         self.offload.fetch(ahead)
                 params = self.store.units[i].layout.views(slot, requires_grad=True)
                 tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
@@ -800,3 +837,4 @@ class Engine:
         finally:
             self.abort.set()
             self.io.close(), self.adam.close()
+

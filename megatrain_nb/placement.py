@@ -177,7 +177,9 @@ class Search:
     AdamW hides behind a long step; B when the host's AdamW is what the step waits for. The engine
     runs one measuring step (nothing resident), then each candidate for two steps (the second is
     timed: it carries the first's trailing host updates, as every later step will), and keeps the
-    faster (B only if it is 3% faster). When A already makes every unit resident, B is not tried.
+    faster (B only if it is 3% faster). When A already makes every unit resident, or the measuring
+    step lasted over three times the host AdamW of every unit (long context: the host hides), B is
+    not tried and A is taken at once.
     Phases: measure -> A1 -> A2 -> B1 -> B2 -> done.
     """
 
@@ -199,12 +201,14 @@ class Search:
             return None
         return self.winner if self.phase == "done" else self.phase[0]
 
-    def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool) -> None:
-        """After the measuring step: A's and B's budgets (see the Note)."""
+    def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool,
+                 host_bound: bool = True) -> None:
+        """After the measuring step: A's and B's budgets (see the Note). ``host_bound``: the host's AdamW
+        could hold the step back (else, a long step that hides it, B is not worth its trial steps)."""
         kept = sum(keep)
         self.free["A"], self.keep["A"] = free, list(keep)
         self.free["B"] = free + kept * (layer_bytes - checkpoint_bytes) - layer_bytes
-        if everything_fits or kept == 0:
+        if everything_fits or kept == 0 or not host_bound:
             self.phase, self.winner = "done", "A"
         else:
             self.phase = "A1"

@@ -248,3 +248,9 @@ def test_search_skips_b_when_a_places_everything_or_nothing_is_kept():
     assert _searched(1.0, 0.5, fits=True).seconds == {} and _searched(1.0, 0.5, fits=True).winner == "A"
     assert _searched(1.0, 0.5, kept=0).winner == "A"
     assert placing.Search.done_with(123).free["A"] == 123
+
+
+def test_search_takes_a_at_once_when_the_step_hides_the_host():
+    s = placing.Search()
+    s.measured(free=10, keep=[True, False], layer_bytes=4, checkpoint_bytes=1, everything_fits=False, host_bound=False)
+    assert (s.phase, s.winner, s.candidate) == ("done", "A", "A")  # long context: no trial steps
