@@ -48,8 +48,9 @@ def packed(batch: dict, lo: int, hi: int, seed: int) -> dict:
     return {"input_ids": batch["input_ids"], "labels": labels, "position_ids": pos}
 
 
-def time_steps(s: Session, batch: dict, steps: int) -> float:
-    s.step(batch)  # warm-up (and the activation policy for this shape)
+def time_steps(s: Session, batch: dict, steps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):  # the activation policy and placement for this shape
+        s.step(batch)
     times = [s.step(batch).seconds for _ in range(steps)]
     return statistics.median(times)
 
@@ -60,15 +61,16 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up step")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per mode, after its warm-up steps")
     ap.add_argument("--doc-min", type=int, default=256)
     ap.add_argument("--doc-max", type=int, default=2048)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--placement", default="auto", help="EngineConfig.placement ('auto' settles in 5 steps)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     a = ap.parse_args(argv)
 
     cfg = qwen_config(a.shape, layers=a.layers, seq=a.seq)
-    s = Session.from_config(cfg, device=a.device, lr=1e-5, trace=False)
+    s = Session.from_config(cfg, device=a.device, lr=1e-5, trace=False, placement=a.placement)
     impl = s.arch.config._attn_implementation
     base = dict(bench="sft_speed", shape=a.shape, layers=cfg.num_hidden_layers, seq=a.seq, device=a.device,
                 attention=impl, torch=torch.__version__, gpu=torch.cuda.get_device_name() if a.device == "cuda" else None)
@@ -86,7 +88,7 @@ def main(argv=None) -> None:
                     if impl != VARLEN:
                         continue  # the packed row already used transformers' masks
                     s.arch.config._attn_implementation = "sdpa"
-                dt = time_steps(s, batch, a.steps)
+                dt = time_steps(s, batch, a.steps, warmup=6 if mode == "unpacked" else 1)
                 s.arch.config._attn_implementation = impl
                 res[mode] = dt
                 emit({**base, "batch": B, "mode": mode, "examples": n_docs if mode != "unpacked" else B,
