@@ -155,7 +155,17 @@ class Engine:
         Returns:
             {"loss": float, "kept_layers": int, "recomputed_layers": int}
         """
+        self._committed = False  # set once this step's updates may start (the loss went to the Adam worker)
         try:
+            return self._step(mbs, n_valid)
+        except torch.OutOfMemoryError:
+            self._recover()
+            if self._search.phase not in ("B1", "B2") or self._committed:
+                raise
+            # Note: [Auto search] a residency-first trial that does not fit: nothing of it was applied
+            # (no update starts before the loss is known), so the same batch runs again as activations first.
+            self._search.abandon_b()
+            torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
             return self._step(mbs, n_valid)
         except BaseException:
             self._recover()
@@ -289,6 +299,7 @@ class Engine:
                 self._sslot_box = [Box(ready=True) for _ in self._sslots]
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
+                torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
         self.choice = want
 
     def _landed(self, unit: int) -> None:
@@ -679,6 +690,7 @@ class Engine:
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
         self.io.read_loss(total, done, loss_box)
+        self._committed = True  # the Adam worker may start this step's updates once the loss arrives
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))

@@ -225,8 +225,14 @@ class Search:
         if self.phase == "done" and self.winner is None:
             self.winner = "B" if self.seconds["B"] < 0.97 * self.seconds["A"] else "A"
 
+    def abandon_b(self) -> None:
+        """Residency first ran out of device memory in a trial step: activations first it is."""
+        self.phase, self.winner, self.seconds["B"] = "done", "A", float("inf")
+
     def summary(self) -> str:
         """One line for Session.placement: what was tried and what won."""
+        if self.seconds.get("B") == float("inf"):
+            return "auto tried residency first: it ran out of device memory, so activations first it is"
         if not self.seconds:
             return ""
         a, b = self.seconds.get("A"), self.seconds.get("B")

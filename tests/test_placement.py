@@ -254,3 +254,34 @@ def test_search_takes_a_at_once_when_the_step_hides_the_host():
     s = placing.Search()
     s.measured(free=10, keep=[True, False], layer_bytes=4, checkpoint_bytes=1, everything_fits=False, host_bound=False)
     assert (s.phase, s.winner, s.candidate) == ("done", "A", "A")  # long context: no trial steps
+
+
+def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losing_the_step(hf_dir):
+    """An OOM before any update of a B trial step: the same batch runs again as activations first."""
+    d = hf_dir("llama")
+    batches = make_batches(VOCAB, 3)
+    twin = Session.from_pretrained(d, lr=LR)
+    try:
+        want = train_session(twin, batches)
+    finally:
+        twin.close()
+    s = Session.from_pretrained(d, lr=LR)
+    try:
+        train_session(s, batches[:1])
+        L_ = s.engine.L
+        s.engine._search = placing.Search(phase="B1", free={"A": 0, "B": 0}, keep={"A": [True] * L_})
+        real, calls = s.engine._loss, []
+
+        def oom_once(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(*a, **k)
+
+        s.engine._loss = oom_once
+        got = train_session(s, batches[1:])
+        assert len(calls) == 3 and s.engine._search.winner == "A" and s.engine._search.phase == "done"
+        assert "ran out of device memory" in s.placement.reason.iloc[0]
+    finally:
+        s.close()
+    assert got == want[1:]
