@@ -5,7 +5,8 @@ with AdamW (lr 1e-5, no weight decay) and exposes one call, ``step(ids) -> (loss
 forward, backward and the update of all parameters, with the optimizer's own wall time where it runs
 apart from the backward (None where it overlaps it). ``child_main`` is what one process of peers.py
 runs: build one system, time its batches, print one row each. Jobs, processes and the run's file are
-peers.py's; this module knows nothing of them.
+peers.py's; this module knows nothing of them. (~430 lines: four systems and the loop that times them,
+all that one measuring process runs; keeping them together keeps each system's setup next to its step.)
 
 - ``Native``: the whole model on the device, fp32 master weights + bf16 autocast (or pure bf16
   parameters), every layer recomputed in the backward, torch's fused AdamW on the device.
@@ -295,8 +296,6 @@ class Megatrain:
 # ---- one process: build one system, measure its batches, print a row each ---------------------------
 def token_ids(step: int, batch: int, seq: int, vocab: int):
     """The token ids of step `step`: identical for every system at the same batch and sequence length."""
-    import torch
-
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
@@ -326,6 +325,10 @@ def _failure(e: BaseException) -> tuple[str, str]:
     msg = f"{type(e).__name__}: {e}"
     if isinstance(e, Unsupported):
         return "unsupported", msg[:600]
+    if type(e).__name__ == "PreflightError":  # megatrain_nb refused before allocating: says what does not fit
+        return "refused", msg[:600]
+    if isinstance(e, MemoryError):
+        return "host-oom", msg[:600]
     if "out of memory" in msg.lower():
         return "oom", msg[:600]
     return "error", (msg + " | " + " / ".join(traceback.format_exc().strip().splitlines()[-4:]))[:1200]
@@ -343,21 +346,18 @@ def _fault(spec: dict, where: str, batch: int = 0) -> None:
         if where == "build" and kind == "hang":
             time.sleep(3600)
         if where == "step" and kind.startswith("oom@") and batch >= int(kind[4:]):
-            import torch
-
             raise torch.OutOfMemoryError("CUDA out of memory (PEERS_FAULT test hook)")
 
 
 def child_main(spec: dict) -> int:
     """Builds one system and measures each batch of `spec`; stops after the first batch that fails."""
-    import torch
-
-    from shapes import qwen_config
+    from shapes import count_params, qwen_config
 
     device = torch.device(spec["device"])
     cfg = qwen_config(spec["shape"], layers=spec["layers"], seq=spec["seq"], width=spec["width"])
     base = dict(system=spec["system"], sweep=spec["sweep"], shape=spec["shape"], layers=cfg.num_hidden_layers,
-                hidden=cfg.hidden_size, width=spec["width"], seq=spec["seq"], device=str(device),
+                hidden=cfg.hidden_size, params=count_params(cfg), width=spec["width"], seq=spec["seq"],
+                device=str(device),
                 gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d"))
 
@@ -368,25 +368,25 @@ def child_main(spec: dict) -> int:
     _fault(spec, "build")
     try:
         system = _build(spec, cfg, device)
-    except BaseException as e:  # noqa: BLE001 - any failure becomes this job's row
+    except Exception as e:  # noqa: BLE001 - any failure becomes this job's row
         status, err = _failure(e)
         out(dict(base, batch=spec["batches"][0], status=status, error=err, phase="init",
                  host_rss_peak_gib=round(_rss(True) / 2**30, 1)))
         return 0
     init_s = time.perf_counter() - t0
-    params = system.num_params()
+    params = system.num_params()  # what the system holds; equals count_params(cfg) (tests/test_peers.py)
     for b in spec["batches"]:
         row = dict(base, batch=b, tokens=b * spec["seq"], params=params, init_s=round(init_s, 1),
                    settings=system.settings)
         try:
             _fault(spec, "step", b)
             row.update(measure(system, b, spec, cfg.vocab_size, device, params))
-        except BaseException as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             status, err = _failure(e)
             row.update(status=status, error=err, phase="step", host_rss_peak_gib=round(_rss(True) / 2**30, 1))
         out(row)
         if row["status"] != "ok":
-            return 0  # the parent starts a fresh process for the batches left
+            return 0  # the parent decides about the batches left (a fresh process, or rows saying why not)
     if hasattr(system, "close"):
         system.close()
     return 0
@@ -394,8 +394,6 @@ def child_main(spec: dict) -> int:
 
 def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> dict:
     """Warm-up and timed steps of one batch size; the row's measured fields."""
-    import torch
-
     if hasattr(system, "before_batch"):
         system.before_batch()
     cuda = device.type == "cuda"
@@ -403,7 +401,8 @@ def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, opts, losses = [], [], []
-    warmup = spec["warmup"] + (spec["system"] == "megatrain-auto")  # auto places units after a batch size's 1st step
+    # placement "auto" (megatrain_nb's default) makes units resident after a batch size's first step: one more
+    warmup = spec["warmup"] + (spec["system"] in ("megatrain-auto", "megatrain"))
     for k in range(warmup + spec["steps"]):
         ids = token_ids(k, batch, spec["seq"], vocab).to(device)
         sync(device)

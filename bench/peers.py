@@ -37,10 +37,10 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench/ helpers, and this checkout's megatrain_nb before any installed one
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench/ helpers; this checkout's megatrain_nb before an installed one
 from peer_systems import ROW_KEYS, ROW_MARK, child_main  # noqa: E402
 from rows import emit  # noqa: E402
-from shapes import qwen_config  # noqa: E402
+from shapes import count_params, qwen_config  # noqa: E402
 
 SYSTEMS = ("megatrain-auto", "native", "fsdp2-offload", "zero3-offload", "zero3-twinflow", "megatrain-host",
            "megatrain-stream")
@@ -104,14 +104,6 @@ def host_estimate_gib(job: Job) -> float | None:
     return per * count_params(cfg) / 2**30
 
 
-def count_params(cfg) -> int:
-    """Parameters of a Qwen2 config, from its shapes alone (nothing allocated)."""
-    d, f, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
-    layer = d * d + 2 * d * kv + (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # q k v (+bias) o, mlp, two norms
-    return V * d * (1 if cfg.tie_word_embeddings else 2) + L * layer + d
-
-
 def _key(r: dict) -> tuple:
     return (r["system"], r["shape"], r.get("layers"), float(r.get("width") or 1.0), r["batch"], r.get("seq"))
 
@@ -129,8 +121,6 @@ class Runner:
                 self.done |= {_key(r) for r in map(json.loads, filter(str.strip, f)) if r.get("status") == "ok"}
         self.log = open(a.log, "a") if a.log else sys.stderr
         self.child: subprocess.Popen | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._stop)
 
     def _stop(self, signum, frame) -> None:
         """Killed from outside (a time limit, Ctrl-C): take the running child with us, then exit."""
@@ -155,6 +145,15 @@ class Runner:
         return float("inf") if self.a.budget_s is None else self.a.budget_s - (time.monotonic() - self.t_start)
 
     def run(self, jobs: list[Job]) -> list[dict]:
+        """Runs `jobs` in order (and the fallbacks they call for); returns every row written."""
+        before = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run(jobs)
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    def _run(self, jobs: list[Job]) -> list[dict]:
         todo = collections.deque(jobs)
         fell_back = set()
         while todo:
@@ -180,16 +179,15 @@ class Runner:
             got = self.spawn(job)
             left = [b for b in job.batches if b not in {r["batch"] for r in got}]
             last = got[-1] if got else None
-            if last is not None and (last.get("phase") == "init" or len(got) == 1 and last["status"] != "ok"
-                                     and last["status"] != "oom"):
-                for b in left:  # failed before its first batch finished: it would fail the same way again
-                    self.placeholder(job, b, "not-run", f"not tried: the process for batch {last['batch']} "
-                                     f"ended '{last['status']}' (see that row)")
-            elif last is not None and last["status"] == "oom":
+            if last is not None and last["status"] == "oom":
                 for b in left:  # batches run ascending: a larger one needs more memory still
                     self.placeholder(job, b, "oom", f"not tried: batch {last['batch']} already ran out of memory")
-            elif left:
-                todo.appendleft(dataclasses.replace(job, batches=left))
+            elif left and len(got) > 1 and last["status"] in ("crashed", "error"):
+                todo.appendleft(dataclasses.replace(job, batches=left))  # a fresh process for the rest
+            else:  # failed at its first batch, ran out of time or host RAM: the rest would go the same way
+                for b in left:
+                    self.placeholder(job, b, "not-run", f"not tried: the process for batch {last['batch']} "
+                                     f"ended '{last['status']}' (see that row)")
             oom = [r["batch"] for r in self.rows[first:] if r["status"] == "oom"]
             if job.system == "native" and oom:
                 todo.appendleft(dataclasses.replace(job, system="native-bf16", batches=oom))
@@ -232,7 +230,7 @@ class Runner:
             peak_rss = max(peak_rss, _tree_rss(proc.pid))
             if why is None and time.monotonic() > deadline:
                 why = ("timeout", f"killed at --job-timeout {a.job_timeout} s or the end of --budget-s {a.budget_s}")
-            elif why is None and _host_available_gib() < a.host_reserve_gib:
+            elif why is None and a.host_reserve_gib and _host_available_gib() < a.host_reserve_gib:
                 why = ("host-oom", f"killed: host RAM available fell below {a.host_reserve_gib} GiB "
                                    f"(the child held {peak_rss / 2**30:.1f} GiB)")
             if why is not None and proc.poll() is None:
@@ -242,7 +240,8 @@ class Runner:
         left = [b for b in job.batches if b not in {r["batch"] for r in got}]
         if left and (why is not None or rc != 0 or not got):
             self.log.flush()
-            status, err = why or ("crashed", f"exit code {rc}: {_tail(a.log)}")
+            sigkill = " (SIGKILL, not from this run: most likely the kernel's OOM killer, host RAM)" if rc == -9 else ""
+            status, err = why or ("crashed", f"exit code {rc}{sigkill}: {_tail(a.log)}")
             self.placeholder(job, left[0], status, err, host_rss_peak_gib=round(peak_rss / 2**30, 1))
             got.append(self.rows[-1])
         return got
@@ -314,7 +313,8 @@ def parse(argv=None):
     ap.add_argument("--job-timeout", type=float, default=420, help="seconds per child process")
     ap.add_argument("--host-gib", type=float, default=126, help="host RAM to plan peers against")
     ap.add_argument("--no-host-check", dest="host_check", action="store_false")
-    ap.add_argument("--host-reserve-gib", type=float, default=3, help="kill a child when less is available")
+    ap.add_argument("--host-reserve-gib", type=float, default=0, help="kill a child when less host RAM is "
+                    "available (0: off; on a VM whose memory grows on demand 'available' can read low early)")
     ap.add_argument("--skip-done", nargs="*", help="JSONL files whose ok rows need not run again")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape, seq 64, batch 1 2: CPU tests")
@@ -323,8 +323,8 @@ def parse(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print the jobs and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     if "--tiny" in (sys.argv[1:] if argv is None else argv):  # its defaults; flags given still win
-        ap.set_defaults(shape="tiny", shape_7b="tiny", seq=64, batch=[1, 2], batch_7b=[1, 2], sweep_batch=2, depths=[2, 4],
-                        width_layers=2)
+        ap.set_defaults(shape="tiny", shape_7b="tiny", seq=64, batch=[1, 2], batch_7b=[1, 2], sweep_batch=2,
+                        depths=[2, 4], width_layers=2)
     return ap.parse_args(argv)
 
 

@@ -23,7 +23,7 @@ TARGETS = ((1, "native", 1.0), (1, "fsdp2-offload", 4.0), (4, "native", 1.2), (4
            (4, "zero3-offload", 3.5), (16, "zero3-offload", 1.4),
            *((b, "zero3-twinflow", 1.0) for b in (1, 4, 8, 16)))
 SHORT = {"oom": "OOM", "skipped": "skipped", "not-run": "not run", "unsupported": "unsupported", "error": "error",
-         "crashed": "crashed", "timeout": "timeout", "host-oom": "host OOM"}
+         "crashed": "crashed", "timeout": "timeout", "host-oom": "host OOM", "refused": "refused"}
 
 
 def load_rows(paths) -> list[dict]:
@@ -71,6 +71,7 @@ def ratios(df: pd.DataFrame) -> pd.DataFrame:
     if ref is None:
         return pd.DataFrame(columns=cols)
     core = df[df.sweep.isin(["core", "7b"])]
+    core = core[core.system.isin(set(core[core.status == "ok"].system))]  # systems that ran at least once
     ref_t = core[(core.system == ref) & (core.status == "ok")].set_index(["model", "batch"]).model_tflops
     out = []
     for r in core[core.system != ref].itertuples():
@@ -115,7 +116,8 @@ def sweep_table(g: pd.DataFrame, x: str) -> pd.DataFrame:
         for r in s.to_dict("records"):
             good = r["status"] == "ok"
             rows.append({"system": system, x: r[x], "params (B)": round(r["params"] / 1e9, 2) if r["params"] else None,
-                         "batch": r["batch"], "status": r["status"], "model TFLOPS": r["model_tflops"] if good else None,
+                         "batch": r["batch"], "status": r["status"],
+                         "model TFLOPS": r["model_tflops"] if good else None,
                          "vs first": round(r["model_tflops"] / t0, 3) if good else None,
                          "peak GPU GiB": r["peak_gpu_gib"] if good else None,
                          "peak GPU vs first": round(r["peak_gpu_gib"] / m0, 3) if good and m0 else None,
@@ -155,10 +157,12 @@ def summary_markdown(rows) -> str:
         parts.append(_md(d))
         fails = g[g.status != "ok"]
         if len(fails):
-            parts.append("\n".join(f"- {r.system} batch {r.batch}: {r.status}: {str(r.error)[:240]}" for r in fails.itertuples()))
+            parts.append("\n".join(f"- {r.system} batch {r.batch}: {r.status}: {str(r.error)[:240]}"
+                                   for r in fails.itertuples()))
     rt = ratios(df)
     if len(rt):
-        piv = rt.pivot_table(index=["model", "system"], columns="batch", values="ratio", sort=False, dropna=False).round(2)
+        piv = rt.pivot_table(index=["model", "system"], columns="batch", values="ratio", sort=False,
+                             dropna=False).round(2)
         piv.columns = [f"batch {b}" for b in piv.columns]
         parts.append(f"### {rt.reference.iloc[0]} / peer, model TFLOPS at equal tokens per step\n\n"
                      + _md(piv.reset_index()))
@@ -191,7 +195,7 @@ def figures(df: pd.DataFrame) -> dict:
                 fig.add_trace(go.Scatter(x=g.batch, y=g.model_tflops, name=system, legendgroup=system,
                                          showlegend=i == 1, mode="lines+markers"), row=1, col=i)
             fig.update_xaxes(title_text="batch (sequences of %d tokens)" % int(core.seq.iloc[0]), type="log",
-                             row=1, col=i)
+                             tickvals=sorted(set(core[core.model == m].batch)), row=1, col=i)
             fig.update_yaxes(title_text="model TFLOPS (6·N·tokens/s)", row=1, col=i)
         fig.update_layout(title="Model TFLOPS against batch, one process per system", template="plotly_white")
         figs["batch"] = fig
@@ -206,7 +210,7 @@ def figures(df: pd.DataFrame) -> dict:
                           secondary_y=False)
             fig.add_trace(go.Scatter(x=s[x], y=s.peak_gpu_gib, name=f"{system} peak GPU GiB",
                                      mode="lines+markers", line=dict(dash="dot")), secondary_y=True)
-        fig.update_xaxes(title_text=label)
+        fig.update_xaxes(title_text=label, tickvals=sorted(set(g[x])))
         fig.update_yaxes(title_text="model TFLOPS", rangemode="tozero", secondary_y=False)
         fig.update_yaxes(title_text="peak GPU GiB", rangemode="tozero", secondary_y=True)
         fig.update_layout(title=f"megatrain_nb against {label}, batch {int(g.batch.iloc[0])} × {int(g.seq.iloc[0])}",
@@ -225,11 +229,14 @@ def write(figs: dict, docs: str, name: str, *, png: bool = True) -> list[str]:
         written.append(base + ".html")
         if not png:
             continue
-        try:
-            fig.write_image(base + ".png", width=1100, height=500, scale=1)
-            written.append(base + ".png")
-        except Exception as e:  # noqa: BLE001 - kaleido or its Chrome missing: HTML only, said once
-            print(f"no PNG for {key}: {type(e).__name__}: {e}")
+        for attempt in (1, 2):  # kaleido's browser link sometimes drops a first message on a busy machine
+            try:
+                fig.write_image(base + ".png", width=1100, height=500, scale=1)
+                written.append(base + ".png")
+                break
+            except Exception as e:  # noqa: BLE001 - kaleido or its Chrome missing: HTML only, said once
+                if attempt == 2:
+                    print(f"no PNG for {key}: {type(e).__name__}: {e}")
     return written
 
 

@@ -40,3 +40,11 @@ def qwen_config(shape: str, *, layers: int | None = None, seq: int = 4096, width
     cfg = Qwen2Config(max_position_embeddings=max(seq, 32768), rope_theta=1e6, **kw)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def count_params(cfg) -> int:
+    """Parameters of a Qwen2 config, from its shapes alone (nothing allocated)."""
+    d, f, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
+    layer = d * d + 2 * d * kv + (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # q k v (+bias) o, mlp, two norms
+    return V * d * (1 if cfg.tie_word_embeddings else 2) + L * layer + d

@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCH))
 import peer_systems  # noqa: E402
 import peers  # noqa: E402
 import plot_peers  # noqa: E402
-from shapes import SHAPES, qwen_config, widened  # noqa: E402
+from shapes import SHAPES, count_params, qwen_config, widened  # noqa: E402
 
 
 def _run(tmp_path, *args, env=None, monkeypatch=None) -> list[dict]:
@@ -58,12 +58,12 @@ def test_count_params_matches_the_hf_model(shape, layers, width):
         cfg.vocab_size = 1024  # the 3B layer shapes (bias, GQA) without a 311M embedding
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    assert peers.count_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
 
 
 def test_published_3b_and_7b_sizes():
-    assert peers.count_params(qwen_config("3b")) == 3_085_938_688  # the 3.086B in docs/benchmarks.md
-    assert round(peers.count_params(qwen_config("7b")) / 1e9, 3) == 7.616
+    assert count_params(qwen_config("3b")) == 3_085_938_688  # the 3.086B in docs/benchmarks.md
+    assert round(count_params(qwen_config("7b")) / 1e9, 3) == 7.616
 
 
 def test_plan_jobs_core_7b_and_sweeps():
@@ -124,7 +124,7 @@ def test_cpu_run_one_process_per_system_failures_included(tmp_path, monkeypatch)
     by = {(r["system"], r["batch"]): r for r in rows}
     assert "exit code 7" in by["zero3-offload", 1]["error"]
     assert "PEERS_FAULT" in by["native", 2]["error"] and by["native-bf16", 2]["settings"]["params_dtype"] == "bf16"
-    n = peers.count_params(qwen_config("tiny"))
+    n = count_params(qwen_config("tiny"))
     for r in rows:
         assert set(peer_systems.ROW_KEYS) <= set(r) and r["layers"] == 2 and r["hidden"] == 64
         assert r["params"] == n and r["tokens"] == r["batch"] * 64
@@ -146,8 +146,8 @@ def test_a_hung_child_is_killed_with_its_group(tmp_path, monkeypatch):
     rows = _run(tmp_path, "--systems", "zero3-twinflow", "--job-timeout", "8",
                 env={"PEERS_FAULT": "zero3-twinflow:hang"}, monkeypatch=monkeypatch)
     assert [(r["batch"], r["status"]) for r in rows] == [(1, "timeout"), (2, "not-run")]
-    alive = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-             if p.info["cmdline"] and "--child" in p.info["cmdline"] and "zero3-twinflow" in " ".join(p.info["cmdline"])]
+    cmds = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    alive = [c for c in cmds if "--child" in c and "zero3-twinflow" in c]
     assert not alive
 
 
@@ -226,6 +226,7 @@ def test_figures_structure():
     native = batch.data[1]
     assert list(native.x) == [1, 4, 8] and list(native.y) == [80, 260, 300]  # the OOM point is left out
     assert "model TFLOPS" in batch.layout.yaxis.title.text and batch.layout.xaxis.type == "log"
+    assert list(batch.layout.xaxis.tickvals) == [1, 4, 8, 16]
     depth = figs["depth"]
     assert [t.name for t in depth.data] == ["megatrain-auto TFLOPS", "megatrain-auto peak GPU GiB"]
     assert list(depth.data[0].x) == [36, 72, 108] and depth.data[1].yaxis == "y2"
