@@ -131,7 +131,8 @@ def test_cpu_run_one_process_per_system_failures_included(tmp_path, monkeypatch)
         if r["status"] != "ok":
             continue
         assert abs(r["loss_first"] - math.log(512)) < 0.3  # same model family at random init, same data
-        assert r["model_tflops"] == pytest.approx(6 * n * r["tokens"] / r["step_s"] / 1e12, rel=2e-3)
+        rounding = 5e-4 + 5e-5 / r["step_s"]  # model_tflops keeps 4 digits, step_s 4 decimals (CPU: ~0.03 s)
+        assert r["model_tflops"] == pytest.approx(6 * n * r["tokens"] / r["step_s"] / 1e12, rel=rounding)
         assert r["host_rss_peak_gib"] > 0 and r["peak_gpu_gib"] is None
         assert r["optimizer_s"] is not None and r["optimizer_share"] is not None
     assert by["fsdp2-offload", 1]["settings"]["master"] == "fp32 on the host"
