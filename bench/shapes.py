@@ -2,6 +2,8 @@
 from transformers import Qwen2Config
 
 SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),  # CPU tests of the benchmarks
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -13,10 +15,36 @@ SHAPES = {
 }
 
 
-def qwen_config(shape: str, *, layers: int | None = None, seq: int = 4096) -> Qwen2Config:
+def widened(kw: dict, width: float) -> dict:
+    """A shape `width` times as wide: same head size, heads, KV heads and MLP scaled with the hidden size.
+
+    >>> w = widened(SHAPES["3b"], 1.5)
+    >>> w["hidden_size"], w["num_attention_heads"], w["num_key_value_heads"], w["intermediate_size"]
+    (3072, 24, 3, 16512)
+    """
+    head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+    heads = max(1, round(kw["num_attention_heads"] * width))
+    kv = max(1, round(kw["num_key_value_heads"] * width))
+    while heads % kv:  # grouped-query attention needs KV heads to divide the heads
+        kv -= 1
+    return dict(kw, hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv,
+                intermediate_size=64 * round(kw["intermediate_size"] * width / 64))
+
+
+def qwen_config(shape: str, *, layers: int | None = None, seq: int = 4096, width: float = 1.0) -> Qwen2Config:
     kw = dict(SHAPES[shape])
     if layers is not None:
         kw["num_hidden_layers"] = layers
+    if width != 1.0:
+        kw = widened(kw, width)
     cfg = Qwen2Config(max_position_embeddings=max(seq, 32768), rope_theta=1e6, **kw)
     cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def count_params(cfg) -> int:
+    """Parameters of a Qwen2 config, from its shapes alone (nothing allocated)."""
+    d, f, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
+    layer = d * d + 2 * d * kv + (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # q k v (+bias) o, mlp, two norms
+    return V * d * (1 if cfg.tie_word_embeddings else 2) + L * layer + d
