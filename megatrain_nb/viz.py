@@ -168,7 +168,7 @@ def memory(counters: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     fig.update_yaxes(title_text="GiB", row=2, col=1)
     fig.update_xaxes(title_text="time since the step began (ms)", row=2, col=1)
     fig.update_layout(title=title or "memory over one step", height=540, margin=dict(l=10, r=10, t=70, b=40),
-                      legend_groupclick="toggleitem")
+                      legend_groupclick="toggleitem", showlegend=True)  # named even when one line is drawn
     return fig
 
 
