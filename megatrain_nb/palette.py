@@ -26,7 +26,10 @@ SLOT_LABELS = {"weight": "weight slot", "grad": "grad slot", "pinned": "pinned b
 MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "activations",
                  "weight_slots": "weight slots", "grad_slots": "gradient slots", "head_slots": "head slots",
                  "embedding_rows": "embedding rows", "logits": "logits", "reserve": "allocator reserve",
-                 "host_rss_bytes": "host RSS (whole process)", "pinned_in_use_bytes": "pinned staging in use"}
+                 "host_rss_bytes": "host RSS (whole process)", "pinned_in_use_bytes": "pinned staging in use",
+                 "master_fp32": "fp32 master weights", "adam_moments": "AdamW moments", "pinned_pool": "pinned staging pool",
+                 "activations_kept": "activations kept", "checkpoints": "layer-input checkpoints",
+                 "recompute_workspace": "recompute workspace"}
 # Columns of `Session.history_dataframe()`.
 METRIC_LABELS = {"loss": "loss", "tokens_per_s": "tokens/s", "tflops": "model TFLOP/s",
                  "peak_device_bytes": "peak device memory", "host_rss_bytes": "host RSS"}

@@ -45,9 +45,11 @@ NOTEBOOKS = ("00_quickstart.ipynb", "02_overlap_stalls.ipynb")
 RUN_S = 480  # a notebook's cells must all have run by then (00 takes ~80 s on 2 busy CPU cores)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 # JupyterLab settings of the fresh settings dir: every cell kept in the DOM (not windowed out of view)
-# so each figure can be read; no news or update checks (there is no network).
+# so each figure can be read; no news or update checks (there is no network); no autosave (the test
+# saves once, after the run, and reads that file).
 SETTINGS = {"@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
-            "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}}
+            "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+            "@jupyterlab/docmanager-extension/plugin": {"autosave": False}}
 
 NB = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # the notebook on show, not one in a hidden tab
 # One poll of the page: each code cell's prompt ("[3]:", "[*]:", "[ ]:") and dashboard header text.
@@ -63,6 +65,7 @@ _FIGURES_JS = """() => {
     cell: cells.indexOf(el.closest('.jp-CodeCell')),
     in_widget: el.closest('.widget-output') !== null,
     title: el.querySelector('.gtitle')?.textContent ?? '',
+    renderer: el.classList.contains('jp-RenderedPlotly') ? 'jupyterlab-plotly' : 'html',
     traces: (el.data ?? []).length,
     drawn: [...el.querySelectorAll('g.trace')].filter(g => !g.closest('.legend') && [...g.querySelectorAll('path')]
         .some(p => { const d = p.getAttribute('d') ?? ''; return d.length > 6 && d !== 'M0,0Z'; })).length}));
@@ -203,9 +206,12 @@ def _run(lab, ctx, name: str) -> Seen:
                 seen.live_headers.append(header)
                 step = _step_of(header)
                 if not shot_live and step is not None and 0 < step < STEPS:  # mid-run: the picture for docs/
-                    seen.screenshots.append(_shot(page.locator(f"{NB} .widget-vbox:has(.megatrain-header)").first,
-                                                  f"{stem}-dashboard-running.png"))
-                    shot_live = True
+                    dash = page.locator(f"{NB} .widget-vbox:has(.megatrain-header)").first
+                    path = _shot(dash, f"{stem}-dashboard-running.png")
+                    after = _step_of(dash.locator(".megatrain-header").inner_text())
+                    shot_live = after is not None and after < STEPS  # else the run ended: try again if it has not
+                    if path not in seen.screenshots:
+                        seen.screenshots.append(path)
         if all(re.fullmatch(r"\[\d+\]:", p) for p in seen.prompts):
             break
         if time.monotonic() > deadline:
@@ -242,9 +248,14 @@ def _shut_down_kernels(lab) -> None:
 
 
 def _shot(locator, filename: str) -> Path:
+    """A screenshot of the element's box. Not `locator.screenshot`, which waits for the element to hold
+    still: a dashboard redrawn every second on a busy machine may never do so."""
     path = ARTIFACTS / filename
-    locator.scroll_into_view_if_needed()
-    locator.screenshot(path=str(path), animations="disabled")
+    locator.page.mouse.move(0, 0)  # no hover: plotly's mode bar stays hidden
+    locator.evaluate("el => el.scrollIntoView({block: 'start'})")
+    box = locator.bounding_box()
+    assert box and box["width"] > 0 and box["height"] > 0, f"{filename}: nothing to see ({box})"
+    locator.page.screenshot(path=str(path), clip=box, animations="disabled")
     return path
 
 
@@ -264,12 +275,18 @@ def _save(page, path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def seen(lab, browser):
-    """notebook name -> Seen, each notebook run once for all the tests of this module."""
-    runs: dict[str, Seen] = {}
+    """notebook name -> Seen, each notebook run once for all the tests of this module (a run that
+    failed fails each test that asks for it, without running again)."""
+    runs: dict[str, Seen | Exception] = {}
 
     def get(name: str) -> Seen:
         if name not in runs:
-            runs[name] = _run(lab, browser, name)
+            try:
+                runs[name] = _run(lab, browser, name)
+            except Exception as e:
+                runs[name] = e
+        if isinstance(runs[name], Exception):
+            raise runs[name]
         return runs[name]
 
     return get
@@ -296,6 +313,9 @@ def test_every_plotly_figure_drew_a_trace_and_has_a_title(seen, name):
     assert len(s.figures) == in_cells + dashboards, "a plotly output did not render as a plotly figure"
     for fig in s.figures:
         assert fig["traces"] >= 1 and fig["drawn"] >= 1, f"figure with nothing drawn: {fig}"
+        # JupyterLab's plotly renderer (plotly.js bundled in the labextension, no CDN). Plotly's HTML
+        # fallback also draws offline here, but only in a trusted notebook: reopened, it stays blank.
+        assert fig["renderer"] == "jupyterlab-plotly", f"drawn by plotly's HTML fallback: {fig}"
         assert fig["title"].strip(), f"figure without a title: {fig}"
     assert all(path.stat().st_size > 5000 for path in s.screenshots)
 
