@@ -103,7 +103,8 @@ def buffers(slots: pd.DataFrame, *, end_ms: float | None = None, title: str | No
     """
     seg = slot_segments(slots, end_ms=end_ms)
     kinds = [k for k in _SLOT_KINDS if k in set(seg.kind)] + sorted(set(seg.kind) - set(_SLOT_KINDS))
-    rows = [f"{k}[{i}]" for k in kinds for i in sorted(set(seg[seg.kind == k]["index"]))]
+    slots_present = [(k, i) for k in kinds for i in sorted(set(seg[seg.kind == k]["index"]))]
+    rows = [f"{k}[{i}]" for k, i in slots_present]
     seg = seg.assign(row=[f"{k}[{i}]" for k, i in zip(seg.kind, seg["index"])],
                      layer=[("" if pd.isna(ly) else int(ly)) for ly in seg.layer])
     extent = float(seg.end_ms.max() - seg.start_ms.min()) if len(seg) else 1.0
@@ -117,9 +118,8 @@ def buffers(slots: pd.DataFrame, *, end_ms: float | None = None, title: str | No
                       height=150 + 30 * max(len(rows), 1), legend_title_text="slot state",
                       margin=dict(l=10, r=10, t=50, b=40))
     fig.update_xaxes(title_text="time since the step began (ms)")
-    ticks = [slot_label(r.split("[")[0], int(r.split("[")[1].rstrip("]"))) for r in rows]
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=rows, autorange="reversed",
-                     tickvals=rows, ticktext=ticks)
+                     tickvals=rows, ticktext=[slot_label(k, i) for k, i in slots_present])
     if not len(seg):  # say why the chart is blank rather than draw an empty grid
         fig.add_annotation(text="no slot records in this trace (traces recorded before 2026-11-29 "
                                 "lack them; a new step's s.trace has them)", showarrow=False,
