@@ -38,7 +38,10 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="override the depth (GPU memory vs depth check)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per batch, after one warm-up step")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per batch, after the warm-up steps")
+    ap.add_argument("--warmup", type=int, default=6, help="untimed steps per batch (placement='auto' measures at "
+                                                          "the first and moves state to the device at the second)")
+    ap.add_argument("--placement", default="auto", help="'auto', 'host', 'stream' (EngineConfig.placement)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--slots", type=int, default=2)
@@ -68,7 +71,7 @@ def main(argv=None) -> None:
                             micro_batch_size=a.micro_batch, weight_slots=a.slots,
                             pinned_budget_bytes=int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
-                            offload_checkpoints=a.offload_checkpoints)
+                            offload_checkpoints=a.offload_checkpoints, placement=a.placement)
     init_s = time.perf_counter() - t0
     rep = s.memory_report()
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
@@ -80,12 +83,12 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times, losses, summaries, waits = [], [], [], []
-        for k in range(a.steps + 1):
+        for k in range(a.steps + a.warmup):
             ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
             r = s.step({"input_ids": ids})
             losses.append(r.loss)
             print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
-            if k == 0:
+            if k < a.warmup:
                 continue
             times.append(r.seconds)
         if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
@@ -104,7 +107,10 @@ def main(argv=None) -> None:
                    host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                    loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                    checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
-                   offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap,
+                   offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
+                   resident_units=int((s.placement.placement == "resident").sum()),
+                   resident_gib=round(float(s.placement.device_GiB.sum()), 2),
+                   streamed_units=int((s.placement.placement == "device").sum()), placement_search=s.engine._search.summary(),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
         if summaries:
             sm = summaries[-1]

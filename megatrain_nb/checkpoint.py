@@ -120,6 +120,10 @@ def resume(path: str | os.PathLike, **overrides):
     _set_engine_steps(session.engine, state["steps_done"])
     if state.get("keep") is not None and not set(overrides) & {f.name for f in dataclasses.fields(session.engine_cfg)}:
         session.engine.keep = list(state["keep"])  # the same activation policy, so the same kernels run
+        if state.get("placement_free_bytes") is not None:  # and the same placement (Note: [Placement])
+            from .placement import Search
+
+            session.engine._search = Search.done_with(state["placement_free_bytes"])
     _set_rng(state["rng"])
     session.history = _history(state["history"])
     if hasattr(session, "skipped_steps"):
@@ -143,6 +147,7 @@ def _state(session, data_state) -> dict:
         "unit_steps": {str(u): session.optim.steps_done(u) for u in session.store.order},
         "numel": {str(u): session.store.units[u].layout.numel for u in session.store.order},
         "keep": getattr(session.engine, "keep", None),
+        "placement_free_bytes": _placed_free(session.engine),  # what placement="auto" settled on
         "rng": _get_rng(),
         "history": [dataclasses.asdict(r) for r in getattr(session, "history", [])],
         "data_state": data_state,
@@ -153,6 +158,12 @@ def _state(session, data_state) -> dict:
         raise ValueError(f"checkpoint state is not JSON-serialisable ({e}); data_state must be a dict of "
                          f"plain values (got {type(data_state).__name__})") from e
     return state
+
+
+def _placed_free(engine) -> int | None:
+    """Device bytes the finished "auto" search places residents in (None: not finished)."""
+    search = getattr(engine, "_search", None)
+    return search.free.get(search.winner) if search is not None and search.phase == "done" else None
 
 
 def _jsonable_cfg(cfg) -> dict:

@@ -74,16 +74,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--task", default="successor", choices=("successor", "copy"),
                    help="synthetic task, see megatrain_nb.data.synthetic_batches (default: %(default)s)")
 
-    t = sub.add_parser("train", parents=[common], help="fine-tune a local HF model directory on a JSONL file",
+    t = sub.add_parser("train", parents=[common], help="fine-tune a local HF model directory on a data file",
                        description="Fine-tune every parameter of a local Hugging Face causal-LM directory on a "
-                                   "JSONL file of {\"text\"} or {\"prompt\", \"response\"} lines, then save it.")
+                                   "JSONL / JSON / Parquet file of chat {\"messages\"}, alpaca {\"instruction\", "
+                                   "\"output\"}, {\"prompt\", \"response\"} or {\"text\"} records (the format is "
+                                   "detected), then save it.")
     t.add_argument("--model", required=True, metavar="DIR", help="HF model directory (config.json + safetensors; "
                    "its tokenizer if present, else UTF-8 bytes)")
-    t.add_argument("--data", required=True, metavar="FILE", help="JSONL training file")
+    t.add_argument("--data", required=True, metavar="FILE", help="training records (.jsonl, .json or .parquet)")
+    t.add_argument("--eval-data", metavar="FILE", default=None, help="held-out records: their mean loss per "
+                   "supervised token is printed every --eval-every steps and at the end")
+    t.add_argument("--eval-every", type=_int_at_least(1), default=None, metavar="N",
+                   help="evaluate every N steps (default: at the end only; needs --eval-data)")
+    t.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                   help="several examples per row, each attending only to itself (default), or one per row")
+    t.add_argument("--save-every", type=_int_at_least(1), default=None, metavar="N",
+                   help="write a resumable checkpoint to OUT/checkpoint every N steps (Session.resume)")
+    t.add_argument("--lr-schedule", default="constant", choices=("constant", "linear", "cosine"),
+                   help="learning-rate decay to 0 at --steps, after warmup (default: %(default)s)")
+    t.add_argument("--warmup-steps", type=_int_at_least(0), default=0, metavar="N",
+                   help="linear warmup from 0 over the first N steps (default: %(default)s)")
     t.add_argument("--steps", type=_int_at_least(1), default=100, help="training steps (default: %(default)s)")
     t.add_argument("--batch", type=_int_at_least(1), default=8, help="sequences per step (default: %(default)s)")
-    t.add_argument("--seq", type=_int_at_least(2), default=512, help="tokens per sequence; examples are packed "
-                   "into rows of this length (default: %(default)s)")
+    t.add_argument("--seq", type=_int_at_least(2), default=512, help="tokens per row; a longer example is an error "
+                   "(default: %(default)s)")
     t.add_argument("--lr", type=_positive_float, default=2e-5, help="AdamW learning rate (default: %(default)s)")
     t.add_argument("--out", metavar="DIR", default=None, help="output directory (default: out/<model dir name>)")
     t.add_argument("--checkpoint-every", type=_int_at_least(0), default=None, metavar="K",
@@ -163,7 +177,7 @@ def _demo(args) -> int:
 
 
 def _train(args) -> int:
-    from .data import jsonl_batches
+    from .data import sft_batches
     from .session import Session
 
     device = _device(args.device)
@@ -171,34 +185,71 @@ def _train(args) -> int:
     if not (model / "config.json").is_file():  # before the data, so a wrong path is the one error shown
         raise FileNotFoundError(f"model directory {str(model)!r} does not exist" if not model.is_dir()
                                 else f"{str(model)!r} has no config.json; pass an HF model directory")
+    if args.eval_every is not None and args.eval_data is None:
+        raise ValueError("--eval-every needs --eval-data FILE")
     out = Path(args.out) if args.out else Path("out") / model.resolve().name
-    data = jsonl_batches(args.data, model, args.batch, args.seq, seed=args.seed)
-    s = Session.from_pretrained(model, device=device, lr=args.lr,
-                                checkpoint_every=args.checkpoint_every)
+    data = sft_batches(args.data, model, batch=args.batch, seq=args.seq, pack=args.pack, seed=args.seed)
+    held_out = (sft_batches(args.eval_data, data.enc.tok or model, batch=args.batch, seq=args.seq, pack=args.pack)
+                if args.eval_data else None)
+    schedule = {} if args.lr_schedule == "constant" else {"total_steps": args.steps}
+    s = Session.from_pretrained(model, device=device, lr=args.lr, checkpoint_every=args.checkpoint_every,
+                                lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, **schedule)
     try:
-        print(f"{s}; data {args.data} ({len(data.examples)} examples), batch {args.batch} x seq {args.seq}")
-        losses = _loop(s, data, args.steps, "train")
+        print(f"{s}; data {args.data} ({len(data.examples)} {data.format} examples, "
+              f"{'packed' if args.pack else 'one per row'}), batch {args.batch} x seq {args.seq}")
+        losses = _loop(s, data, args.steps, "train", held_out=held_out, eval_every=args.eval_every,
+                       save_every=args.save_every, out=out)
         s.save_pretrained(out)  # waits for the last updates
+        sample = _sample(s, data) if data.enc.tok is not None else None
     finally:
         s.close()
     _save_tokenizer(model, out)
-    state = {"steps": len(losses), "data": data.state_dict(), "losses": losses, "lr": args.lr}
+    evals = [(e["step"], e["eval_loss"]) for e in s.eval_history]
+    state = {"steps": len(losses), "data": data.state_dict(), "losses": losses, "lr": args.lr, "eval": evals}
     (out / "megatrain_state.json").write_text(json.dumps(state, indent=1))
     print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
+    if evals:
+        print(f"eval loss: {', '.join(f'step {k} {v:.4f}' for k, v in evals)}")
+    if sample is not None:
+        print(f"sample: {sample[0]!r} -> {sample[1]!r}")
     print(_bytes_line(s.store.bytes_report()))
     print(f"saved to {out}")
     return 0
 
 
-def _loop(s, batches, steps: int, desc: str) -> list[float]:
+def _sample(s, data, new_tokens: int = 32) -> tuple:
+    """(prompt, greedy completion) from the data's first record: a chat's turns before its last reply,
+    an alpaca instruction or a prompt; the first words of a text."""
+    rec, fmt = data.first_record, data.format
+    if fmt == "chat":
+        ms = rec["messages"]
+        last = max(k for k, m in enumerate(ms) if m["role"] == "assistant")
+        prompt = ms[:last]
+        shown = prompt[-1]["content"] if prompt else ""
+    elif fmt == "alpaca":
+        prompt = shown = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "") + "\n\n"
+    elif fmt == "prompt/response":
+        prompt = shown = rec["prompt"]
+    else:
+        prompt = shown = " ".join(rec["text"].split()[:8])
+    return shown, s.generate(prompt, max_new_tokens=new_tokens, tokenizer=data.enc.tok)
+
+
+def _loop(s, batches, steps: int, desc: str, *, held_out=None, eval_every: int | None = None,
+          save_every: int | None = None, out: Path | None = None) -> list[float]:
     from tqdm import tqdm
 
     losses = []
     with tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
-        for _ in range(steps):
+        for k in range(1, steps + 1):
             r = s.step(next(batches))
             losses.append(r.loss)
-            bar.set_postfix(loss=f"{r.loss:.3f}", tok_s=f"{r.tokens / r.seconds:.0f}", refresh=False)
+            post = {"loss": f"{r.loss:.3f}", "tok_s": f"{r.tokens / r.seconds:.0f}"}
+            if held_out is not None and ((eval_every and k % eval_every == 0) or k == steps):
+                post["eval"] = f"{s.evaluate(held_out):.3f}"
+            if save_every and k % save_every == 0:
+                s.save_checkpoint(out / "checkpoint", data_state=batches.state_dict())
+            bar.set_postfix(post, refresh=False)
             bar.update()
     return losses
 

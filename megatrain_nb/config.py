@@ -92,10 +92,23 @@ class EngineConfig:
     compute dtype: twice the PCIe bytes of a bf16 copy, but no host cast at all, neither when packing
     nor after the update. CUDA only; excludes pin_store. None: on when CUDA is used, pin_store is not
     set and the store fits in 90% of host RAM (faster than pin_store on the H200 at every batch)."""
-    offload_checkpoints: bool = False
-    """Park the inputs of recompute blocks in host memory (pinned on CUDA) during the forward and
-    fetch them back one block ahead in the backward: GPU memory then no longer grows with depth, for
-    B*T*H*dtype bytes per block each way over PCIe. Not yet measured on the H200."""
+    offload_checkpoints: bool | None = None
+    """Where the inputs of recompute blocks wait for the backward. True: all in host memory (pinned on
+    CUDA), fetched back one block ahead: GPU memory then no longer grows with depth, for B*T*H*dtype
+    bytes per block each way over PCIe. False: all on the device. None: on CUDA, as many on the device
+    as ``activation_budget`` leaves room for beside the backward's working set, the earliest blocks in
+    host memory (``planner.place_checkpoints``, decided with the keep policy and again when tokens
+    grow); on "cpu" all stay (host RAM either way)."""
+    tile_tokens: int | None = None
+    """Rows (tokens) per tile of a layer's norms and dense MLP (``tiling.py``): their whole-sequence
+    intermediates then exist one tile at a time, for one more MLP forward per layer in the backward.
+    0: never tile. None: tile in 16384-row tiles once one untiled layer's activations would exceed 1/8
+    of device memory (the 7B shape: above ~75K tokens per micro-batch)."""
+    attention_backend: str | None = None
+    """SDPA kernel of the layers' attention: "flash", "cudnn", "efficient" (tried first, the other fused
+    ones after it) or "math". None: at long context (T x T scores above 1 GiB) the fused kernels in
+    torch's order, never math; at short context torch's own choice. The chosen one is named in
+    ``Session.engine.tiler.backend``."""
     activation_budget: float = 0.85
     """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
     overlap_optimizer: bool = True
@@ -106,6 +119,11 @@ class EngineConfig:
     with the backward), so nothing is applied; see docs/engine.md [Non-finite gradients] for "skip"."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
+    placement: str | dict = "auto"
+    """Where each unit's AdamW and state live (placement.py): "auto" (on CUDA, units resident on the
+    device while the memory the activations leave holds them), "host" (every update on the host,
+    nothing kept on the device), "stream", or a dict {unit: "host" | "resident"} (-1 embedding,
+    0..L-1 layers, L head). ``Session.placement`` shows the choice and why."""
 
     def __post_init__(self):
         try:
@@ -139,5 +157,13 @@ class EngineConfig:
             raise ValueError("cast_on_device=True and pin_store=True both pin the store; choose one")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
+        if self.tile_tokens is not None and (not isinstance(self.tile_tokens, int) or self.tile_tokens < 0):
+            raise ValueError(f"tile_tokens={self.tile_tokens!r}: an int >= 1 (rows per tile), 0 (never tile) or None (auto)")
+        if self.attention_backend not in (None, "flash", "cudnn", "efficient", "math"):
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use 'flash', 'cudnn', 'efficient', 'math' "
+                             "or None (the fused kernels in torch's order)")
+        if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
+            raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
+                             "{unit: 'host' | 'resident'}")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

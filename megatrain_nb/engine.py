@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import math
 import threading
+import time
 import weakref
 
 import torch
@@ -33,8 +34,11 @@ from .binding import Layout, SlotRefs, call, grads_into
 from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
-from .optim import HostAdamW, grad_norm
+from .optim import DeviceAdamW, HostAdamW, grad_norm
+from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .longcontext import Checkpoints, layer_bytes, pinned_bytes
+from .tiling import SequenceTiling
 from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
 
@@ -73,8 +77,25 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort)
+        self.dev_opt = DeviceAdamW(store, optim, ocfg, dev.device, self.dtype)  # resident units' state and update
+        self.placement_mode = placing.validate(ecfg.placement, L, arch.tied)
+        self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
+        self._search = placing.Search()  # "auto": measuring step, then activations first vs residency first
+        self._gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
+        self._share = 0.0  # "stream": share of the layers placed "device", from the rates of the first step
+        self._adam_rate = (0, 0.0)  # host AdamW so far: (params, seconds)
+        self._sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
+        self._sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
+        self._bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
+        self._seen: set[int] = set()  # units whose gradients are complete this step
+        self._updated = None  # event after this step's last overlapped device update
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
-        self.offload = Offload(dev, recorder) if ecfg.offload_checkpoints else None
+        self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
+        self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
+                                    device=dev.device, dtype_bytes=self.dtype.itemsize)  # wraps the templates
+        self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
+                                 offload_checkpoints=ecfg.offload_checkpoints)
+        self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
@@ -104,10 +125,15 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
+        if unit in self.dev_opt.of or unit in self.dev_opt.streamed:
+            return  # the device updated it (_landed, _device_update, _stream_update)
         self.io.delay("host-adam")
+        t0 = time.perf_counter()
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
+        self._adam_rate = (self._adam_rate[0] + self.store.units[unit].layout.numel, self._adam_rate[1]
+                           + time.perf_counter() - t0)  # params, seconds: what "stream" balances PCIe against
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -129,7 +155,17 @@ class Engine:
         Returns:
             {"loss": float, "kept_layers": int, "recomputed_layers": int}
         """
+        self._committed = False  # set once this step's updates may start (the loss went to the Adam worker)
         try:
+            return self._step(mbs, n_valid)
+        except torch.OutOfMemoryError:
+            self._recover()
+            if self._search.phase not in ("B1", "B2") or self._committed:
+                raise
+            # Note: [Auto search] a residency-first trial that does not fit: nothing of it was applied
+            # (no update starts before the loss is known), so the same batch runs again as activations first.
+            self._search.abandon_b()
+            torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
             return self._step(mbs, n_valid)
         except BaseException:
             self._recover()
@@ -153,14 +189,14 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
-        if self.offload is not None:
-            self.offload.reset()
+        self.offload.reset()
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int) -> dict:
         L, dev, rec = self.L, self.dev, self.rec
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
+        self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
         tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
         if self.keep is not None and not self._keep_tokens:
             self._keep_tokens = tokens  # a policy restored by resume: it stands for this batch size
@@ -168,12 +204,22 @@ class Engine:
             self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
         if self.keep is None:
             self._keep_tokens = tokens
+            self._place_checkpoints(mbs)  # Note: [Long-context memory] (longcontext.py)
+            self._search = placing.Search()  # the activation policy is chosen again: so is the placement
+        self._place()
+        measuring = dev.cuda and self.placement_mode == "auto" and self._search.phase == "measure"
+        if measuring:  # Note: [Placement] this step's allocator peak says what the activations leave free
+            torch.cuda.reset_peak_memory_stats(dev.device)  # allocator bookkeeping: no sync
+        t_start = time.perf_counter()
         loss_box = Box(self.abort)
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
+        overlap_dev = bool(self.dev_opt.groups or self.dev_opt.streamed) and not gate  # Note: [Device updates]
+        self._bad = torch.zeros((), dtype=torch.bool, device=dev.device) if overlap_dev else None
+        self._seen, self._updated = set(), None
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
-        with dev.on(dev.compute):
+        with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
             self._count_memory()
             embeds = [self._gather(mb) for mb in mbs]
@@ -182,21 +228,172 @@ class Engine:
             head_box = self._load_head()
             state = self._forward(mbs, embeds, fops, fboxes)
             hL_grads = self._loss(mbs, state.pop("hL"), n_valid, head_box, loss_box)
-            blocks = make_blocks(L, self.keep, self.cfg.checkpoint_every or 1)
+            blocks = make_blocks(L, self.keep, self.ckpts.block)
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
+            dev.wait(dev.compute, self._updated)  # the next step's compute follows this step's device updates
             self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have
         loss = float(loss_box.get())
         with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
             norms = dict(adam_step["landed"])
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
+        if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
+            self._device_update(norms)  # gated: the host's clip factor and verdict, for every unit at once
+        if measuring:
+            budget = self.cfg.activation_budget * torch.cuda.get_device_properties(dev.device).total_memory
+            free = int(budget - torch.cuda.max_memory_allocated(dev.device))
+            size = torch.tensor([], dtype=self.dtype).element_size()
+            all_in = all(c.placement == "resident" for c in self._choose(free).values())
+            params, seconds = self._adam_rate
+            adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
+            self._search.measured(free=free, keep=self.keep, layer_bytes=self._act_bytes, everything_fits=all_in,
+                                  host_bound=time.perf_counter() - t_start < 3 * adam_s,
+                                  checkpoint_bytes=sum(mb["input_ids"].numel() for mb in mbs) * self.arch.embed.weight.shape[1] * size)
+        elif self._search.phase != "done":
+            self._search.stepped(time.perf_counter() - t_start, self.keep)
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
                 "grad_norm": math.sqrt(sum(n * n for n in norms.values()))}
+
+    # ---- placement (driver thread, between steps) -------------------------------------------
+    def _place(self) -> None:
+        """Apply ``placement.choose`` for this step: move groups to or from the device where it changed.
+
+        Note: [Placement] under "auto" a step with nothing resident measures the device memory its
+        activations leave free (its allocator peak); the next step makes resident, in the order the
+        forward needs them, the groups that fit there. When the activation policy is chosen again
+        (more tokens), the placement is too: everything goes back to the host for one measuring step.
+        Only that step resets the allocator's peak statistics. Then two ways to share the device are
+        timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
+        run places as the first did from its first step (bit-identical results).
+        """
+        params, seconds = self._adam_rate
+        if self.placement_mode == "stream" and not self._share and seconds > 0:  # after the first step's updates
+            self._share = placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S)
+        cand = self._search.candidate
+        want = self._choose(None if cand is None else self._search.free[cand])
+        if cand == "B" and self._search.phase == "B1":
+            self.keep = None  # residency first: the activation policy is decided around the residents
+        elif cand is not None and self._search.keep.get(cand) is not None:
+            self.keep = list(self._search.keep[cand])
+        moving = [g for g in placing.groups(self.L, self.arch.tied)
+                  if (want[g[0]].placement == "resident") != (g in self.dev_opt.groups)]
+        streaming = {u for u, c in want.items() if c.placement == "device"}
+        if moving or streaming != set(self.dev_opt.streamed):
+            self.adam.wait_all(self.steps_done)  # host wait: every host update of finished steps is applied
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: device updates done before state moves
+            with self.dev.on(self.dev.compute):
+                for g in moving:
+                    self.dev_opt.remove(g) if g in self.dev_opt.groups else self.dev_opt.add(g)
+                for u in set(self.dev_opt.streamed) - streaming:
+                    self.dev_opt.stream_remove(u)
+                for u in streaming - set(self.dev_opt.streamed):
+                    self.dev_opt.stream_add(u)
+                n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
+                self._sslots = [torch.empty(n, device=self.dev.device) for _ in range(2)] if streaming else []
+                self._sslot_box = [Box(ready=True) for _ in self._sslots]
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
+                torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
+        self.choice = want
+
+    def _landed(self, unit: int) -> None:
+        """Compute stream: ``unit``'s gradient and norm are complete. A resident group whose units all
+        are gets its AdamW now, on the optimizer stream, while the backward goes on.
+
+        Note: [Device updates] without a gate (grad_clip, overlap off, nonfinite="raise") each resident
+        group updates as soon as its gradients are complete, on its own stream: it overlaps the rest of
+        the backward, and the next step's compute waits for the last one. A non-finite loss, or a
+        non-finite norm of any unit whose gradients were complete before, skips it through the fused
+        kernel's ``found_inf`` (the host's [Non-finite gradients] rule, decided on the device). With a
+        gate the driver updates every resident unit after the backward with the host's clip factor.
+        """
+        if self._bad is None:
+            return
+        torch.logical_or(self._bad, ~torch.isfinite(self.norm_dev[unit + 1]), out=self._bad)
+        self._seen.add(unit)
+        r = self.dev_opt.of.get(unit)
+        if r is None or not set(r.units) <= self._seen:
+            return
+        dev = self.dev
+        found = self._bad.float()  # a snapshot: what lands later cannot change this group's verdict
+        ready = dev.record(dev.compute)
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, ready)
+            if dev.cuda:
+                found.record_stream(dev.optim)  # made on compute, read on optim: keep its memory until then
+            tok = self.rec.cuda_begin("device-adam", "adam", r.units[0], "optim", r.master.numel() * 16, dev.optim)
+            self.dev_opt.update(self.ocfg.lr_at(self.steps_done), groups=[r.units], found_inf=found)
+            self.rec.cuda_end(tok, dev.optim)
+            self._updated = dev.record(dev.optim)
+
+    def _choose(self, free: int | None) -> dict:
+        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
+        want = placing.choose(numel, mode=self.placement_mode, free_bytes=free, tied=self.arch.tied,
+                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda,
+                              share=self._share)
+        if self._gate:  # Note: [Streamed updates] a gated update waits for every gradient: on the host
+            want = {u: placing.Choice("host", c.reason + "; gated (grad_clip, overlap_optimizer=False or nonfinite="
+                                      "'raise'): updated on the host") if c.placement == "device" else c
+                    for u, c in want.items()}
+        return want
+
+    def _stream_update(self, i: int, g: torch.Tensor, done, j: int, loaded: Box, written: Box) -> Box:
+        """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
+
+        The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
+        copies master and moments back once the update is done, and the unit lands (its norm) after
+        that, so the next forward's load of it reads the updated master. Returns the grad slot's box:
+        free once the update has read the gradients.
+        """
+        dev, n = self.dev, g.numel()
+        state = self._sslots[j][:3 * n]
+        found = self._bad.float()  # made on compute, read on optim (see _landed)
+        ev = loaded.get()  # driver waits until the state's copy is enqueued
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, done)
+            dev.wait(dev.optim, ev)
+            if dev.cuda:
+                found.record_stream(dev.optim)
+            tok = self.rec.cuda_begin("device-adam", "adam", i, "bwd", n * 16, dev.optim)
+            self.dev_opt.update_streamed(i, state, g, self.ocfg.lr_at(self.steps_done), found)
+            self.rec.cuda_end(tok, dev.optim)
+            updated = dev.record(dev.optim)
+            self._updated = updated
+        u = self.store.units[i]
+        self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)], updated, "bwd",
+                      op="state-out", enqueued=written)  # fills ``written``: the state slot's next load waits for it
+        return Box(ready=True, value=updated)
+
+    def _device_update(self, norms: dict) -> None:
+        """Driver: enqueue AdamW of every resident unit on the compute stream (the loss and norms are finite)."""
+        scale = self.optim.clip_factor(norms)[1]  # the host's clip factor: the same for every unit
+        n = sum(r.master.numel() for r in self.dev_opt.groups.values())
+        with self.dev.on(self.dev.compute):
+            tok = self.rec.cuda_begin("device-adam", "adam", -1, "optim", n * 16, self.dev.compute)
+            self.dev_opt.update(self.ocfg.lr_at(self.steps_done), scale)
+            self.rec.cuda_end(tok, self.dev.compute)
+
+    def placement_frame(self):
+        """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
+        import pandas as pd
+
+        cand = self._search.candidate
+        choice = self.choice or self._choose(None if cand is None else self._search.free[cand])
+        tried = self._search.summary()
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        rows = []
+        for u in self.store.order:
+            c, n = choice[u], self.store.units[u].layout.numel
+            name = "embedding" if u == -1 else "head" if u == self.L else f"layer {u}"
+            dev_bytes = placing.resident_bytes(u, n, size, self.arch.tied) if c.placement == "resident" else 0
+            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason + (f"; {tried}" if tried else "")))
+        return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "reason"])
 
     def _count_memory(self) -> None:
         """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""
@@ -212,9 +409,12 @@ class Engine:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         weights = size(self.slots + [self.head_slot])
         grads = size(self.gslots + [self.head_gslot])
+        resident = size([t for r in self.dev_opt.groups.values() for t in (r.w, r.grad, r.master, r.exp_avg,
+                                                                             r.exp_avg_sq, r.egrad) if t is not None])
         rec.counter("device_mem.weights", weights)
         rec.counter("device_mem.grads", grads)
-        rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads)
+        rec.counter("device_mem.resident", resident)
+        rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads - resident)
         rec.counter("pinned_in_use_bytes", size(self.io.staging + self.io.gstaging))
 
     @property
@@ -250,6 +450,11 @@ class Engine:
         """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves)."""
         ids = mb["input_ids"]
         H = self.arch.embed.weight.shape[1]
+        if -1 in self.dev_opt.of:  # resident: gather on the device from the current weights
+            r = self.dev_opt.of[-1]
+            a, b = r.seg(-1)
+            rows = r.w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
+            return rows.view(*ids.shape, H), Box(ready=True)
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
         rows = lambda: self.store.units[-1].master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
         box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", self.steps_done)
@@ -259,23 +464,41 @@ class Engine:
         """Submit every load ``ops`` need to the packer, in order of use.
 
         Returns {"loads": op index -> (Load, box), "rel": op index -> Box of that op's slot release,
-        "slot": op index -> slot}. A load waits for the release of its slot's previous use: in this
-        plan (``Load.after``) or in an earlier one (``self.slot_box``).
+        "slot": op index -> slot, "state": bwd op index -> (state slot, its load's box, its write-back's
+        box)}. A load waits for the release of its slot's previous use: in this plan (``Load.after``)
+        or in an earlier one (``self.slot_box``). The backward of a "device" unit also needs its
+        optimizer state: loaded right after its weights, into the state slot whose last write-back
+        has been copied out (Note: [Streamed updates] in placement.py).
         """
-        loads, _, slot_of_op = plan_loads(ops, len(self.slots), resident)
+        slot_ops = [Op("resident", op.layer, op.phase) if op.layer in self.dev_opt.of else op for op in ops]
+        loads, _, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
         rel = {k: Box(self.abort) for k in slot_of_op}
-        boxes = {}
-        for ld in loads:
-            after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
-            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
-                               ops[ld.before].phase, self.steps_done)
-            boxes[ld.before] = (ld, box)
+        jobs = [(ld.before, 0, ld) for ld in loads]
+        jobs += [(k, 1, op.layer) for k, op in enumerate(ops) if op.kind == "bwd" and op.layer in self.dev_opt.streamed]
+        boxes, state = {}, {}
+        for k, kind, what in sorted(jobs, key=lambda j: j[:2]):
+            if kind == 0:
+                ld = what
+                after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
+                box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
+                                   ops[ld.before].phase, self.steps_done)
+                boxes[ld.before] = (ld, box)
+                continue
+            j = len(state) % len(self._sslots)
+            u = self.store.units[what]
+            n = u.layout.numel
+            segs = [(what, lambda u=u: u.master, 0), (what, lambda u=u: u.exp_avg, n), (what, lambda u=u: u.exp_avg_sq, 2 * n)]
+            box = self.io.load(what, self._sslots[j], segs, self._sslot_box[j], "bwd", self.steps_done, op="state-in")
+            self._sslot_box[j] = Box(self.abort)  # filled by this unit's write-back (_stream_update)
+            state[k] = (j, box, self._sslot_box[j])
         for k, s in sorted(slot_of_op.items()):
             self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
-        return {"loads": boxes, "rel": rel, "slot": slot_of_op}
+        return {"loads": boxes, "rel": rel, "slot": slot_of_op, "state": state}
 
     def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
         """Driver: the weight slot op k computes from; the compute stream waits for its load."""
+        if k not in plan["slot"]:
+            return self.dev_opt.of[op.layer].w  # resident: always current, never loaded
         s = plan["slot"][k]
         if k in plan["loads"]:
             ld, box = plan["loads"][k]
@@ -287,14 +510,51 @@ class Engine:
 
     def _done(self, plan: dict, k: int) -> None:
         """Driver: op k no longer needs its slot once the compute stream passes this point."""
-        plan["rel"][k].put(self.dev.record(self.dev.compute))
+        if k in plan["rel"]:
+            plan["rel"][k].put(self.dev.record(self.dev.compute))
 
-    def _load_head(self) -> Box:
+    def _load_head(self, dst: torch.Tensor | None = None, after: Box | None = None) -> Box:
         L = self.L
+        if L in self.dev_opt.of:
+            return Box(ready=True)  # resident: the head group's buffer is the head slot
         segs = [(L, self._master(L), 0)]
         if self.arch.tied:
             segs.append((-1, self._master(-1), self.store.units[L].layout.numel))
-        return self.io.load(L, self.head_slot, segs, self.head_box, "loss", self.steps_done)
+        return self.io.load(L, self.head_slot if dst is None else dst, segs, self.head_box if after is None else after,
+                            "loss", self.steps_done)
+
+    # ---- forward-only passes (inference.py): a step's loads, no gradients ----------------------
+    def stream_layers(self, *, head: bool):
+        """Driver: yield (unit, its weights on the device) for layers 0..L-1, then the head (unit L) if ``head``.
+
+        Loads go through the weight slots from ``_master``, ordered as a step's forward; a slot is
+        released once the caller has enqueued its compute and resumes the generator. The caller
+        runs on the compute stream, under no_grad.
+        """
+        ops = forward_ops(self.L)[:-1]
+        self._occ = []  # this pass's slot uses: no step's trace holds them
+        plan = self._plan(ops, [None] * len(self.slots))
+        head_box = self._load_head() if head else None
+        for k, op in enumerate(ops):
+            yield op.layer, self.store.units[op.layer].layout.views(self._use(plan, k, op))
+            self._done(plan, k)
+        if head:
+            self._ready(head_box)
+            res = self.dev_opt.of.get(self.L)
+            yield self.L, self.head_layout.views(self.head_slot if res is None else res.w)
+            self.head_box = Box(ready=True, value=self.dev.record(self.dev.compute))  # the next head load waits
+
+    def weights_copy(self, unit: int) -> dict:
+        """Driver: a device copy of unit ``unit``'s current weights (0..L-1, or L: the head) outside the
+        slots, for a caller that keeps it (generation); the compute stream waits for its load."""
+        lay = self.head_layout if unit == self.L else self.store.units[unit].layout
+        buf = torch.empty(lay.numel, dtype=self.dtype, device=self.dev.device)
+        if unit in self.dev_opt.of:
+            return lay.views(buf.copy_(self.dev_opt.of[unit].w))  # resident: its current weights are there
+        box = (self._load_head(buf, Box(ready=True)) if unit == self.L else
+               self.io.load(unit, buf, [(unit, self._master(unit), 0)], Box(ready=True), "fwd", self.steps_done))
+        self._ready(box)
+        return lay.views(buf)
 
     # ---- compute (driver thread, compute stream) -------------------------------------------
     def _template(self, i: int):
@@ -310,7 +570,34 @@ class Engine:
             return True  # host memory holds activations on "cpu": keep all
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
         used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
-        return used + 2 * self._act_bytes + (4 << 30) < self.cfg.activation_budget * total
+        act = self._act_bytes or self.ckpts.act  # measured once a layer was kept, else predicted
+        return i < self.ckpts.cap and used + 2 * act + (4 << 30) < self.cfg.activation_budget * total
+
+    def _place_checkpoints(self, mbs) -> None:
+        """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
+        where block inputs wait is decided at the forward's first recompute block (``_parked``)."""
+        from .planner import _act_bytes_per_token, model_shape
+
+        n, d = sum(mb["input_ids"].numel() for mb in mbs), self.dtype.itemsize
+        try:
+            s = model_shape(self.arch.config)
+        except (ValueError, KeyError, TypeError):
+            s = None  # a shape the planner cannot read: nothing predicted, no cap
+        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d))
+        self._dE_need = pinned_bytes(lb["boundary"] * 4 // d) if lb else 0  # the pinned dE buffer to come
+        self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
+
+    def _memory(self) -> tuple[float, float, float]:
+        """(device bytes in use, the planner's device budget, host bytes the step still allocates)."""
+        total = torch.cuda.get_device_properties(self.dev.device).total_memory
+        have = 0 if self._dE_host is None else self._dE_host.numel() * 4
+        return (torch.cuda.memory_allocated(self.dev.device),  # allocator bookkeeping: no sync
+                self.cfg.activation_budget * total - (2 << 30), max(0, self._dE_need - have))
+
+    def _parked(self, i: int, hs: list) -> bool:
+        """Whether the input of the recompute block starting at layer i waits in host memory."""
+        nbytes = sum(h.numel() * h.element_size() for h in hs)
+        return self.ckpts.parked(i, nbytes, self._memory if self.dev.cuda else None)
 
     def _forward(self, mbs, embeds, fops, plan) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
@@ -320,13 +607,14 @@ class Engine:
             self._ready(box)
             mask = mb["attention_mask"]
             mask = None if mask is None else mask.to(dev.device, non_blocking=True)
+            pos = arch.position_kwargs(mb.get("position_ids"), dev.device)  # packed rows: packing.py
             E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad():
-                h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask)
+                h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
             hs.append(h0.detach())
         deciding = self.keep is None
-        keep, K = [], self.cfg.checkpoint_every or 1
+        keep = []
         self._act_bytes = 0
         for k, op in enumerate(fops[:-1]):
             i = op.layer
@@ -349,9 +637,9 @@ class Engine:
                 st["kept"][i] = (params, xs, outs)
                 self._act_bytes = (torch.cuda.memory_allocated(dev.device) - before) if dev.cuda else 0
             else:
-                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-K])) >= K
+                run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-self.ckpts.block])) >= self.ckpts.block
                 if run_start:  # Note: block inputs are the only activations a recompute block keeps
-                    if self.offload is not None:
+                    if self._parked(i, hs):
                         self.offload.park(i, hs)  # to host memory: the device keeps none
                         st["ckpt"][i] = None
                     else:
@@ -373,12 +661,12 @@ class Engine:
         arch, dev, L, lay = self.arch, self.dev, self.L, self.head_layout
         self._ready(head_box)
         self.dev.wait(dev.compute, self.head_gbox.get())  # last step's head grads were copied out
+        res = self.dev_opt.of.get(L)
+        w, gslot = (self.head_slot, self.head_gslot) if res is None else (res.w, res.grad)
         tok = self.rec.cuda_begin("compute", "loss", L, "loss", 0, dev.compute)
-        self.head_gslot.zero_()
-        params = lay.views(self.head_slot, requires_grad=True)
-        grads_into(params, self.head_gslot, lay)
-        norm_p = {n[len(arch.norm_prefix):]: p for n, p in params.items() if n.startswith(arch.norm_prefix)}
-        W = params[arch.embed_name if arch.tied else arch.head_name]
+        gslot.zero_()
+        params = lay.views(w, requires_grad=True)
+        grads_into(params, gslot, lay)
         total = torch.zeros((), dtype=torch.float32, device=dev.device)
         grads = []
         for mb, h in zip(mbs, hs):
@@ -387,9 +675,7 @@ class Engine:
             for a, b in chunks(h.shape[1], self.cfg.loss_chunk_tokens):
                 with torch.enable_grad():
                     x = h[:, a:b].detach().requires_grad_()
-                    logits = F.linear(call(arch.norm, norm_p, x), W)
-                    if arch.softcap:
-                        logits = torch.tanh(logits / arch.softcap) * arch.softcap
+                    logits = arch.logits(params, x)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(),
                                            ignore_index=-100, reduction="sum") / n_valid
                     loss.backward()
@@ -397,15 +683,19 @@ class Engine:
                 total += loss.detach()
             grads.append(g)
         n_head = self.store.units[L].layout.numel
-        self.norm_dev[L + 1].copy_(grad_norm(self.head_gslot[:n_head]))
+        self.norm_dev[L + 1].copy_(grad_norm(gslot[:n_head]))
+        if self._bad is not None:
+            torch.logical_or(self._bad, ~torch.isfinite(total), out=self._bad)  # a non-finite loss skips every unit
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
         self.io.read_loss(total, done, loss_box)
+        self._committed = True  # the Adam worker may start this step's updates once the loss arrives
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        self.head_gbox, _ = self.io.grads(L, self.head_gslot, segs, done, "loss")
+        self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
+        self._landed(L)
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -416,13 +706,12 @@ class Engine:
                 slot = self._use(plan, k, op)
                 if i not in st["ckpt"]:
                     hs = [o.detach() for o in kept[i - 1][2]]
-                elif self.offload is None:
-                    hs = st["ckpt"].pop(i)
                 else:
-                    st["ckpt"].pop(i)
-                    hs = self.offload.take(i)
+                    hs = st["ckpt"].pop(i)
+                    if hs is None:  # parked in host memory
+                        hs = self.offload.take(i)
                     ahead = max(st["ckpt"], default=None)  # the next block the backward reaches
-                    if ahead is not None:
+                    if ahead is not None and st["ckpt"][ahead] is None:
                         self.offload.fetch(ahead)
                 params = self.store.units[i].layout.views(slot, requires_grad=True)
                 tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
@@ -437,12 +726,16 @@ class Engine:
                 self._done(plan, k)
             elif op.kind == "bwd":
                 self._use(plan, k, op)
-                self._occ.append(("grad", gi, i, ("compute", "bwd", i, "bwd"), "computing", "ready"))
-                self._occ.append(("grad", gi, i, ("d2h", "d2h", i, "bwd"), "loading", "free"))
+                res = self.dev_opt.of.get(i)
                 params, xs, outs = kept.pop(i)
                 layout = self.store.units[i].layout
-                g = self.gslots[gi][:layout.numel]
-                dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
+                if res is None:
+                    self._occ.append(("grad", gi, i, ("compute", "bwd", i, "bwd"), "computing", "ready"))
+                    self._occ.append(("grad", gi, i, ("d2h", "d2h", i, "bwd"), "loading", "free"))
+                    g = self.gslots[gi][:layout.numel]
+                    dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
+                else:
+                    g = res.grad  # resident: gradients stay on the device for its AdamW
                 self.io.delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
                 g.zero_()
@@ -453,11 +746,18 @@ class Engine:
                 self.norm_dev[i + 1].copy_(grad_norm(g))
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
+                self._landed(i)
                 self._done(plan, k)
                 self._count_memory()
-                self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)], done,
-                                                           "bwd")
-                gi ^= 1
+                if res is not None:
+                    self.io.grads(i, g, [], done, "bwd")  # only its norm goes to the host (clip, report)
+                elif k in plan["state"]:
+                    self.gslot_box[gi] = self._stream_update(i, g, done, *plan["state"][k])
+                    gi ^= 1
+                else:
+                    self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)],
+                                                          done, "bwd")
+                    gi ^= 1
                 del params, xs, outs
             else:
                 tok = rec.cuda_begin("compute", "embed_bwd", -1, "bwd", 0, dev.compute)
@@ -466,15 +766,38 @@ class Engine:
                     torch.autograd.backward(h0, gs[m])
                     dE.append(st["E"][m].grad.flatten())
                 dE = (torch.cat(dE) if len(dE) > 1 else dE[0]).float()  # the device casts: the host only adds
+                ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
+                if -1 in self.dev_opt.of:
+                    self._embed_grads_device(ids, dE)
+                    rec.cuda_end(tok, dev.compute)
+                    landed = self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
+                    self._landed(-1)
+                    return landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():
                     self._dE_host = dev.host_buffer(dE.numel(), torch.float32)  # pinned: one DMA
                 host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
-                ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]
         raise AssertionError("backward_ops always ends with embed_bwd")
+
+    def _embed_grads_device(self, ids: torch.Tensor, dE: torch.Tensor) -> None:
+        """Compute stream: the resident embedding's fp32 gradient from its rows (and the head's, when tied)."""
+        r = self.dev_opt.of[-1]
+        H = self.arch.embed.weight.shape[1]
+        if self.arch.tied:
+            a, b = r.seg(-1)
+            r.egrad.copy_(r.grad[a:b])  # the lm_head's gradient of the shared weight, upcast as the host does
+        else:
+            r.egrad.zero_()
+        ids = ids.to(self.dev.device, non_blocking=True)
+        rows = dE.view(-1, H)
+        pad = self.arch.embed.padding_idx
+        if pad is not None:
+            rows = rows.masked_fill((ids == pad).unsqueeze(1), 0)  # nn.Embedding gives padding_idx no gradient
+        r.egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
+        self.norm_dev[0].copy_(grad_norm(r.egrad))
 
     def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive) -> float:
         """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
@@ -501,9 +824,20 @@ class Engine:
         with self.adam.cond:
             self.adam.version = dict.fromkeys(self.adam.order, n)
 
-    def drain(self) -> None:
-        """Block until every update of every finished step is applied to the host masters."""
+    def settle(self) -> None:
+        """Block until every update of every finished step is applied, on the host and on the device."""
         self.adam.wait_all(self.steps_done)
+        if (self.dev_opt.groups or self.dev_opt.streamed) and self.dev.cuda:
+            torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
+
+    def drain(self) -> None:
+        """Block until every update of every finished step is applied to the host masters.
+
+        Resident units' state is written back to the host store (it stays on the device too).
+        """
+        self.settle()
+        if self.dev_opt.groups or self.dev_opt.streamed:
+            self.dev_opt.write_back()
 
     def close(self) -> None:
         """Finish pending updates, then stop the worker threads. Idempotent."""
@@ -515,3 +849,4 @@ class Engine:
         finally:
             self.abort.set()
             self.io.close(), self.adam.close()
+

@@ -121,12 +121,32 @@ class Architecture:
             self._plain.padding_idx = None
         return self._plain
 
-    def prelude(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None):
+    def position_kwargs(self, position_ids: torch.Tensor | None, device: torch.device) -> dict:
+        """The prelude's kwargs for a micro-batch's position_ids (None: HF counts 0, 1, ...).
+
+        Args:
+            position_ids: (B, T) long on the host, restarting at 0 where a packed example starts.
+        Returns:
+            {} for None; else {"position_ids"} on ``device``, plus the varlen kwargs when the session
+            installed varlen attention (Note: [Document masking] in packing.py).
+        """
+        if position_ids is None:
+            return {}
+        from .packing import VARLEN, varlen_kwargs
+
+        out = {"position_ids": position_ids.to(device, non_blocking=True)}
+        if self.config._attn_implementation == VARLEN:
+            out.update(varlen_kwargs(position_ids, device))
+        return out
+
+    def prelude(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, **extra):
         """Run HF's own code from the embedding output to layer 0's input.
 
         Args:
             inputs_embeds: (B, T, H) compute dtype, the embedding module's output (may require grad).
             attention_mask: (B, T) 0/1 or None.
+            **extra: more arguments of the HF model's forward (``position_kwargs``; a KV cache and
+                ``use_cache=True`` for generation), recorded into every layer's call.
         Returns:
             (h0, calls): h0 is layer 0's input (B, T, H) — e.g. Gemma scales the embedding — and
             calls[i] = (args, kwargs) that HF passes to layer i besides the hidden states.
@@ -137,7 +157,7 @@ class Architecture:
         saved = self.base.layers
         self.base.layers = recorders
         try:
-            self.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False)
+            self.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **{"use_cache": False, **extra})
         except _StopPrelude:
             pass
         finally:
@@ -147,6 +167,15 @@ class Architecture:
                 f"{type(self.base).__name__}.forward called {len(sink)} of its {n} layers; the engine "
                 "needs every layer called once, in order")
         return sink[0][0], [(a, k) for _, a, k in sink]
+
+    def logits(self, params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """Final norm, lm_head and softcap of hidden states ``h`` (..., H) with the head unit's ``params``."""
+        import torch.nn.functional as F
+        from .binding import call
+
+        norm_p = {n[len(self.norm_prefix):]: p for n, p in params.items() if n.startswith(self.norm_prefix)}
+        logits = F.linear(call(self.norm, norm_p, h), params[self.embed_name if self.tied else self.head_name])
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
 
 def _simple_attrs(module: nn.Module) -> tuple:

@@ -80,7 +80,7 @@ class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
     def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32,
-                 shadow_dtype: torch.dtype | None = None, pin_master: bool = False):
+                 shadow_dtype: torch.dtype | None = None, pin_master: bool = False, pin_moments: bool = False):
         """
         Args:
             grad_dtype: dtype of the layer and head gradient slabs (the compute dtype).
@@ -88,6 +88,8 @@ class HostStore:
                 refreshed after every update, and its gradient slab is pinned: transfers then go
                 straight between these slabs and the device (+2 bytes/param for bf16).
             pin_master: pin the fp32 master and gradient slabs instead (the device casts; no extra bytes).
+            pin_moments: pin the Adam moments too, so that units placed "device" (placement.py) move
+                their whole optimizer state over PCIe by DMA (no extra bytes).
         """
         self.arch = arch
         self.num_layers = arch.num_layers
@@ -100,12 +102,13 @@ class HostStore:
             want[u, "grad"] = (layout.numel, torch.float32 if u == -1 else grad_dtype, pin and u != -1)
             if shadow_dtype is not None:
                 want[u, "shadow"] = (layout.numel, shadow_dtype, True)
+            want[u, "exp_avg"] = want[u, "exp_avg_sq"] = (layout.numel, torch.float32, pin_moments)
         slabs = self._alloc_all(want)
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix, master=slabs[u, "master"],
-                                 grad=slabs[u, "grad"], exp_avg=torch.zeros(layout.numel),
-                                 exp_avg_sq=torch.zeros(layout.numel), shadow=slabs.get((u, "shadow")))
+                                 grad=slabs[u, "grad"], exp_avg=slabs[u, "exp_avg"], exp_avg_sq=slabs[u, "exp_avg_sq"],
+                                 shadow=slabs.get((u, "shadow")))
 
     @classmethod
     def _alloc_all(cls, want: dict) -> dict:

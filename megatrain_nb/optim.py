@@ -4,10 +4,12 @@ Owns: one ``torch.optim.AdamW`` (fused CPU kernel) per unit whose single paramet
 flat fp32 master slab and whose state *is* the store's moment slabs; the LR schedule; the global
 gradient-norm clip factor. The arithmetic is torch's own, so the semantics are exactly
 ``torch.optim.AdamW``'s (decoupled weight decay, bias correction).
-Does not own: when an update runs (the engine's worker decides), devices or streams.
+``DeviceAdamW`` does the same for units resident on the device (placement.py).
+Does not own: when an update runs (the engine and its worker decide), or streams.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -102,3 +104,126 @@ class HostAdamW:
         if self.cfg.grad_clip is None:
             return total, 1.0
         return total, min(1.0, self.cfg.grad_clip / (total + 1e-6))
+
+
+@dataclasses.dataclass(kw_only=True)
+class Resident:
+    """One placement group's state in device memory (Note: [Tied head group] in placement.py)."""
+
+    units: tuple[int, ...]
+    segs: list[tuple[int, int, int]]  # (unit, start, end) in the group's flat buffers
+    w: torch.Tensor  # (numel,) compute dtype: what the layers read
+    grad: torch.Tensor | None  # (numel,) compute dtype; None for an untied embedding (rows land in egrad)
+    master: torch.Tensor  # (numel,) fp32
+    exp_avg: torch.Tensor  # (numel,) fp32
+    exp_avg_sq: torch.Tensor  # (numel,) fp32
+    egrad: torch.Tensor | None  # (embedding numel,) fp32: the embedding's gradient, as the host keeps it
+    steps: dict[int, torch.Tensor]  # unit -> 0-dim fp32 step count on the device (the fused kernel's)
+
+    def seg(self, unit: int) -> tuple[int, int]:
+        return next((a, b) for u, a, b in self.segs if u == unit)
+
+
+class DeviceAdamW:
+    """AdamW on the device for the units placed "resident": their state stays there between steps.
+
+    Owns each resident group's device buffers (``Resident``), moving them in from the host store and
+    back (``add``, ``write_back``, ``remove``), and their update. Same arithmetic as ``HostAdamW``:
+    torch's fused AdamW kernel with the same hyper-parameters and per-unit step counts, gradients
+    upcast to fp32 and multiplied by the clip factor first, so on the CPU the numbers are equal.
+    Does not own: when updates run or what is resident (the engine applies ``placement.choose``).
+    """
+
+    def __init__(self, store: HostStore, host: HostAdamW, cfg: OptimConfig, device: torch.device, dtype: torch.dtype):
+        self.store, self.host, self.cfg, self.device, self.dtype = store, host, cfg, device, dtype
+        self.groups: dict[tuple[int, ...], Resident] = {}
+        self.of: dict[int, Resident] = {}  # unit -> its group
+        self.streamed: dict[int, torch.Tensor] = {}  # unit placed "device" -> its step count on the device
+
+    def add(self, units: tuple[int, ...]) -> Resident:
+        """Move a group's state from the host store to the device (the host's last update must be applied)."""
+        segs, off = [], 0
+        for u in units:
+            n = self.store.units[u].layout.numel
+            segs.append((u, off, off + n))
+            off += n
+        mk = lambda dt: torch.empty(off, dtype=dt, device=self.device)  # noqa: E731
+        emb = -1 in units
+        r = Resident(units=units, segs=segs, w=mk(self.dtype), grad=None if units == (-1,) else mk(self.dtype),
+                     master=mk(torch.float32), exp_avg=mk(torch.float32), exp_avg_sq=mk(torch.float32),
+                     egrad=torch.empty(self.store.units[-1].layout.numel, device=self.device) if emb else None,
+                     steps={})
+        for u, a, b in segs:
+            unit = self.store.units[u]
+            r.master[a:b].copy_(unit.master)
+            r.exp_avg[a:b].copy_(unit.exp_avg)
+            r.exp_avg_sq[a:b].copy_(unit.exp_avg_sq)
+            r.steps[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
+        r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
+        self.groups[units] = r
+        self.of.update(dict.fromkeys(units, r))
+        return r
+
+    def stream_add(self, u: int) -> None:
+        """Unit ``u`` is placed "device": its state streams through, its step count lives here."""
+        self.streamed[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
+
+    def stream_remove(self, u: int) -> None:
+        self.host.set_steps_done(u, int(self.streamed.pop(u).item()))  # .item(): host sync (placement change)
+
+    def update_streamed(self, u: int, state: torch.Tensor, grad: torch.Tensor, lr: float,
+                        found_inf: torch.Tensor | None) -> None:
+        """AdamW of a "device" unit on the current stream, in place in its streamed-in state.
+
+        Args:
+            state: (3 * numel,) fp32 on the device: master, exp_avg, exp_avg_sq, as the host holds them.
+            grad: (numel,) compute dtype: its gradients (upcast here).
+        """
+        n = grad.numel()
+        _adamw([state[:n]], [grad.float()], [state[n:2 * n]], [state[2 * n:3 * n]], [], [self.streamed[u]],
+               fused=True, amsgrad=False, maximize=False, lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1],
+               eps=self.cfg.eps, weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+
+    def write_back(self, units: tuple[int, ...] | None = None) -> None:
+        """Copy master, moments and step counts of resident groups (``None``: all) into the host store.
+
+        The caller makes sure the device's updates are done (a synchronize on CUDA): these copies
+        read the buffers on the current stream.
+        """
+        if units is None:
+            for u, step in self.streamed.items():  # "device" units: their state is on the host already
+                self.host.set_steps_done(u, int(step.item()))
+        for key in list(self.groups) if units is None else [units]:
+            r = self.groups[key]
+            for u, a, b in r.segs:
+                unit = self.store.units[u]
+                unit.master.copy_(r.master[a:b])
+                unit.exp_avg.copy_(r.exp_avg[a:b])
+                unit.exp_avg_sq.copy_(r.exp_avg_sq[a:b])
+                self.host.set_steps_done(u, int(r.steps[u].item()))  # .item(): host sync (write-back only)
+                self.store.refresh_shadow(u)
+
+    def remove(self, units: tuple[int, ...]) -> None:
+        """Write a group back to the host and free its device memory."""
+        self.write_back(units)
+        r = self.groups.pop(units)
+        for u in r.units:
+            del self.of[u]
+
+    def update(self, lr: float, grad_scale: float = 1.0, *, groups=None, found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW step on resident groups (``None``: all), on the current stream (enqueued: no host wait).
+
+        Args:
+            found_inf: 0-dim fp32 on the device; 1.0 skips the update (the fused kernel's own flag: the
+                step count is not advanced either), so a non-finite gradient needs no host decision.
+        """
+        group = dict(lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], eps=self.cfg.eps,
+                     weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+        for r in (self.groups.values() if groups is None else [self.groups[g] for g in groups]):
+            for u, a, b in r.segs:
+                g = r.egrad if u == -1 else r.grad[a:b].float()  # fp32 grads: a copy when low precision
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)  # in place: the grads are rebuilt from zero every step
+                _adamw([r.master[a:b]], [g], [r.exp_avg[a:b]], [r.exp_avg_sq[a:b]], [], [r.steps[u]],
+                       fused=True, amsgrad=False, maximize=False, **group)
+            r.w.copy_(r.master)

@@ -17,7 +17,8 @@ STATE_COLORS = {"loading": PHASE_COLORS["io"], "ready": "#BAB0AC", "computing": 
 STALL_COLOR = "#D62728"
 OTHER_COLOR = "#888888"
 
-LANE_LABELS = {"compute": "compute", "h2d": "h2d · weights in", "d2h": "d2h · grads out",
+LANE_LABELS = {"compute": "compute", "device-adam": "device-adam · AdamW on the device",
+               "h2d": "h2d · weights in", "d2h": "d2h · grads out",
                "host-pack": "host-pack · staging", "host-unpack": "host-unpack · grads",
                "host-adam": "host-adam · AdamW"}
 SLOT_LABELS = {"weight": "weight slot", "grad": "grad slot", "pinned": "pinned buffer"}
@@ -29,9 +30,11 @@ MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "act
                  "host_rss_bytes": "host RSS (whole process)", "pinned_in_use_bytes": "pinned staging in use",
                  "master_fp32": "fp32 master weights", "adam_moments": "AdamW moments", "pinned_pool": "pinned staging pool",
                  "activations_kept": "activations kept", "checkpoints": "layer-input checkpoints",
-                 "recompute_workspace": "recompute workspace"}
+                 "recompute_workspace": "recompute workspace", "backward_transient": "backward transients",
+                 "embedding_grad_rows": "embedding gradient rows",
+                 "resident": "units resident on the device", "resident_state": "units resident on the device"}
 # Columns of `Session.history_dataframe()`.
-METRIC_LABELS = {"loss": "loss", "tokens_per_s": "tokens/s", "tflops": "model TFLOP/s",
+METRIC_LABELS = {"loss": "loss", "eval_loss": "eval loss", "tokens_per_s": "tokens/s", "tflops": "model TFLOP/s",
                  "peak_device_bytes": "peak device memory", "host_rss_bytes": "host RSS"}
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from . import placement as placing
+from .longcontext import HOST_MARGIN, PlacementError, keep_cap, layer_bytes, pinned_bytes, place_checkpoints
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -44,7 +46,9 @@ class Hardware:
     pageable_GBps: float
     """Copy rate from/to pageable (unpinned) host memory."""
     bf16_tflops: float
-    """Effective decoder-layer fwd+bwd rate, counted as 6 * layer params * tokens."""
+    """Effective decoder-layer fwd+bwd rate on its FLOPs: 6 * layer params * tokens plus causal
+    attention, 6 * batch * seq * min(seq, attn_rate_seq) * heads * head_dim (all of seq when `attn_tflops`
+    is None; the rest is `attn_tflops`'; see `elementwise_s_per_token_dim` for the memory-bound work)."""
     host_adam_params_per_s: float
     """Host AdamW (`optim.HostAdamW`: torch's fused CPU kernel) over the layers' and head's gradients in a
     2-byte compute dtype, which it upcasts to fp32 in chunks first."""
@@ -59,13 +63,31 @@ class Hardware:
     host_adam_fp32_params_per_s: float | None = None
     """Host AdamW with fp32 gradients (no upcast): the embedding's, or every unit's when dtype_bytes=4;
     None means `host_adam_params_per_s`."""
+    device_adam_params_per_s: float | None = None
+    """Device AdamW of resident units (`optim.DeviceAdamW`: torch's fused kernel, grads upcast first);
+    None means 25 x `host_adam_params_per_s` (a guess: the device's memory is that much faster)."""
+    elementwise_s_per_token_dim: float = 0.0
+    """A layer's memory-bound work (norms, activation, rotary, residuals; fwd+bwd) per token and per
+    element of hidden + intermediate size, added to its FLOPs at `bf16_tflops`. 0: FLOPs alone."""
+    layer_launch_ms: tuple[float, float] = (0.0, 0.0)
+    """The host's time to launch one layer's (forward, backward): the driver's Python, autograd's
+    engine. A layer never computes faster than its kernels are launched (small batches)."""
+    loss_s_per_logit: float = 0.0
+    """Cross-entropy's memory-bound work (fp32 softmax and its gradient) per logit, beside the lm_head GEMM."""
+    attn_tflops: float | None = None
+    """Causal attention rate beyond `attn_rate_seq` tokens: of a sequence's causal attention FLOPs
+    (fwd 2 * seq^2 * heads * head_dim, bwd 2.5x that: the fused kernels recompute the scores), the part
+    over keys beyond `attn_rate_seq` runs at this rate; the part within it is in `bf16_tflops`, at
+    that rate. None: all of it in `bf16_tflops` (main's model: fwd:bwd = 1:2)."""
+    attn_rate_seq: int = 4096
+    """Sequence length up to which `bf16_tflops` rates attention (where it was measured)."""
 
     def __post_init__(self):
         for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
                      "host_adam_params_per_s", "host_cast_elems_per_s", "device_mem_bytes", "host_mem_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)!r}.")
-        for name in ("gemm_tflops", "host_adam_fp32_params_per_s"):
+        for name in ("gemm_tflops", "host_adam_fp32_params_per_s", "device_adam_params_per_s", "attn_tflops"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0 or None, got {getattr(self, name)!r}.")
         if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
@@ -73,7 +95,14 @@ class Hardware:
                              f"d2h_GBps) = {max(self.h2d_GBps, self.d2h_GBps)}.")
 
 
-# Copies, layer rate, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Host AdamW: bench/host_adam.py on the
+# Attention beyond 4096 tokens (`attn_tflops`): fitted to the two long-context rows measured before
+# tiling (LIMITS.md, 7B x 1, default settings: 32K 5.06 s, 128K 42.7 s), to be re-fitted from
+# bench/long_context.py rows.
+_H200_ATTN_TFLOPS = 530.0
+# Copies, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Layer rate and elementwise term: fitted to the
+# Qwen2.5-7B layer at 16 x 4096 (LIMITS.md: 191 ms) and the 3B layer at 8 x 4096 in the engine (36.6 ms,
+# bench/results_h200_2026-12-01.jsonl trace); they give the 7B layer at 1 and 4 x 4096 within 4%.
+# Launch floor, loss and device AdamW: the 3B x 1 and x 8 traces of that file. Host AdamW: bench/host_adam.py on the
 # same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results_h200_2026-11-29_s2.jsonl):
 # 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
 # step the same updates run slower (DMA and the unpacker share the host's memory bandwidth):
@@ -82,8 +111,10 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
-    bf16_tflops=490.0, gemm_tflops=774.0,
+    bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 3.6),
+    loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
+    device_adam_params_per_s=8.2e10,
     device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -216,7 +247,17 @@ class Plan:
     fits_device: bool
     """Every device category together fits `hardware.device_mem_bytes`."""
     fits_host: bool
-    """Host bytes, pinned pool included, fit `hardware.host_mem_bytes`."""
+    """Host bytes, pinned pool included, fit `hardware.host_mem_bytes` less `longcontext.HOST_MARGIN`."""
+    tile_rows: int = 0
+    """Rows per tile of the layers' norms and dense MLP (0: untiled); see `tiling.py`."""
+    block: int = 1
+    """Layers per recompute block (`longcontext.place_checkpoints`' choice, or `checkpoint_every`)."""
+    parked: int = 0
+    """Recompute-block inputs parked in host memory (the earliest blocks); the others stay on the device."""
+    advice: list = field(default_factory=list)
+    """When something does not fit: what, and each single setting that makes the plan fit."""
+    placement: dict = field(default_factory=dict)
+    """unit -> "host" or "resident" (placement.py), as the engine would choose with these settings."""
     spans: list[tuple] = field(repr=False, default_factory=list)
     """Simulated spans (Trace.spans layout)."""
     _sim: tuple = field(repr=False, compare=False, default=())
@@ -229,6 +270,13 @@ class Plan:
     bwd_ms = property(lambda self: self.layer_ms["bwd"], doc="Per-layer backward, recompute excluded (ms).")
     d2h_ms = property(lambda self: self.layer_ms["d2h"], doc="Per-layer grad copy out (ms).")
     adam_ms = property(lambda self: self.layer_ms["adam"], doc="Per-layer CPU AdamW (ms).")
+
+    @property
+    def paper_tflops(self) -> float:
+        """MegaTrain's long-context count, (6 * N * tokens + 12 * L * hidden * seq^2 * batch) / step time."""
+        s, st = self.shape, self.settings
+        flops = 6 * s["n_params"] * st["tokens"] + 12 * s["layers"] * s["hidden"] * st["seq"] ** 2 * st["batch"]
+        return flops / self.step_ms / 1e9
 
     @property
     def kept_layers(self) -> int:
@@ -294,6 +342,8 @@ class Plan:
         s = self.settings
         return {"batch": s["batch"], "seq": s["seq"], "tokens": s["tokens"], "step_ms": self.step_ms,
                 "tokens_per_s": s["tokens"] / self.step_ms * 1e3, "model_tflops": self.model_tflops,
+                "paper_tflops": self.paper_tflops, "tile_rows": self.tile_rows, "block": self.block,
+                "parked": self.parked,
                 "bottleneck": self.bottleneck, "kept_layers": self.kept_layers,
                 "recomputed_layers": self.recomputed_layers, "compute_ms": self.busy_ms.get("compute", 0.0),
                 "host_GiB": sum(self.host_bytes.values()) / _GIB,
@@ -314,7 +364,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
-         cast_on_device: bool = False) -> Plan:
+         cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
+         offload_checkpoints: bool | None = None, _advise: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -355,13 +406,27 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             default plan (packing) is what notebooks and the synthetic trace were made with.
             In every mode the embedding rows are gathered and packed on the host, and a tied head's
             embedding gradient is unpacked (cast) into the fp32 embedding grads.
+        placement: as `EngineConfig.placement` ("host", "stream", "auto" or a dict): "stream" places
+            "device" the share of the layers that balances PCIe against the host AdamW
+            (`placement.stream_share` of `host_adam_params_per_s` and `h2d_GBps`); "auto" makes
+            resident, in the forward's order, the units that fit in what the activations leave of
+            `activation_budget` (as the engine does on CUDA after its measuring step); resident units
+            take no loads and no grad copies, and their AdamW runs on the device after the backward.
+            Default "host" (what a CPU-only `Hardware` does); the engine's default on CUDA is "auto".
+        tile_tokens: as `EngineConfig.tile_tokens`: rows per tile of the norms and dense MLP (0: never,
+            None: `tiling.auto_tiles` against `hardware.device_mem_bytes`). Tiled layers keep
+            `longcontext.tiled_bytes_per_token` per token and run one more MLP forward in the backward.
+        offload_checkpoints: as `EngineConfig.offload_checkpoints`: True parks every recompute-block input
+            in host memory, False none, None lets `longcontext.place_checkpoints` choose the block length
+            and how many to park from both budgets, as the engine does (Note: [Long-context memory]).
 
     Returns:
         Plan.
 
     Raises:
         ValueError: an argument is out of range, pin_store and cast_on_device are both set, or the
-            config lacks a field (the message names it).
+            config lacks a field (the message names it). A plan that does not fit is returned, with
+            `fits_device` / `fits_host` False, a warning and `advice`.
 
     Example:
         >>> p = plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -387,32 +452,69 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
-                    pin_store=pin_store, cast_on_device=cast_on_device)
+                    pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
+                    offload_checkpoints=offload_checkpoints)
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N
     store = sum(v for k, v in host.items() if k != "pinned_pool")
+    host["embedding_grad_rows"] = pinned_bytes(T * h * 4)  # the engine's pinned fp32 dE buffer
 
-    # device memory; keep[] mirrors Engine._keep_now
-    act, boundary = T * _act_bytes_per_token(s, d), T * h * d
+    # device memory; keep[] mirrors Engine._keep_now, the checkpoints' placement longcontext.Checkpoints
+    from .tiling import AUTO_ROWS, auto_tiles
+
+    rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
+        (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d) else 0)
+    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d))
+    act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
+    budget, host_free = activation_budget * hw.device_mem_bytes - _DEVICE_RESERVE, None
     device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
     if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
         largest = max(P, E, s["head_params"])
         device["cast_stage"] = 2 * 4 * min(transfer_chunk_bytes // d, -(-largest // 64) * 64)
     device["embedding_rows"] = 2 * T * h * d
+    host_free = hw.host_mem_bytes - sum(host.values()) - HOST_MARGIN
+    reserve = lambda k: k * act + transient  # noqa: E731
     if checkpoint_every is None:
+        cap = L if offload_checkpoints is not None else keep_cap(
+            layers=L, act=act, boundary=boundary, used=sum(device.values()), budget=budget, reserve=reserve,
+            host_free=host_free, host_each=pinned_bytes(boundary))
         keep, used = [], sum(device.values())
         for i in range(L):
-            keep.append(used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
+            keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
             used += act if keep[-1] else boundary
     else:
         keep = [checkpoint_every == 0] * L
-    blocks = [b for b in make_blocks(L, keep, checkpoint_every or 1) if b.recompute]
-    device.update(activations_kept=sum(keep) * act, checkpoints=len(blocks) * boundary,
+    block, parked, recomputed, ckpt_error = checkpoint_every or 1, 0, L - sum(keep), None
+    if recomputed and offload_checkpoints is None:
+        free = budget - sum(device.values()) - sum(keep) * act
+        try:
+            block, parked = place_checkpoints(layers=recomputed, ckpt_bytes=boundary, device_free=free,
+                                              reserve=reserve, host_free=host_free,
+                                              host_each=pinned_bytes(boundary), block=checkpoint_every or None)
+        except PlacementError as e:
+            ckpt_error = str(e)
+    blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
+    parked = len(blocks) if offload_checkpoints else parked
+    if parked:
+        host["parked_checkpoints"] = parked * pinned_bytes(boundary)
+    device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
+    device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
+    numel = {-1: s["embed_params"], **dict.fromkeys(range(L), P), L: s["head_params"]}
+    mode = placing.validate(placement, L, s["tied"])
+    free = activation_budget * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
+    share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9)
+    choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
+                            share=share)
+    streamed = {u for u, c in choice.items() if c.placement == "device"}
+    resident = {u for u, c in choice.items() if c.placement == "resident"}
+    device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
+    dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
+    dev_adam_ms = {u: numel[u] / dev_adam * 1e3 for u in resident}
 
     # rates (ms); copies in both directions at once share the duplex rate
     pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
@@ -422,9 +524,23 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     adam32 = (hw.host_adam_fp32_params_per_s or hw.host_adam_params_per_s) / 1e3  # the embedding's grads are fp32
     adam = hw.host_adam_params_per_s / 1e3 if d < 4 else adam32
     wb = 4 if cast_on_device else d  # weight bytes per element over PCIe: fp32 when the device casts
-    fwd = 2 * s["active_params_per_layer"] * T / rate
-    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=2 * fwd,
+    # Note: [Attention time] causal attention's fwd FLOPs are 2 * batch * seq^2 * heads * head_dim; the part
+    # over the first `attn_rate_seq` keys of each query is in the layer's FLOPs at `bf16_tflops` (fwd:bwd
+    # 1:2, as measured at 4096), the rest at `attn_tflops` (fwd:bwd 1:2.5: flash's backward recomputes
+    # the scores). Each FLOP is counted once. A tiled MLP runs its forward again in the backward.
+    q_dim, inter = s["heads"] * s["head_dim"], s["intermediate"] * (s["experts_per_tok"] or 1)
+    near = seq if hw.attn_tflops is None else min(seq, hw.attn_rate_seq)
+    flops = 2 * s["active_params_per_layer"] * T + 2 * batch * seq * near * q_dim  # fwd
+    far = 2 * batch * seq * (seq - near) * q_dim / (hw.attn_tflops * 1e9) if hw.attn_tflops else 0.0  # fwd ms
+    mlp = 2 * 3 * h * inter * T / rate if rows else 0.0
+    elementwise = T * (h + inter) * hw.elementwise_s_per_token_dim * 1e3
+    fwd = flops / rate + far + elementwise / 3
+    bwd = 2 * flops / rate + 2.5 * far + mlp + 2 * elementwise / 3
+    fwd, bwd = max(fwd, hw.layer_launch_ms[0]), max(bwd, hw.layer_launch_ms[1])
+    t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
+    t.update(state_bytes=12 * P, state_in=12 * P / both_up / 1e6, state_out=12 * P / both_down / 1e6,
+             dev_adam=P / dev_adam * 1e3)  # a "device" layer's fp32 master and moments, in and out
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
     if cast_on_device:  # pinned fp32 master in, pinned grad slabs out: no host cast anywhere
@@ -439,10 +555,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             head_n * d / both_down / 1e6, (tied_grads if pinned_store else head_n) / cast,
             s["head_params"] / adam + refresh(s["head_params"])),
     }
-    loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9)
-    sim = (L, P * wb, P * d, t, units, loss_ms, keep, checkpoint_every or 1, weight_slots,
+    loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9) + V * T * hw.loss_s_per_logit * 1e3
+    sim = (L, P * wb, P * d, t, units, loss_ms, keep, block, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
-    spans, busy = simulate(*sim)
+    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed))
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
@@ -451,14 +567,63 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     p = Plan(shape=s, hardware=hw, settings=settings, host_bytes=host, host_bytes_per_param=store / N,
              device_bytes=device, keep=keep, layer_ms=t, step_ms=step_ms, busy_ms=busy,
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
-             fits_device=sum(device.values()) <= hw.device_mem_bytes,
-             fits_host=sum(host.values()) <= hw.host_mem_bytes, spans=spans, _sim=(*sim, s["tied"]))
-    if not p.fits_device:
-        warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
-                      f"{hw.device_mem_bytes / _GIB:.1f}; lower batch, seq or loss_chunk_tokens, or set "
-                      f"checkpoint_every=1.", stacklevel=2)
-    if not p.fits_host:
-        warnings.warn(f"plan does not fit host RAM: {sum(host.values()) / _GIB:.1f} GiB of "
-                      f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool); "
-                      f"lower pinned_budget_bytes or use a smaller model.", stacklevel=2)
+             fits_device=sum(device.values()) <= hw.device_mem_bytes and ckpt_error is None,
+             fits_host=sum(host.values()) + HOST_MARGIN <= hw.host_mem_bytes, placement={u: choice[u].placement for u in numel},
+             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed)),
+             tile_rows=rows, block=block, parked=parked)
+    if _advise and not (p.fits_device and p.fits_host):
+        p.advice = _advice(p, ckpt_error, dict(config=config, hardware=hardware, **{
+            k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes")}, dtype_bytes=d))
+        if not p.fits_device:
+            warnings.warn(f"plan does not fit the device: {sum(device.values()) / _GIB:.1f} GiB of "
+                          f"{hw.device_mem_bytes / _GIB:.1f}. " + " ".join(p.advice), stacklevel=2)
+        if not p.fits_host:
+            warnings.warn(f"plan does not fit host RAM: {sum(host.values()) / _GIB:.1f} GiB of "
+                          f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool"
+                          + (f" + {parked} parked checkpoints" if parked else "") + "). " + " ".join(p.advice),
+                          stacklevel=2)
     return p
+
+
+def _advice(p: Plan, ckpt_error: str | None, kwargs: dict) -> list[str]:
+    """What does not fit, and each single setting that makes the plan fit (re-planned without advice)."""
+    dev, host, hw = sum(p.device_bytes.values()), sum(p.host_bytes.values()), p.hardware
+    out = []
+    if not p.fits_device:
+        top = sorted(p.device_bytes.items(), key=lambda kv: -kv[1])[:3]
+        out.append(f"Device: needs {dev / _GIB:.1f} GiB of {hw.device_mem_bytes / _GIB:.1f} ("
+                   + ", ".join(f"{k} {v / _GIB:.1f}" for k, v in top) + ")."
+                   + (f" Checkpoints: {ckpt_error}." if ckpt_error else ""))
+    if not p.fits_host:
+        out.append(f"Host: needs {(host + HOST_MARGIN) / _GIB:.1f} GiB of {hw.host_mem_bytes / _GIB:.1f} "
+                   f"(store {(host - p.host_bytes['pinned_pool'] - p.host_bytes.get('parked_checkpoints', 0) - p.host_bytes['embedding_grad_rows']) / _GIB:.1f}, "
+                   f"parked checkpoints {p.host_bytes.get('parked_checkpoints', 0) / _GIB:.1f}, "
+                   f"margin {HOST_MARGIN / _GIB:.0f}).")
+    tries = []
+    if kwargs["offload_checkpoints"] is not None:
+        tries.append(("offload_checkpoints", None))
+    if kwargs["tile_tokens"] != 16384 and kwargs["batch"] * kwargs["seq"] > 16384:
+        tries.append(("tile_tokens", 16384))
+    if kwargs["activation_budget"] < 0.95:
+        tries.append(("activation_budget", 0.95))
+    if kwargs["pinned_budget_bytes"] > (512 << 20):
+        tries.append(("pinned_budget_bytes", 512 << 20))
+    if kwargs["checkpoint_every"] is not None:
+        tries.append(("checkpoint_every", None))
+    fixes = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, value in tries:
+            q = plan(**{**kwargs, name: value, "_advise": False})
+            if q.fits_device and q.fits_host:
+                fixes.append(f"{name}={value!r}")
+        if not fixes:
+            seq = kwargs["seq"]
+            while seq > 1024 and not fixes:
+                seq //= 2
+                q = plan(**{**kwargs, "seq": seq, "_advise": False})
+                if q.fits_device and q.fits_host:
+                    fixes.append(f"seq={seq} (or shorter)")
+    out.append("Fits with " + " or ".join(fixes) + "." if fixes else
+               "No single setting fits; a smaller batch, seq or model is needed.")
+    return out

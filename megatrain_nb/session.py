@@ -63,8 +63,16 @@ class Session:
         check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
         pin, cast = resolve_pinning(self.engine_cfg, self.arch)
         resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast)  # engine_cfg keeps "auto"
+        if torch.device(resolved.device).type == "cuda" and not cast and _streams_state(resolved.placement):
+            raise ValueError(f"placement={resolved.placement!r} streams fp32 masters and moments over PCIe, which needs "
+                             f"them pinned (cast_on_device), but pin_store={resolved.pin_store} and cast_on_device="
+                             f"{self.engine_cfg.cast_on_device} leave them unpinned; set pin_store=None and cast_on_device="
+                             "None (it needs the store in 90% of host RAM), or use placement='auto' / 'host'")
+        from .packing import install
+
+        install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
         self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
-                               pin_master=cast)
+                               pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement))
         _init(self.store)
         self.store.refresh_shadow()
         self.optim = HostAdamW(self.store, self.optim_cfg)
@@ -74,6 +82,7 @@ class Session:
         self.history: list[StepResult] = []
         self.skipped_steps = 0
         self.data_state: dict | None = None  # position of the data iterator (train() sets it; checkpoints keep it)
+        self.eval_history: list[dict] = []  # {"step", "eval_loss", "seconds"} of each evaluate()
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -179,6 +188,12 @@ class Session:
             if bad.numel():
                 raise ValueError(f"attention_mask holds {bad[0].item()}; it must hold only 0 (padding) and 1")
             mask = mask.to(torch.long)
+        pos = batch.get("position_ids")
+        if pos is not None:  # packed rows: positions restart at each example (packing.py)
+            pos = _as_long(pos, "position_ids")
+            if pos.shape != ids.shape or pos.min() < 0:
+                raise ValueError(f"position_ids has shape {tuple(pos.shape)}, min {int(pos.min())}; it must match "
+                                 f"input_ids {tuple(ids.shape)} and be >= 0 (0 where an example starts)")
         shift = torch.full_like(labels, -100)
         shift[:, :-1] = labels[:, 1:]  # HF shifts inside: position t predicts token t+1
         n_valid = int((shift != -100).sum())
@@ -187,7 +202,8 @@ class Session:
         B = ids.shape[0]
         mb = self.engine_cfg.micro_batch_size or B
         mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
-                "attention_mask": None if mask is None else mask[a:a + mb]} for a in range(0, B, mb)]
+                "attention_mask": None if mask is None else mask[a:a + mb],
+                "position_ids": None if pos is None else pos[a:a + mb]} for a in range(0, B, mb)]
         return mbs, n_valid, ids.numel()
 
     # ---- results -----------------------------------------------------------------------
@@ -249,6 +265,9 @@ class Session:
         df = pd.DataFrame([dataclasses.asdict(r) for r in self.history])
         if len(df):
             df["tokens_per_s"] = df.tokens / df.seconds
+        if self.eval_history:  # eval_loss at the step it followed (0: before training)
+            ev = pd.DataFrame(self.eval_history)[["step", "eval_loss"]].drop_duplicates("step", keep="last")
+            df = ev if not len(df) else df.merge(ev, on="step", how="outer").sort_values("step", ignore_index=True)
         return df
 
     def plot_history(self):
@@ -269,6 +288,67 @@ class Session:
         from .training import train
 
         return train(self, data, steps=steps, **kw)
+
+    def evaluate(self, batches, *, steps: int | None = None) -> float:
+        """Mean loss per supervised token over held-out batches, forward only, from the current weights.
+
+        Streams the layers as a step's forward does, keeps no gradients and touches no optimizer
+        state: the next step runs exactly as it would have (Note: [Eval between steps] in
+        inference.py). Each result is kept in ``eval_history`` and drawn by ``plot_history``.
+
+        Args:
+            batches: ``sft_batches(...)`` (one pass over its examples, its training position
+                untouched), a list of batch dicts, or any iterable of them with ``steps``.
+            steps: at most this many batches; None: all of them (one pass of ``sft_batches``).
+        Returns:
+            sum of token losses / number of supervised tokens, over every batch.
+        Raises:
+            ValueError / TypeError: a malformed batch (before it runs), no batches, or an iterator
+                without ``steps``.
+        Example:
+            >>> s.evaluate(sft_batches("val.jsonl", "my-model", batch=8, seq=1024))   # doctest: +SKIP
+            2.3125
+        """
+        from .inference import evaluate
+
+        t0 = time.perf_counter()
+        loss = evaluate(self, batches, steps=steps)
+        self.eval_history.append({"step": self.engine.steps_done, "eval_loss": loss,
+                                  "seconds": time.perf_counter() - t0})
+        return loss
+
+    def generate(self, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
+        """Continue a prompt from the current weights, one token at a time with a KV cache.
+
+        Greedy decoding equals ``AutoModelForCausalLM.generate`` of ``save_pretrained``'s weights,
+        token for token. Stops after ``max_new_tokens`` or at an end-of-sequence token (the
+        config's ``eos_token_id``, and the tokenizer's).
+
+        Args:
+            prompt: a string (BOS + text, as prompt/response training sees it), a chat (a list of
+                ``{"role", "content"}``, rendered with the chat template and its generation
+                prompt), or token ids, a LongTensor (T,) or (1, T).
+            max_new_tokens: the most tokens to add.
+            do_sample: sample (with ``temperature`` and ``top_p``, transformers' warpers) instead of greedy.
+            tokenizer: a model directory or a loaded HF tokenizer; needed for text and chat prompts.
+            cache_weights: keep a copy of every layer on the device for the whole generation (True) or stream the
+                layers through the weight slots for each token (False); None: resident on CUDA when
+                the layers fit in half the free device memory.
+            seed: the sampling generator's seed (the global RNG is left alone).
+        Returns:
+            For a text or chat prompt, the new text (special tokens skipped); for ids, the prompt
+            followed by the new ids, shaped like the prompt (as ``model.generate``).
+        Raises:
+            ValueError: a bad prompt or setting, or a text prompt without a tokenizer.
+        Example:
+            >>> s.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=20, tokenizer="my-model")  # doctest: +SKIP
+            'Hello! How can I help?'
+        """
+        from .inference import generate
+
+        return generate(self, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                        top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed)
 
     def report(self, path: str | os.PathLike):
         """Write one standalone HTML page with this run's figures and numbers. See ``report.write_report``."""
@@ -295,8 +375,19 @@ class Session:
         self.store.save_pretrained(out_dir, dtype=dtype)
 
     def memory_report(self) -> dict:
-        """Host bytes by category and bytes per parameter of the store."""
-        return self.store.bytes_report()
+        """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
+        bytes of the units placed there (see ``placement``)."""
+        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30)}
+
+    @property
+    def placement(self):
+        """Where each unit's AdamW and state live, and why (see ``EngineConfig.placement``).
+
+        Returns:
+            DataFrame, one row per unit (embedding, layers, head): unit, name, placement ("host" or
+            "resident"), params, device_GiB, reason.
+        """
+        return self.engine.placement_frame()
 
     def close(self) -> None:
         self.engine.close()
@@ -332,6 +423,11 @@ def _run_uninterrupted(fn, driver):
                               "left without its update", stacklevel=3)
             interrupted = True
     return future.result(), interrupted  # re-raises the step's own error here, in the caller's thread
+
+
+def _streams_state(placement) -> bool:
+    """Whether some unit may be placed "device" (its master and moments cross PCIe: pin them)."""
+    return placement == "stream" or (isinstance(placement, dict) and "device" in placement.values())
 
 
 def _as_long(x, name: str) -> torch.Tensor:

@@ -11,15 +11,16 @@ from __future__ import annotations
 import math
 import warnings
 
-from .schedule import backward_ops, forward_ops, make_blocks, plan_loads
+from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 
 GRAD_SLOTS = 2  # the engine alternates two device grad slots
 
 
 def simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
-             overlap) -> tuple[list[tuple], dict]:
+             overlap, tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset()) -> tuple[list[tuple], dict]:
     """List-schedules one step from cold. Returns (Trace.spans rows, lane -> work ms)."""
-    sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap)
+    sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap, tied, resident,
+               dev_adam_ms, streamed)
     sim.step()
     return sim.spans, sim.work
 
@@ -73,10 +74,19 @@ _STEADY_MAX_STEPS = 32
 class _Sim:
     """List scheduler over the engine's lanes, each running its ops in issue order, for one step or
     several in a row. A load with no pack time (pack_ms == 0) is one DMA from a pinned slab, a grad copy
-    with no unpack time lands in one. Without `steady`, AdamW runs inline as units land (the cold step)."""
+    with no unpack time lands in one. Without `steady`, AdamW runs inline as units land (the cold step).
+    Units in `resident` (placement.py) are never loaded nor copied out; their AdamW (`dev_adam_ms`:
+    unit -> ms) runs on the device-adam lane: each group as its gradients are complete, beside the
+    compute, when `overlap`; else all after the embedding's backward (engine Note: [Device updates]).
+    The next step's compute waits for the last one. Layers in `streamed` (placement "device") load
+    their fp32 state (t["state_in"]) after their backward's weights, are updated on the device-adam
+    lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"])."""
 
     def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
-                 tied=False, steady=False):
+                 tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(), steady=False):
+        self.resident, self.dev_adam_ms = frozenset(resident), dev_adam_ms or {}
+        self.streamed = frozenset(streamed) if overlap else frozenset()  # gated: on the host (placement.py)
+        self.sslot_free = [0.0, 0.0]  # end of each state slot's last write-back
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
         self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
         self.free: dict[str, float] = {}  # lane -> end of its latest op
@@ -92,8 +102,9 @@ class _Sim:
         self.have = [0.0] * S  # h2d end of each slot's current weights
         self.head_free = self.head_copied = 0.0  # last loss compute end; last head grad copy end
         self.fops, self.bops = forward_ops(L), backward_ops(make_blocks(L, keep, block))
-        self.f_loads, resident, self.f_slot = plan_loads(self.fops, S, [None] * S)
-        self.b_loads, _, self.b_slot = plan_loads(self.bops, S, resident)
+        mask = lambda ops: [Op("resident", o.layer, o.phase) if o.layer in self.resident else o for o in ops]  # noqa: E731
+        self.f_loads, held, self.f_slot = plan_loads(mask(self.fops), S, [None] * S)  # as Engine._plan does
+        self.b_loads, _, self.b_slot = plan_loads(mask(self.bops), S, held)
 
     def put(self, lane, op, layer, phase, a, b, nbytes=0, busy=None):
         self.free[lane] = b
@@ -110,12 +121,12 @@ class _Sim:
                 a = self.put("host-pack", "wait-update", layer, phase, a, self.updated[u], busy=0.0)
         return max([self.t0, *(self.updated.get(u, 0.0) for u in units)])
 
-    def load(self, unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0, waits=()):
+    def load(self, unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0, waits=(), op="h2d"):
         go = self.hold(unit, phase, waits)
         free, put = self.free, self.put
         if pack_ms == 0:  # pinned source: no staging, no packing
             h0 = max(free.get("h2d", 0.0), slot_free, go)
-            return put("h2d", "h2d", unit, phase, h0, h0 + h2d_ms, nbytes)
+            return put("h2d", op, unit, phase, h0, h0 + h2d_ms, nbytes)
         ring, acc = 0.0, nbytes
         for end, b in reversed(self.loads):  # pinned chunks still waiting for their copy
             acc += b
@@ -151,7 +162,10 @@ class _Sim:
         return self.put("compute", op, layer, phase, a, a + dur)
 
     def use(self, k, op, lds, slot_of, h2d_ms, end):
-        """Issues op k's load if it has one (its slot is released by op `after`); returns its slot."""
+        """Issues op k's load if it has one (its slot is released by op `after`); returns its slot
+        (None for a resident layer: its weights are always there)."""
+        if op.layer in self.resident:
+            return None
         ld = lds.get(k)
         if ld is not None:
             rel = self.slot_end[ld.slot] if ld.after is None else end[ld.after]
@@ -161,42 +175,81 @@ class _Sim:
 
     def step(self) -> float:
         """Simulates one step from `t0`; returns when its driver returns (the embedding's grads landed)."""
-        L, t, units, compute, slot_end = self.L, self.t, self.units, self.compute, self.slot_end
+        L, t, units, compute, slot_end, res = self.L, self.t, self.units, self.compute, self.slot_end, self.resident
         self.landed = []
-        rows = self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # embedding rows gathered on the host
+        rows = self.t0 if -1 in res else self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # host-gathered rows
+        have = lambda s: 0.0 if s is None else self.have[s]  # noqa: E731  (a resident layer: always there)
         end: dict[int, float] = {}
         at = {ld.before: ld for ld in self.f_loads}
         for k, op in enumerate(self.fops[:-1]):
             s = self.use(k, op, at, self.f_slot, t["h2d"], end)
-            end[k] = slot_end[s] = compute("fwd", op.layer, "fwd", t["fwd"], self.have[s], rows)
+            end[k] = compute("fwd", op.layer, "fwd", t["fwd"], have(s), rows)
+            if s is not None:
+                slot_end[s] = end[k]
         # the packer takes the head after every forward load; a tied head's slot holds the embedding too
-        head = self.load(L, "loss", *units[L][:3], self.head_free, waits=(L, -1) if self.tied else (L,))
+        head = self.t0 if L in res else self.load(L, "loss", *units[L][:3], self.head_free,
+                                                  waits=(L, -1) if self.tied else (L,))
         self.head_free = compute("loss", L, "loss", self.loss_ms, head, self.head_copied)
-        self.grads(L, "loss", self.head_free, *units[L][3:])
-        self.head_copied = self.free["d2h"]
+        self.device_update((L,) if not self.tied else (), self.head_free)
+        if L not in res:
+            self.grads(L, "loss", self.head_free, *units[L][3:])
+            self.head_copied = self.free["d2h"]
         end, at, gi = {}, {ld.before: ld for ld in self.b_loads}, 0
         for k, op in enumerate(self.bops[:-1]):
             s = self.use(k, op, at, self.b_slot, t["h2d_bwd"], end)
             if op.kind == "recompute":
-                end[k] = slot_end[s] = compute("recompute", op.layer, "recompute", t["fwd"], self.have[s])
-                continue
-            end[k] = slot_end[s] = compute("bwd", op.layer, "bwd", t["bwd"], self.have[s], self.gslot_free[gi])
-            self.gslot_free[gi] = self.grads(op.layer, "bwd", end[k], self.g_bytes, t["d2h"], t["unpack"],
-                                             t["adam"])  # slot reusable
-            gi ^= 1
-        back = self.grads(-1, "bwd", compute("embed_bwd", -1, "bwd", 0.0), *units[-1][3:], op="embed_grad")
+                end[k] = compute("recompute", op.layer, "recompute", t["fwd"], have(s))
+            elif s is None:
+                end[k] = compute("bwd", op.layer, "bwd", t["bwd"])
+            elif op.layer in self.streamed:
+                j = sum(1 for o in self.bops[:k] if o.kind == "bwd" and o.layer in self.streamed) % 2
+                got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],
+                                waits=(op.layer,), op="state-in")
+                end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])
+                a = max(end[k], got, self.free.get("device-adam", 0.0))
+                upd = self.put("device-adam", "adam", op.layer, "bwd", a, a + t["dev_adam"])
+                self.gslot_free[gi] = upd
+                gi ^= 1
+                o0 = max(upd, self.free.get("d2h", 0.0))
+                self.sslot_free[j] = self.put("d2h", "state-out", op.layer, "bwd", o0, o0 + t["state_out"])
+                self.landed.append((op.layer, self.sslot_free[j], 0.0))  # the host's update is a no-op
+            else:
+                end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])
+                self.gslot_free[gi] = self.grads(op.layer, "bwd", end[k], self.g_bytes, t["d2h"], t["unpack"],
+                                                 t["adam"])  # slot reusable
+                gi ^= 1
+            if s is not None:
+                slot_end[s] = end[k]
+            if op.kind == "bwd":
+                self.device_update((op.layer,), end[k])
+        e = compute("embed_bwd", -1, "bwd", 0.0)
+        back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
+        self.device_update((L, -1) if self.tied else (-1,), e)
+        if res and not self.overlap:  # gated: the driver enqueues every update once every gradient landed
+            self.device_update(tuple(sorted(res)), max(back, self.free["compute"]), gated=True)
+        if "device-adam" in self.free:  # the next step's compute follows this step's device updates
+            self.free["compute"] = max(self.free["compute"], self.free["device-adam"])
         if self.steady:
             self.optimizer()
-        elif not self.overlap:  # clipping / no overlap: AdamW starts once every unit's grads have landed
+        elif not self.overlap and self.landed:  # clipping / no overlap: AdamW after every unit's grads landed
             a = max(u for _, u, _ in self.landed)
             for unit, _, ms in self.landed:
                 a = self.put("host-adam", "adam", unit, "optim", a, a + ms)
         return back
 
+    def device_update(self, units: tuple, ready: float, gated: bool = False) -> None:
+        """A resident group's AdamW on the device-adam lane once its gradients are complete at `ready`."""
+        if not units or units[0] not in self.resident or (not self.overlap and not gated):
+            return
+        a = max(ready, self.free.get("device-adam", 0.0))
+        self.put("device-adam", "adam", units[0], "optim", a, a + sum(self.dev_adam_ms[u] for u in units))
+
     def optimizer(self) -> None:
         """The Adam worker over this step's landings (Note: [Update order]): in landing order while grads
         still land, the rest in forward order; gated (no overlap), all in forward order after the last."""
         rank = {u: k for k, u in enumerate([-1, *range(self.L), self.L])}
+        if not self.landed:  # every unit resident: nothing for the host
+            return
         todo, last = list(self.landed), max(u for _, u, _ in self.landed)
         a = self.free.get("host-adam", 0.0) if self.overlap else max(self.free.get("host-adam", 0.0), last)
         while todo:

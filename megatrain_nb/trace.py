@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-LANES = ("compute", "h2d", "d2h", "host-pack", "host-unpack", "host-adam")  # known lanes; others allowed
+LANES = ("compute", "device-adam", "h2d", "d2h", "host-pack", "host-unpack", "host-adam")  # known lanes; others allowed
 PHASES = ("fwd", "loss", "recompute", "bwd", "optim", "io")
 SPAN_COLUMNS = ("lane", "op", "layer", "phase", "start_ms", "end_ms", "bytes")
 SPAN_FRAME_COLUMNS = ("step", "lane", "op", "layer", "phase", "start_ms", "end_ms", "dur_ms", "bytes")
@@ -309,8 +309,13 @@ _CAUSES = {  # key -> (waited_on, reason, setting to change)
                  "(no free slot to prefetch into).", "weight_slots"),
     "host-pack": ("packing", "host threads were still packing its weights into pinned buffers.",
                   "pin_store=True (or cast_on_device=True); pinned_budget_bytes"),
-    "host-adam": ("optimizer", "the CPU AdamW had not finished that layer.", "tokens per step (hides the host AdamW); keep overlap_optimizer=True, grad_clip=None"),
+    "host-adam": ("optimizer", "the CPU AdamW had not finished that layer.",
+                  "placement='auto' (the units the forward needs first update on the device; see "
+                  "Session.placement); tokens per step; keep overlap_optimizer=True, grad_clip=None"),
     "d2h": ("d2h", "gradients were still leaving a device grad slot.", "tokens per step (batch or seq)"),
+    "device-adam": ("device optimizer", "the device's AdamW of resident units was running (after the backward when "
+                    "gated, else beside it on its own stream).", "grad_clip=None and overlap_optimizer=True (device "
+                    "updates then overlap the backward)"),
     "host-unpack": ("unpacking", "host threads were still copying gradients out of pinned buffers, so no grad "
                     "slot was free.", "pin_store=True (gradients land in pinned slabs: no unpacking)"),
     None: ("host/launch", "no transfer or host job was running (launch or Python overhead).",
@@ -389,12 +394,12 @@ def summarize(spans: pd.DataFrame) -> dict:
         spans: `Trace.to_dataframe()` or `Plan.simulate()` of one step.
 
     Returns:
-        dict with step_ms (from 0, the step start, to the last end), compute_busy_ms,
+        dict with step_ms (from 0, the step start, to the last end), compute_busy_ms (device updates included),
         compute_busy_share, stall_ms, wait_ms_by_cause (waited_on -> ms), bytes_h2d, bytes_d2h,
         h2d_GBps and d2h_GBps (bytes over the lane's busy time; 0.0 when idle).
     """
     step_ms = float(max(spans.end_ms.max(), 0.0)) if len(spans) else 0.0
-    busy = _union_ms(spans[spans.lane == "compute"])
+    busy = _union_ms(spans[spans.lane.isin(("compute", "device-adam"))])  # both run on the compute stream
     stalls = find_stalls(spans)
     by_cause = {str(k): float(v) for k, v in stalls.groupby("waited_on", sort=True).dur_ms.sum().items()}
     out = {"step_ms": step_ms, "compute_busy_ms": busy,

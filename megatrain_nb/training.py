@@ -16,7 +16,7 @@ import pandas as pd
 
 
 def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dashboard: bool | None = None,
-          refresh_s: float = 1.0) -> pd.DataFrame:
+          refresh_s: float = 1.0, eval_data=None, eval_every: int | None = None) -> pd.DataFrame:
     """Train `steps` steps, one batch of `data` each, with a progress bar (and a dashboard in Jupyter).
 
     Jupyter's Stop (a KeyboardInterrupt) ends the loop after the step in flight: `Session.step`
@@ -35,6 +35,10 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
             same (with a warning outside Jupyter, where there is nothing to show it on); False: never.
         refresh_s: the dashboard redraws at most once per this many seconds (between steps, never
             inside one; the final state is always drawn).
+        eval_data: held-out batches for `Session.evaluate` (`sft_batches(...)`: one pass each time,
+            or a list of batches); its loss is drawn next to the training loss (`eval_loss`).
+        eval_every: evaluate after every this many steps of this call, and after the last; None:
+            after the last step only (when `eval_data` is given).
     Returns:
         `session.history_dataframe()`: one row per step of the session (not only of this call).
     Raises:
@@ -53,6 +57,13 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
             raise ValueError(f"{name}={value!r}: must be an int >= {low}")
     if not refresh_s >= 0:
         raise ValueError(f"refresh_s={refresh_s!r}: must be >= 0 seconds")
+    if eval_every is not None and (not isinstance(eval_every, int) or isinstance(eval_every, bool) or eval_every < 1):
+        raise ValueError(f"eval_every={eval_every!r}: must be an int >= 1, or None (evaluate after the last step)")
+    if eval_every is not None and eval_data is None:
+        raise ValueError("eval_every is set but eval_data is None: pass eval_data=sft_batches(...) or a list of batches")
+    if eval_data is not None and not hasattr(eval_data, "one_pass") and iter(eval_data) is eval_data:
+        raise TypeError(f"eval_data is {type(eval_data).__name__}, an iterator that one evaluation would use up: "
+                        "pass sft_batches(...) (one pass each time) or a list of batches")
     batches = iter(data)
     has_state = callable(getattr(data, "state_dict", None))
     dash = _open_dashboard(session, dashboard)
@@ -73,9 +84,13 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
             if has_state:
                 session.data_state = data.state_dict()  # the position after this step's batch
             bar.update(1)
+            if eval_data is not None and ((eval_every and (k + 1) % eval_every == 0) or k + 1 == steps):
+                session.evaluate(eval_data)  # between steps: the next one runs as if it had not (inference.py)
             if (k + 1) % log_every == 0 or k + 1 == steps:
-                bar.set_postfix({"loss": f"{r.loss:.4f}", "tok/s": f"{r.tokens / r.seconds:,.0f}",
-                                 "TFLOPS": f"{r.tflops:.3g}"}, refresh=False)
+                post = {"loss": f"{r.loss:.4f}", "tok/s": f"{r.tokens / r.seconds:,.0f}", "TFLOPS": f"{r.tflops:.3g}"}
+                if session.eval_history:
+                    post["eval"] = f"{session.eval_history[-1]['eval_loss']:.4f}"
+                bar.set_postfix(post, refresh=False)
             if dash is not None and time.monotonic() - last_draw >= refresh_s:
                 dash = _draw(dash)
                 last_draw = time.monotonic()

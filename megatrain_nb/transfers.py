@@ -21,7 +21,8 @@ from .workers import AdamWorker, Box, Worker
 
 
 class Streams:
-    """The compute, h2d and d2h streams and event helpers; every method is a no-op or a plain call on the CPU."""
+    """The compute, h2d, d2h (and optim) streams and event helpers; every method is a no-op or a plain
+    call on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -31,6 +32,7 @@ class Streams:
         self.compute = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.optim = torch.cuda.Stream(device) if self.cuda else None  # resident units' AdamW beside the backward
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
@@ -85,7 +87,8 @@ class Transfers:
         self.unpacker = Worker("host-unpack", abort)
 
     # ---- weights in (packer thread) --------------------------------------------------------
-    def load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int) -> Box:
+    def load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int,
+             op: str = "h2d") -> Box:
         """Copy ``segments`` into ``dst`` once each unit has ``version`` updates and ``after`` is released.
 
         segments: [(unit, src_fn, dst_offset)]; src_fn() -> the host flat tensor to send. Returns the
@@ -105,7 +108,7 @@ class Transfers:
             with self.dev.on(self.dev.h2d):
                 self.dev.wait(self.dev.h2d, prev)
                 self.delay("h2d")
-                tok = self.rec.cuda_begin("h2d", "h2d", layer, phase, nbytes, self.dev.h2d)
+                tok = self.rec.cuda_begin("h2d", op, layer, phase, nbytes, self.dev.h2d)
                 for src, off in srcs:
                     if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
                         dst[off:off + src.numel()].copy_(src, non_blocking=True)
@@ -145,13 +148,13 @@ class Transfers:
 
     # ---- grads out (unpacker thread) -----------------------------------------------------
     def grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
-              host_fn=None) -> tuple[Box, Box]:
+              host_fn=None, op: str = "d2h", enqueued: Box | None = None) -> tuple[Box, Box]:
         """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``.
 
         Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
         and of the unit's arrival in host memory.
         """
-        enqueued = Box(self.abort)
+        enqueued = Box(self.abort) if enqueued is None else enqueued  # a caller's box: filled here
 
         def job():
             try:
@@ -166,7 +169,7 @@ class Transfers:
                 self.dev.wait(self.dev.d2h, done_event)
                 self.delay("d2h")
                 nbytes = sum(n for _, n, _ in segments) * src.element_size()
-                tok = self.rec.cuda_begin("d2h", "d2h", unit, phase, nbytes, self.dev.d2h)
+                tok = self.rec.cuda_begin("d2h", op, unit, phase, nbytes, self.dev.d2h)
                 pending: list = []
                 for off, n, host in segments:
                     if host.dtype == src.dtype and host.is_pinned():  # pinned grad slab: one DMA, no unpacking
@@ -179,7 +182,7 @@ class Transfers:
                         self._gnext = (self._gnext + 1) % len(self.gstaging)
                         buf.copy_(src[off + a:off + b], non_blocking=True)
                         pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
-                if unit != -1:
+                if host_fn is None:
                     self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
                 self.rec.cuda_end(tok, self.dev.d2h)
                 done = self.dev.record(self.dev.d2h)

@@ -172,7 +172,7 @@ def memory(counters: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     return fig
 
 
-_HISTORY_PANELS = (("loss", ("loss",), "loss", 1.0), ("tokens/s", ("tokens_per_s",), "tokens/s", 1.0),
+_HISTORY_PANELS = (("loss", ("loss", "eval_loss"), "loss", 1.0), ("tokens/s", ("tokens_per_s",), "tokens/s", 1.0),
                    ("TFLOPS", ("tflops",), "TFLOP/s", 1.0),
                    ("memory", ("peak_device_bytes", "host_rss_bytes"), "GiB", 1 / _GIB))
 
@@ -181,8 +181,8 @@ def run_history(history: pd.DataFrame, *, title: str | None = None) -> go.Figure
     """Per-step metrics over a run, one subplot per metric present.
 
     Args:
-        history: one row per step; column "step" plus any of loss, tokens_per_s, tflops,
-            peak_device_bytes, host_rss_bytes (missing ones are skipped; the two byte columns
+        history: one row per step; column "step" plus any of loss, eval_loss (drawn with loss,
+            at the steps that have one), tokens_per_s, tflops, peak_device_bytes, host_rss_bytes (missing ones are skipped; the two byte columns
             share the "memory" subplot, in GiB).
         title: figure title (default: "run history, one point per step").
 
@@ -203,8 +203,9 @@ def run_history(history: pd.DataFrame, *, title: str | None = None) -> go.Figure
                         subplot_titles=[p[0] for p in panels])
     for i, (_, cols, unit, scale) in enumerate(panels, start=1):
         for c in cols:
-            fig.add_trace(go.Scatter(x=history.step, y=history[c] * scale, name=label(c, METRIC_LABELS),
-                                     mode="lines+markers"), row=i, col=1)
+            h = history[history[c].notna()]  # eval_loss exists only at the steps evaluated after
+            fig.add_trace(go.Scatter(x=h.step, y=h[c] * scale, name=label(c, METRIC_LABELS), mode="lines+markers"),
+                          row=i, col=1)
         fig.update_yaxes(title_text=unit, row=i, col=1)
     fig.update_xaxes(title_text="step", row=len(panels), col=1)
     fig.update_layout(title=title or "run history, one point per step", height=180 + 170 * len(panels),

@@ -42,8 +42,8 @@ def tiny_model(tmp_path):
 @pytest.fixture()
 def jsonl(tmp_path):
     f = tmp_path / "train.jsonl"
-    rows = [{"text": "the cat sat on the mat"}, {"prompt": "2+2=", "response": "4"},
-            {"prompt": "say hi", "response": "hi there"}] * 4
+    rows = [{"prompt": "the cat sat on", "response": "the mat"}, {"prompt": "2+2=", "response": "4"},
+            {"prompt": "say hi", "response": "hi there"}] * 4  # one record format per file
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f
 
@@ -127,3 +127,35 @@ def test_module_entry_point_exits_2_without_traceback():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().startswith("error: argument --steps") and "Traceback" not in p.stderr
+
+
+def test_train_chat_with_eval_schedule_checkpoints_and_a_sample(tmp_path, capsys):
+    from sft_helpers import chats, make_model_dir, make_tokenizer, write_jsonl
+
+    from megatrain_nb import Session
+
+    model = make_model_dir(tmp_path / "chat-model", make_tokenizer())
+    train, val = write_jsonl(tmp_path / "train.jsonl", chats(8)), write_jsonl(tmp_path / "val.jsonl", chats(3))
+    out = tmp_path / "out"
+    rc = main(["train", "--model", str(model), "--data", str(train), "--eval-data", str(val), "--eval-every", "2",
+               "--no-pack", "--save-every", "2", "--lr-schedule", "cosine", "--warmup-steps", "1", "--steps", "3",
+               "--batch", "2", "--seq", "128", "--lr", "1e-3", "--out", str(out), "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "8 chat examples, one per row" in text
+    assert re.search(r"eval loss: step 2 [\d.]+, step 3 [\d.]+", text), text
+    assert re.search(r"sample: 'What is 0 plus two\?' -> '.*'", text), text  # the first chat's turns before its reply
+    state = json.loads((out / "megatrain_state.json").read_text())
+    assert [k for k, _ in state["eval"]] == [2, 3]
+    resumed = Session.resume(out / "checkpoint")  # saved after step 2
+    try:
+        assert resumed.engine.steps_done == 2 and resumed.optim_cfg.lr_schedule == "cosine"
+        assert resumed.optim_cfg.total_steps == 3 and resumed.optim_cfg.warmup_steps == 1
+    finally:
+        resumed.close()
+
+
+def test_eval_every_needs_eval_data(tiny_model, jsonl, tmp_path, capsys):
+    assert main(["train", "--model", str(tiny_model), "--data", str(jsonl), "--eval-every", "2",
+                 "--out", str(tmp_path / "o"), "--device", "cpu"]) == 2
+    assert "--eval-data" in _error(capsys)

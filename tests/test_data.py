@@ -68,15 +68,15 @@ def _byte_batches(path, batch, seq, **kw):
         return jsonl_batches(path, None, batch, seq, vocab_size=kw.pop("vocab_size", 256), **kw)
 
 
-def test_text_lines_are_bytes_padded_with_mask(tmp_path):
+def test_text_lines_are_bytes_padded(tmp_path):
     f = _write(tmp_path / "d.jsonl", [{"text": "hello"}])
     b = next(_byte_batches(f, 2, 8))
-    assert set(b) == {"input_ids", "labels", "attention_mask"}
+    assert set(b) == {"input_ids", "labels", "position_ids"}
     for t in b.values():
         assert t.shape == (2, 8) and t.dtype == torch.long
     hello = list(b"hello")
     assert b["input_ids"][0, :5].tolist() == hello
-    assert b["attention_mask"][0].tolist() == [1] * 5 + [0] * 3
+    assert b["position_ids"][0].tolist() == [0, 1, 2, 3, 4] + [0, 1, 2]  # the padding is an example of its own
     assert b["labels"][0].tolist() == [IGNORE] + hello[1:] + [IGNORE] * 3  # first token and padding: no loss
     assert torch.equal(b["input_ids"][1], b["input_ids"][0])  # one example: the next row is the next epoch
 
@@ -97,7 +97,7 @@ def test_prompt_tokens_are_labelled_ignore(tmp_path):
 def test_short_examples_pack_into_one_row(tmp_path):
     f = _write(tmp_path / "d.jsonl", [{"text": "ab"}, {"text": "cd"}, {"text": "ef"}])
     b = next(_byte_batches(f, 1, 7))
-    assert b["attention_mask"][0].tolist() == [1] * 6 + [0]
+    assert b["position_ids"][0].tolist() == [0, 1] * 3 + [0]  # positions restart: each attends only to itself
     assert sorted(b["input_ids"][0, :6].view(3, 2).tolist()) == [list(b"ab"), list(b"cd"), list(b"ef")]
     assert b["labels"][0, [0, 2, 4, 6]].tolist() == [IGNORE] * 4  # each example's first token, the pad
 
@@ -106,7 +106,7 @@ def test_long_examples_are_truncated_with_a_warning(tmp_path):
     f = _write(tmp_path / "d.jsonl", [{"text": "x" * 50}])
     with pytest.warns(UserWarning, match="truncated 1"):
         b = next(_byte_batches(f, 1, 16))
-    assert b["attention_mask"].sum() == 16
+    assert b["position_ids"][0].tolist() == list(range(16))
 
 
 def test_model_tokenizer_is_used_when_present(tmp_path):
@@ -134,7 +134,7 @@ def _word_tokenizer(d):
 
 @pytest.mark.parametrize("lines, line_no, match", [
     ([{"text": "ok"}, "{not json", {"text": "ok"}], 2, "not valid JSON"),
-    ([{"text": "ok"}, {"text": "ok"}, {"prompt": "p"}], 3, "\"response\""),
+    ([{"text": "ok"}, {"text": "ok"}, {"prompt": "p"}], 3, "'text' record"),  # one format per file
     ([{"txt": "typo"}], 1, "txt"),
     (['["a list"]'], 1, "list"),
 ])

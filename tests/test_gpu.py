@@ -37,7 +37,12 @@ def _batches(n, B=4, T=128, seed=0):
     return out
 
 
-def test_bf16_stream_matches_native_autocast(model_dir):
+MIXED = {-1: "resident", 1: "resident", 3: "resident"}  # embedding, two layers; the (untied) head on the host
+STREAMED = {0: "device", 2: "device", 3: "resident"}  # state streamed through for two layers
+
+
+@pytest.mark.parametrize("placement", ["host", "auto", "stream", {u: "resident" for u in range(-1, 5)}, MIXED, STREAMED])
+def test_bf16_stream_matches_native_autocast(model_dir, placement):
     """One step: weights agree to bf16 rounding. 20 steps: loss curves within 2%.
 
     Bound: Adam's first update is lr * g / (|g| + eps) ~ lr * sign(g), so two runs whose bf16
@@ -49,7 +54,7 @@ def test_bf16_stream_matches_native_autocast(model_dir):
     lr = 1e-4
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0)
-    s = Session.from_pretrained(model_dir, device="cuda", lr=lr, checkpoint_every=None)
+    s = Session.from_pretrained(model_dir, device="cuda", lr=lr, checkpoint_every=None, placement=placement)
     ref_losses, our_losses = [], []
     for k, ids in enumerate(_batches(20)):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -72,6 +77,8 @@ def test_bf16_stream_matches_native_autocast(model_dir):
     print("stream", [round(x, 4) for x in our_losses])
     assert max(rel) < 0.02, rel
     assert our_losses[-1] < our_losses[0] - 0.5  # it trains
+    if placement == "auto":  # a tiny model fits: after the measuring step every unit is resident
+        assert set(s.placement.placement) == {"resident"}, s.placement
     s.close()
 
 
@@ -85,16 +92,18 @@ def _run(model_dir, delays, steps=3, **kw):
     return losses, weights
 
 
+@pytest.mark.parametrize("placement", ["host", MIXED, STREAMED])
 @pytest.mark.parametrize("lane,delay", [("h2d", 20_000_000), ("compute", 20_000_000), ("d2h", 20_000_000),
                                         ("host-pack", 0.02), ("host-unpack", 0.02), ("host-adam", 0.02)])
-def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay):
-    """A missing wait would let a delayed stream's data be read too early; the result would change."""
+def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay, placement):
+    """A missing wait would let a delayed stream's data be read too early; the result would change.
+    With resident units mixed in, the device-update lane (end of the step, compute stream) is covered."""
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
-    base_l, base_w = _run(tmp_path, {}, checkpoint_every=2)
-    again_l, again_w = _run(tmp_path, {}, checkpoint_every=2)
+    base_l, base_w = _run(tmp_path, {}, checkpoint_every=2, placement=placement)
+    again_l, again_w = _run(tmp_path, {}, checkpoint_every=2, placement=placement)
     assert base_l == again_l and all(torch.equal(a, b) for a, b in zip(base_w, again_w)), "not deterministic"
-    l, w = _run(tmp_path, {lane: delay}, checkpoint_every=2)
+    l, w = _run(tmp_path, {lane: delay}, checkpoint_every=2, placement=placement)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))
 

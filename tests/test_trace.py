@@ -115,7 +115,9 @@ def test_find_stalls_blames_packing_when_the_copy_waits_for_its_chunks():
 @pytest.mark.parametrize("extra, waited_on, setting", [
     ([("host-pack", "pack", 1, "io", 0.5, 2.5, 0)], "packing", "pin_store=True (or cast_on_device=True); pinned_budget_bytes"),
     ([], "h2d", "weight_slots"),
-    ([("host-adam", "adam", 1, "optim", 1.0, 3.0, 0)], "optimizer", "tokens per step (hides the host AdamW); keep overlap_optimizer=True, grad_clip=None"),
+    ([("host-adam", "adam", 1, "optim", 1.0, 3.0, 0)], "optimizer",
+     "placement='auto' (the units the forward needs first update on the device; see Session.placement); "
+     "tokens per step; keep overlap_optimizer=True, grad_clip=None"),
     ([("d2h", "d2h", 2, "io", 1.5, 2.9, 0)], "d2h", "tokens per step (batch or seq)"),
     ([("host-unpack", "unpack", 2, "bwd", 1.5, 2.9, 0)], "unpacking", "pin_store=True (gradients land in pinned slabs: no unpacking)"),
 ])

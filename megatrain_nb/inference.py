@@ -1,0 +1,236 @@
+"""Evaluation and generation from the weights being trained, through the engine's own loads.
+
+Owns: the forward-only pass over held-out batches (mean loss per supervised token) and
+token-by-token generation with a KV cache, greedy or sampled; bound as ``Session.evaluate`` and
+``Session.generate``. Weights come from the engine (``Engine.stream_layers``,
+``Engine.weights_copy``): the same weight source, loads and slot ordering as a step's forward.
+Does not own: the training step, the optimizer (never touched here), the data's tokenization.
+
+Note: [Eval between steps] a pass first waits for every pending update (``Engine.settle``), so
+that it reads the weights after the last step, and so that a failure inside it (which resets the
+engine's handoffs) drops no update. It keeps no graph and touches neither gradients, optimizer
+state, the step count nor the activation policy; its loads record no trace (the recorder is set
+aside for the pass). The next step therefore runs exactly as it would have without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .binding import call
+from .transfers import chunks
+from .trace import Recorder
+
+
+# ---- evaluation ----------------------------------------------------------------------------
+def evaluate(session, batches, *, steps: int | None = None) -> float:
+    """Mean cross-entropy per supervised token over ``batches`` (see ``Session.evaluate``)."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ValueError(f"steps={steps!r}: an int >= 1, or None for one pass over the data")
+    total, count = 0.0, 0
+    for batch in _eval_batches(batches, steps):
+        mbs, n_valid, _ = session._prepare(batch)  # raises on a bad batch before anything runs
+        total += _run(session, lambda: _loss_sum(session.engine, mbs))
+        count += n_valid
+    if count == 0:
+        raise ValueError("evaluate got no batches: pass a non-empty list, sft_batches(...) or steps >= 1")
+    return total / count
+
+
+def _eval_batches(batches, steps: int | None):
+    """One pass of an endless batch source (``one_pass()``), else the iterable itself; at most ``steps``."""
+    if hasattr(batches, "one_pass"):
+        it = batches.one_pass()
+    elif steps is None and iter(batches) is batches:
+        raise TypeError(f"evaluate(steps=None) got {type(batches).__name__}, an iterator that may never end: pass "
+                        "steps=, a list of batches, or sft_batches(...) (one pass over its examples)")
+    else:
+        it = iter(batches)
+    for k, batch in enumerate(it):
+        if steps is not None and k == steps:
+            return
+        yield batch
+
+
+def _loss_sum(engine, mbs: list[dict]) -> float:
+    """Driver: the summed (not averaged) token losses of one batch's micro-batches, forward only."""
+    arch, dev = engine.arch, engine.dev
+    H = arch.embed.weight.shape[1]
+    hs, calls = [], []
+    for mb in mbs:
+        E, box = engine._gather(mb)
+        engine._ready(box)
+        mask = mb["attention_mask"]
+        mask = None if mask is None else mask.to(dev.device, non_blocking=True)
+        h0, c = arch.prelude(arch.embed_rows(E.view(-1, H), tuple(E.shape[:2])), mask,
+                             **arch.position_kwargs(mb.get("position_ids"), dev.device))
+        hs.append(h0), calls.append(c)
+    total = torch.zeros((), dtype=torch.float32, device=dev.device)
+    for unit, params in engine.stream_layers(head=True):
+        if unit < engine.L:
+            for m, c in enumerate(calls):
+                hs[m] = call(engine._template(unit), params, hs[m], *c[unit][0], **c[unit][1])
+            continue
+        for mb, h in zip(mbs, hs):
+            labels = mb["shift_labels"].to(dev.device, non_blocking=True)
+            for a, b in chunks(h.shape[1], engine.cfg.loss_chunk_tokens):
+                logits = arch.logits(params, h[:, a:b])
+                total += F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(), ignore_index=-100,
+                                         reduction="sum")
+    return float(total)  # host sync: the end of the pass
+
+
+# ---- generation ----------------------------------------------------------------------------
+def generate(session, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+             top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
+    """Continue ``prompt`` from the session's current weights (see ``Session.generate``)."""
+    from .sft import load_tokenizer, prompt_ids
+
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
+    if do_sample and not (temperature > 0 and 0 < top_p <= 1):
+        raise ValueError(f"temperature={temperature!r}, top_p={top_p!r}: need temperature > 0 and 0 < top_p <= 1")
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    text_in = not isinstance(prompt, torch.Tensor)
+    if text_in:
+        if tok is None:
+            raise ValueError("a text or chat prompt needs tokenizer= (a model directory or a loaded HF tokenizer); "
+                             "or pass token ids as a LongTensor")
+        ids = torch.tensor([prompt_ids(tok, prompt)])
+    else:
+        ids = prompt if prompt.dim() == 2 else prompt.view(1, -1)
+        if ids.shape[0] != 1 or ids.dtype != torch.long or ids.numel() == 0:
+            raise ValueError(f"prompt ids of shape {tuple(prompt.shape)}, dtype {prompt.dtype}: pass one non-empty "
+                             "prompt as a LongTensor of shape (T,) or (1, T)")
+        ids = ids.cpu()
+    V = session.arch.embed.weight.shape[0]
+    if int(ids.min()) < 0 or int(ids.max()) >= V:
+        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {V}); check the tokenizer")
+    eos = _eos_ids(session.config, tok)
+    pick = _picker(do_sample, temperature, top_p, seed)
+    if cache_weights is None:
+        cache_weights = _fits(session.engine)
+    new = _run(session, lambda: _decode(session.engine, ids, max_new_tokens, pick, eos, cache_weights))
+    if text_in:
+        return tok.decode(new, skip_special_tokens=True)
+    out = torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
+    return out if prompt.dim() == 2 else out.view(-1)
+
+
+def _eos_ids(config, tok) -> set[int]:
+    """Token ids that end a generation: the model config's eos (as generate uses) and the tokenizer's."""
+    eos = getattr(config, "eos_token_id", None)
+    out = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    if tok is not None and tok.eos_token_id is not None:
+        out.add(tok.eos_token_id)
+    return out
+
+
+def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
+    """logits (1, V) fp32 -> next token id; greedy, or sampled with transformers' own warpers."""
+    if not do_sample:
+        return lambda logits: int(logits.argmax(-1))  # host sync: the next input depends on it
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(logits):
+        for w in warpers:
+            logits = w(None, logits)
+        return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g))
+    return pick
+
+
+def _fits(engine) -> bool:
+    """Whether every layer's weights fit on the device beside what it holds (CUDA: in half its free memory)."""
+    if not engine.dev.cuda:
+        return False  # on "cpu" a copy of every layer only doubles host memory: stream them
+    need = sum(engine.store.units[i].layout.numel for i in range(engine.L)) * engine.dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(engine.dev.device)  # a device query between steps
+    return need < free // 2
+
+
+def _decode(engine, ids: torch.Tensor, max_new: int, pick, eos: set[int], cache_weights: bool) -> list[int]:
+    """Driver: prefill ``ids`` (1, T), then one token at a time with a KV cache; returns the new ids."""
+    arch, dev = engine.arch, engine.dev
+    H = arch.embed.weight.shape[1]
+    cache = _layer_cache(arch.config)
+    cache_arg = "cache" if "cache" in inspect.signature(arch.base.forward).parameters else "past_key_values"
+    head = engine.weights_copy(engine.L)
+    layers = [engine.weights_copy(i) for i in range(engine.L)] if cache_weights else None
+    x, new = ids, []
+    for _ in range(max_new):
+        E, box = engine._gather({"input_ids": x})
+        engine._ready(box)
+        h, calls = arch.prelude(arch.embed_rows(E.view(-1, H), tuple(x.shape)), None,
+                                **{cache_arg: cache, "use_cache": True})
+        for unit, params in (enumerate(layers) if cache_weights else engine.stream_layers(head=False)):
+            cache.layer = unit
+            h = call(engine._template(unit), params, h, *calls[unit][0], **calls[unit][1])
+        token = pick(arch.logits(head, h[:, -1:]).float()[:, -1])
+        new.append(token)
+        if token in eos:
+            break
+        x = torch.tensor([[token]])
+    return new
+
+
+def _layer_cache(config):
+    """A transformers DynamicCache that files each layer's keys and values under the layer being run.
+
+    The engine calls one template per distinct layer structure, whose ``layer_idx`` is its first
+    layer's; ``layer`` (set before each call) says which layer's cache the call extends.
+    """
+    from transformers import DynamicCache
+
+    class LayerCache(DynamicCache):
+        layer = 0
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states, value_states, self.layer, *args, **kwargs)
+
+    return LayerCache(config=config)
+
+
+# ---- running a pass on the session's driver thread -----------------------------------------------
+def _run(session, fn):
+    """Run ``fn`` as a pass between steps (Note: [Eval between steps]) on the session's driver thread."""
+    from .session import _run_uninterrupted
+
+    engine = session.engine
+    if engine.closed:
+        raise RuntimeError("this Session is closed; make a new one, or Session.resume(path) a checkpoint")
+
+    def job():
+        if engine.dev.cuda:
+            torch.cuda.set_device(engine.dev.device)
+        engine.settle()  # resident units are read where they live: no write-back to the host
+        with _pass(engine):
+            return fn()
+
+    out, interrupted = _run_uninterrupted(job, session._driver)
+    if interrupted:
+        raise KeyboardInterrupt("interrupted after the pass in flight finished; training state is unchanged")
+    return out
+
+
+@contextlib.contextmanager
+def _pass(engine):
+    """No grad, the compute stream, eval mode and no trace for one pass; the engine's handoffs reset on failure."""
+    saved = engine.rec, engine.io.rec
+    training = engine.arch.model.training
+    engine.rec = engine.io.rec = Recorder(enabled=False, device=engine.dev.device)
+    engine.arch.model.train(False)
+    try:
+        with torch.no_grad(), engine.dev.on(engine.dev.compute):
+            yield
+    except BaseException:
+        engine._recover()  # nothing was pending (drained): no update is dropped
+        raise
+    finally:
+        engine.rec, engine.io.rec = saved
+        engine.arch.model.train(training)

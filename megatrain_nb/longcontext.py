@@ -1,0 +1,208 @@
+"""Long-context memory arithmetic: what a layer keeps per token (tiled or not), the working set of a
+step's backward, and where recompute-block inputs wait — device first, host for the rest, or longer
+blocks — from both budgets. Pure Python: no torch, no device.
+
+Owns ``place_checkpoints``, the one rule for checkpoint placement: ``planner.plan`` calls it with a
+``Hardware`` profile's capacities to predict, ``Engine`` (through ``Checkpoints``, which holds the
+engine's choice) with measured free memory (device allocator, ``psutil``) to decide, at the first
+step and again when the tokens per micro-batch grow.
+Does not own the tiling itself (``tiling.py``), the parking and fetching (``transfers.Offload``),
+or time (``planner.py``).
+
+Note: [Long-context memory] per token of one layer, d = compute dtype bytes, q = heads*head_dim,
+kv = kv_heads*head_dim, h = hidden, I = intermediate:
+  saved, untiled: the planner's Note [Activation estimate] (norms' fp32 copies, q/k/v/output, 4*d*I of MLP)
+  saved, tiled:   d*(3h + 3q + 2kv) — the two norm outputs and the mid-layer residual (3h), q after
+                  rotary, the attention output and o_proj's input (3q), k and v (2kv); the norms and
+                  the MLP keep only their inputs (tiling.py, Note [Tiled recompute]).
+  backward working set beyond what is saved: the attention backward (d_out, dq and, with grouped K/V,
+  dk and dv expanded to every query head: 4*d*q; FlashAttention-2's fp32 dq accumulator: 4*q), the
+  gradients at the layer's output and input (2*d*h), the next parked block fetched ahead (d*h), and
+  one MLP tile's gate, up, product and their gradients (6*d*I per row of the tile).
+A recompute block of K layers holds K layers' saved sets at once during its backward; it needs one
+checkpoint instead of K. Estimates, to be held against measured peaks (bench/long_context.py).
+"""
+from __future__ import annotations
+
+import math
+
+_GIB = 1 << 30
+MAX_BLOCK = 4  # longest recompute block place_checkpoints tries
+HOST_MARGIN = 4 * _GIB  # host RAM left to the OS, the process's libraries and the allocator
+
+
+class PlacementError(MemoryError, ValueError):
+    """The recompute-block inputs fit neither on the device nor in host RAM; the message says what would."""
+
+
+def tiled_bytes_per_token(s: dict, d: int) -> int:
+    """Bytes one tiled layer keeps per token for its backward (Note: [Long-context memory])."""
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    return d * (3 * s["hidden"] + 3 * q + 2 * kv)
+
+
+def backward_transient_bytes(s: dict, tokens: int, d: int, rows: int) -> int:
+    """Working set of one layer's backward beyond its saved set, for ``tokens`` tokens per micro-batch.
+
+    Args:
+        s: ``planner.model_shape`` of the model.
+        rows: rows per MLP tile (0: untiled; the MLP's intermediates are then in the saved set).
+    """
+    q, h = s["heads"] * s["head_dim"], s["hidden"]
+    attn = tokens * (4 * d * q + 4 * q)
+    inter = s["intermediate"] * (s["experts_per_tok"] or 1)
+    return attn + 3 * tokens * h * d + (6 * rows * inter * d if rows else 0)
+
+
+def pinned_bytes(n: int) -> int:
+    """Host bytes a pinned buffer of ``n`` bytes takes: torch's pinned allocator rounds up to a power of two."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reserve, host_free: float,
+                      host_each: int, block: int | None = None) -> tuple[int, int]:
+    """Where the inputs of the recompute blocks of ``layers`` recomputed layers wait for the backward.
+
+    Device first: as many blocks as fit beside the backward's working set stay on the device, the
+    earliest of the others are parked in host memory. A block of K layers needs one input instead of K
+    but holds K layers' saved sets during its backward (``reserve(K)``), at no extra forward. Returns
+    the shortest block with nothing on the host; else the block that parks the fewest bytes.
+
+    Args:
+        layers: recomputed layers (the last ``layers`` of the model).
+        ckpt_bytes: one block input on the device (B*T*H*dtype bytes).
+        device_free: device bytes for checkpoints and the backward's working set together.
+        reserve: K -> bytes of the backward's working set with blocks of K layers.
+        host_free: host bytes free for parked inputs.
+        host_each: host bytes of one parked input (pinned: a power of two on CUDA).
+        block: a fixed block length (``EngineConfig.checkpoint_every``); None tries 1..MAX_BLOCK.
+    Returns:
+        (block, parked): blocks of ``block`` layers; the first ``parked`` of them wait in host memory.
+    Raises:
+        PlacementError: no block length fits; names the bytes short on each side and what would fit.
+    Example:
+        >>> place_checkpoints(layers=28, ckpt_bytes=1, device_free=30, reserve=lambda k: 10 * k,
+        ...                   host_free=5, host_each=1)  # blocks of 1 would park 8; blocks of 2 park 4
+        (2, 4)
+    """
+    best, tried = None, []
+    for K in ([block] if block else range(1, MAX_BLOCK + 1)):
+        n = math.ceil(layers / K)
+        room = device_free - reserve(K)
+        on_device = max(0, min(n, int(room // ckpt_bytes))) if room > 0 else 0
+        parked = n - on_device
+        tried.append((K, n, parked, room))
+        if room < 0 or parked * host_each > host_free:
+            continue
+        if best is None or parked * host_each < best[1] * host_each:
+            best = (K, parked)
+        if parked == 0:
+            break
+    if best is not None:
+        return best
+    lines = [f"blocks of {K}: {n} inputs of {ckpt_bytes / _GIB:.2f} GiB, "
+             + (f"the backward alone needs {-room / _GIB:.1f} GiB more device memory" if room < 0 else
+                f"{n - parked} fit on the device, {parked} parked need {parked * host_each / _GIB:.1f} GiB of host RAM")
+             for K, n, parked, room in tried]
+    raise PlacementError(
+        f"the recompute-block inputs fit nowhere: {host_free / _GIB:.1f} GiB of host RAM free for them, "
+        f"{device_free / _GIB:.1f} GiB of device memory for them and the backward ({'; '.join(lines)}). "
+        "Raise activation_budget (device share), lower pinned_budget_bytes (host), set tile_tokens (smaller "
+        "layers), or train on a shorter seq; planner.plan(...).advice names the setting that fits")
+
+
+def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int) -> dict:
+    """Device bytes of one layer at ``tokens`` tokens: ``act`` (saved for its backward, tiled when
+    ``rows``), ``boundary`` (its input: a recompute block's checkpoint) and ``transient`` (the backward's
+    working set beyond the saved set). ``per_token_untiled``: the planner's Note [Activation estimate]."""
+    per_token = tiled_bytes_per_token(s, d) if rows else per_token_untiled
+    return {"act": tokens * per_token, "boundary": tokens * s["hidden"] * d,
+            "transient": backward_transient_bytes(s, tokens, d, rows)}
+
+
+def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: float, reserve, host_free: float,
+             host_each: int, block: int | None = None) -> int:
+    """Most leading layers the forward may keep so that the others' checkpoints still have a place.
+
+    The keep rule is greedy (a layer is kept while its activations fit); at long context that would
+    leave no room for the later layers' checkpoints. Returns ``layers`` when nothing binds.
+    """
+    for k in range(layers, -1, -1):
+        if k == layers:
+            if used + layers * act <= budget:
+                return layers
+            continue
+        try:
+            place_checkpoints(layers=layers - k, ckpt_bytes=boundary, device_free=budget - used - k * act,
+                              reserve=reserve, host_free=host_free, host_each=host_each, block=block)
+            return k
+        except PlacementError:
+            continue
+    return 0
+
+
+def host_free_bytes(to_come: int = 0) -> float:
+    """Host bytes free for parked block inputs: ``psutil``'s available RAM less ``HOST_MARGIN`` and
+    ``to_come`` (host buffers the step will still allocate, e.g. the pinned embedding-grad rows)."""
+    import psutil
+
+    return psutil.virtual_memory().available - HOST_MARGIN - to_come
+
+
+class Checkpoints:
+    """The engine's checkpoint placement for one activation policy: the layer's predicted bytes, how
+    many leading layers may keep their activations (``cap``), the recompute-block length (``block``)
+    and which block inputs wait in host memory (``park``). Chosen again whenever the engine chooses its
+    keep policy again (more tokens); ``Engine`` passes measured memory, ``planner.plan`` does the same
+    arithmetic from a ``Hardware`` profile.
+
+    Args:
+        layers: decoder layers of the model.
+        checkpoint_every: ``EngineConfig.checkpoint_every`` (k >= 1 fixes the block length).
+        offload_checkpoints: ``EngineConfig.offload_checkpoints`` (True / False fix where inputs wait).
+
+    Example:
+        >>> c = Checkpoints(4, checkpoint_every=1, offload_checkpoints=True)
+        >>> c.parked(0, 10, None), c.park, c.block
+        (True, {0: True, 1: True, 2: True, 3: True}, 1)
+    """
+
+    def __init__(self, layers: int, *, checkpoint_every: int | None, offload_checkpoints: bool | None):
+        self.L, self.fixed, self.setting = layers, checkpoint_every or None, offload_checkpoints
+        self.block = checkpoint_every or 1
+        self.park: dict | None = None  # recompute-block start -> its input waits in host memory
+        self.act, self.transient, self.cap = 0, 0, layers
+
+    def reset(self, lb: dict | None, memory=None) -> None:
+        """A new keep policy: ``lb`` is ``layer_bytes`` at its tokens (None: unknown shape, nothing
+        predicted); ``memory`` (None off CUDA) returns (device bytes in use, device budget, host bytes
+        the step will still allocate). The cap applies only when both settings are automatic."""
+        self.park, self.cap = None, self.L
+        self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
+        if lb is None or memory is None or self.fixed is not None or self.setting is not None:
+            return
+        used, budget, to_come = memory()
+        self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"],
+                            used=used + 2 * lb["boundary"], budget=budget,  # + the embedding rows
+                            reserve=lambda k: k * lb["act"] + lb["transient"],
+                            host_free=host_free_bytes(to_come), host_each=pinned_bytes(lb["boundary"]))
+
+    def parked(self, i: int, nbytes: int, memory=None) -> bool:
+        """Whether the input (``nbytes`` on the device) of the recompute block starting at layer ``i``
+        waits in host memory; placed for layers i..L-1 at the first block of the step. Raises
+        PlacementError where nothing fits."""
+        if self.park is None:
+            self.park = self._place(i, nbytes, memory)
+        return self.park.get(i, False)
+
+    def _place(self, i0: int, nbytes: int, memory) -> dict:
+        if self.setting is not None or memory is None:
+            self.block = self.fixed or 1
+            return dict.fromkeys(range(i0, self.L, self.block), bool(self.setting))
+        used, budget, to_come = memory()
+        act, transient = self.act, self.transient
+        self.block, parked = place_checkpoints(
+            layers=self.L - i0, ckpt_bytes=nbytes, device_free=budget - (used - nbytes),  # the input is one of them
+            reserve=lambda k: k * act + transient, host_free=host_free_bytes(to_come),
+            host_each=pinned_bytes(nbytes), block=self.fixed)
+        return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

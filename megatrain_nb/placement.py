@@ -1,0 +1,240 @@
+"""Where each unit's optimizer update and trainable state live: on the host, or resident on the device.
+
+Owns: the public ``placement=`` setting (its modes and the expert dict), the device bytes a resident
+unit costs, the order in which units earn residency, and the choice itself with a reason per unit.
+Pure Python: no torch, no devices, no clocks. The engine measures the free device memory and applies
+what this module decides; ``optim.DeviceAdamW`` holds and updates the resident state.
+
+Placements of one unit (-1 embedding, 0..L-1 decoder layers, L head):
+  "host":     today's path: weights stream in from the host master, gradients stream out, AdamW runs
+              on the host cores (overlapped with the backward).
+  "device":   (decoder layers) weights stream in as for "host", but no gradient goes out: the unit's
+              fp32 master and moments come in while its backward runs, the device's AdamW updates
+              them as soon as its gradients are complete, and they go back to the host; nothing of
+              it stays on the device between steps (Note: [Streamed updates]).
+  "resident": fp32 master, both moments and the compute-dtype weights stay in device memory across
+              steps; no load, no gradient over PCIe; AdamW (torch's fused kernel, fp32) runs on the
+              device at the end of the step. The host copy is written back only when someone reads
+              it (checkpoint, save_pretrained, close, a placement change).
+Modes:
+  "auto":   on CUDA, after the first step of a batch size has measured what the activations use,
+            the units the next forward needs first become resident while they fit; the rest stay "host".
+  "host":   nothing resident (the behaviour before placements existed).
+  "stream": nothing kept on the device between steps: the first layers (the next forward needs them
+            first) are placed "device", the share that balances PCIe against the host's AdamW
+            (``stream_share``), the rest "host". What a model far larger than the GPU gets.
+  {unit: placement}: experts; units not named stay "host".
+
+Note: [Streamed updates] a "device" unit moves 12 more bytes per parameter in (master and moments)
+and 10 more out than a "host" one (12 out instead of 2 bytes of gradients), and takes its update off
+the host cores. With host AdamW at A params/s and PCIe at B bytes/s each way, a share f of the
+parameters on the device balances the two when (8 + 12 f) / B = (1 - f) / A (8: the weights, in
+twice, as fp32 for the device cast). With a gate (grad_clip, overlap off, nonfinite="raise") a
+"device" unit is updated on the host like a "host" one: its update would have to wait for every
+gradient, after its state had come and gone.
+
+Note: [Tied head group] a tied model's embedding is also its lm_head, so units -1 and L share one
+placement: the head slot holds them together (``Engine.head_layout``), resident or streamed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PLACEMENTS = ("host", "device", "resident")
+MODES = ("auto", "host", "stream")
+RESERVE_BYTES = 2 << 30  # left free for allocator slack and workspaces when choosing residents
+PCIE_BYTES_PER_S = 55e9  # each way, pinned: PCIe Gen5 x16 as measured on the H200 (shared/LIMITS.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One unit's placement and why it was chosen."""
+
+    placement: str
+    reason: str
+
+
+def validate(placement, num_layers: int, tied: bool):
+    """Check a ``placement=`` value; returns it (a dict is copied with int keys).
+
+    Raises:
+        ValueError: an unknown mode, a unit index outside [-1, L], an unknown placement, or a tied
+            model whose embedding and head are placed apart (Note: [Tied head group]).
+    """
+    if isinstance(placement, str):
+        if placement not in MODES:
+            raise ValueError(f"placement={placement!r}: use one of {MODES} or a dict {{unit: one of {PLACEMENTS}}}")
+        return placement
+    if not isinstance(placement, dict):
+        raise ValueError(f"placement={placement!r}: use one of {MODES} or a dict {{unit: one of {PLACEMENTS}}}")
+    out = {}
+    for k, v in placement.items():
+        if isinstance(k, str) and k.lstrip("-").isdigit():
+            k = int(k)  # a dict read back from JSON (checkpoint settings)
+        if not isinstance(k, int) or not -1 <= k <= num_layers:
+            raise ValueError(f"placement key {k!r}: units are -1 (embedding), 0..{num_layers - 1} (layers) "
+                             f"and {num_layers} (head)")
+        if v not in PLACEMENTS:
+            raise ValueError(f"placement[{k}]={v!r}: use one of {PLACEMENTS}")
+        if v == "device" and k in (-1, num_layers):
+            raise ValueError(f"placement[{k}]='device': only decoder layers (0..{num_layers - 1}) stream their "
+                             f"optimizer state; place the {'embedding' if k == -1 else 'head'} 'host' or 'resident'")
+        out[k] = v
+    if tied and out.get(-1, "host") != out.get(num_layers, "host"):
+        raise ValueError(f"placement: this model ties its embedding to its lm_head, so units -1 and {num_layers} "
+                         f"must be placed alike (got {out.get(-1, 'host')!r} and {out.get(num_layers, 'host')!r}); "
+                         f"set both")
+    return out
+
+
+def groups(num_layers: int, tied: bool) -> list[tuple[int, ...]]:
+    """Units that are placed together, in the order the next forward needs them (residency goes first to these)."""
+    if tied:
+        return [(num_layers, -1), *[(i,) for i in range(num_layers)]]  # the head slot's order: head, then embedding
+    return [(-1,), *[(i,) for i in range(num_layers)], (num_layers,)]
+
+
+def resident_bytes(unit: int, numel: int, dtype_bytes: int, tied: bool) -> int:
+    """Device bytes of one resident unit: fp32 master and moments, compute-dtype weights and gradients;
+    the embedding's gradients are fp32 (as on the host), plus a compute-dtype copy when it is the head."""
+    if unit == -1:
+        return numel * (12 + dtype_bytes + 4 + (dtype_bytes if tied else 0))
+    return numel * (12 + 2 * dtype_bytes)
+
+
+def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float) -> float:
+    """The share of parameters placed "device" that balances PCIe against host AdamW (Note: [Streamed updates]).
+
+    Example:
+        >>> round(stream_share(3.5e9, 55e9), 2)  # the H200's host: about a quarter
+        0.28
+    """
+    a, b = host_adam_params_per_s, pcie_bytes_per_s
+    return min(1.0, max(0.0, (1 / a - 8 / b) / (1 / a + 12 / b)))
+
+
+def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: int, tied: bool,
+           cuda: bool, share: float = 0.0) -> dict[int, Choice]:
+    """Each unit's placement.
+
+    Args:
+        numel: unit -> elements of its flat slab (units -1..L).
+        mode: a validated ``placement=`` value (see ``validate``).
+        free_bytes: device memory the activation policy leaves (None: not measured yet).
+        dtype_bytes: bytes of the compute dtype.
+        tied: the embedding is the lm_head (Note: [Tied head group]).
+        cuda: the device is a GPU (on "cpu" residency would hold a second copy in the same RAM).
+        share: under "stream", the share of the layers placed "device" (``stream_share``).
+    Returns:
+        unit -> Choice, for every unit in ``numel``.
+
+    Example:
+        >>> c = choose({-1: 100, 0: 50, 1: 50, 2: 10}, mode="auto", free_bytes=2_960 + (2 << 30),
+        ...            dtype_bytes=2, tied=True, cuda=True)
+        >>> [c[u].placement for u in (-1, 0, 1, 2)]
+        ['resident', 'resident', 'host', 'resident']
+    """
+    L = max(numel)
+    if isinstance(mode, dict):
+        return {u: Choice(mode.get(u, "host"), "set by the placement dict" if u in mode
+                          else "not named in the placement dict") for u in numel}
+    if mode == "host":
+        return {u: Choice("host", "placement='host'") for u in numel}
+    if not cuda:
+        return {u: Choice("host", "device 'cpu': host and device memory are the same RAM") for u in numel}
+    if mode == "stream":
+        k = round(share * L)
+        why = f"placement='stream': the first {k} of {L} layers update on the device (a share of {share:.2f} balances PCIe "
+        return {u: Choice("device", why + "against the host's AdamW)") if 0 <= u < k else
+                Choice("host", why + "against the host's AdamW); " +
+                       ("the embedding and head update on the host" if u in (-1, L) else "this one on the host"))
+                for u in numel}
+    if free_bytes is None:
+        return {u: Choice("host", "first step of this batch size: measuring what the activations use") for u in numel}
+    left = free_bytes - RESERVE_BYTES
+    out = {}
+    for g in groups(L, tied):
+        need = sum(resident_bytes(u, numel[u], dtype_bytes, tied) for u in g)
+        if need <= left:
+            left -= need
+            why = f"fits: {need / 2**30:.2f} GiB of the device memory the activations leave free"
+            out.update({u: Choice("resident", why) for u in g})
+        else:
+            why = (f"needs {need / 2**30:.2f} GiB on the device, {max(left, 0) / 2**30:.2f} GiB left after "
+                   "activations and the units before it")
+            out.update({u: Choice("host", why) for u in g})
+    return out
+
+
+@dataclasses.dataclass
+class Search:
+    """The "auto" mode's choice between two ways to share the device, made by timing both.
+
+    Note: [Auto search] candidate A, activations first: the layers the activation policy keeps stay
+    kept, and residency takes what they leave. Candidate B, residency first: the kept activations
+    give their memory back (less one layer's working set and a checkpoint per layer), units become
+    resident in that, and the activation policy keeps what is still free. A is right when the host's
+    AdamW hides behind a long step; B when the host's AdamW is what the step waits for. The engine
+    runs one measuring step (nothing resident), then each candidate for two steps (the second is
+    timed: it carries the first's trailing host updates, as every later step will), and keeps the
+    faster (B only if it is 3% faster). When A already makes every unit resident, or the measuring
+    step lasted over three times the host AdamW of every unit (long context: the host hides), B is
+    not tried and A is taken at once.
+    Phases: measure -> A1 -> A2 -> B1 -> B2 -> done.
+    """
+
+    phase: str = "measure"
+    free: dict = dataclasses.field(default_factory=dict)  # candidate -> device bytes for residents
+    keep: dict = dataclasses.field(default_factory=dict)  # candidate -> activation policy (list of bool)
+    seconds: dict = dataclasses.field(default_factory=dict)  # candidate -> its timed step
+    winner: str | None = None
+
+    @classmethod
+    def done_with(cls, free: int) -> "Search":
+        """A finished search that places from ``free`` bytes (a resumed run: its checkpoint says so)."""
+        return cls(phase="done", free={"A": free}, winner="A")
+
+    @property
+    def candidate(self) -> str | None:
+        """What the next step runs: None (measuring: nothing resident), "A" or "B"."""
+        if self.phase == "measure":
+            return None
+        return self.winner if self.phase == "done" else self.phase[0]
+
+    def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool,
+                 host_bound: bool = True) -> None:
+        """After the measuring step: A's and B's budgets (see the Note). ``host_bound``: the host's AdamW
+        could hold the step back (else, a long step that hides it, B is not worth its trial steps)."""
+        kept = sum(keep)
+        self.free["A"], self.keep["A"] = free, list(keep)
+        self.free["B"] = free + kept * (layer_bytes - checkpoint_bytes) - layer_bytes
+        if everything_fits or kept == 0 or not host_bound:
+            self.phase, self.winner = "done", "A"
+        else:
+            self.phase = "A1"
+
+    def stepped(self, seconds: float, keep: list) -> None:
+        """After a step of a candidate: time it (the second of two) and move on."""
+        nxt = {"A1": "A2", "A2": "B1", "B1": "B2", "B2": "done"}
+        if self.phase in ("A2", "B2"):
+            self.seconds[self.phase[0]] = seconds
+        if self.phase == "B1":
+            self.keep["B"] = list(keep)  # decided in B1's forward, around the residents
+        if self.phase in nxt:
+            self.phase = nxt[self.phase]
+        if self.phase == "done" and self.winner is None:
+            self.winner = "B" if self.seconds["B"] < 0.97 * self.seconds["A"] else "A"
+
+    def abandon_b(self) -> None:
+        """Residency first ran out of device memory in a trial step: activations first it is."""
+        self.phase, self.winner, self.seconds["B"] = "done", "A", float("inf")
+
+    def summary(self) -> str:
+        """One line for Session.placement: what was tried and what won."""
+        if self.seconds.get("B") == float("inf"):
+            return "auto tried residency first: it ran out of device memory, so activations first it is"
+        if not self.seconds:
+            return ""
+        a, b = self.seconds.get("A"), self.seconds.get("B")
+        return (f"auto tried activations first ({a:.3f} s a step) and residency first ({b:.3f} s): "
+                f"{'residency' if self.winner == 'B' else 'activations'} first won")

@@ -1,0 +1,287 @@
+"""Placement: the pure choice (placement.py), and every placement trains equal to HF + torch.optim.AdamW.
+
+On the CPU a "resident" unit's state lives in separate tensors updated by DeviceAdamW (the same fused
+kernel as the host's), so the equality tolerances are test_equivalence's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VOCAB, families, load_reference, make_batches, rel, train_reference, train_session
+from megatrain_nb import Session
+from megatrain_nb import placement as placing
+from test_equivalence import BETAS, EPS, LR, compare
+
+L = 4
+NUMEL = {-1: 1000, 0: 300, 1: 300, 2: 300, 3: 300, 4: 50}
+
+
+# ---- the pure choice ------------------------------------------------------------------------------
+def test_auto_fills_forward_order_within_the_free_memory():
+    per_layer = placing.resident_bytes(0, 300, 2, tied=True)
+    head = placing.resident_bytes(-1, 1000, 2, tied=True) + placing.resident_bytes(4, 50, 2, tied=True)
+    free = placing.RESERVE_BYTES + head + 2 * per_layer + per_layer // 2
+    c = placing.choose(NUMEL, mode="auto", free_bytes=free, dtype_bytes=2, tied=True, cuda=True)
+    assert [c[u].placement for u in (-1, 0, 1, 2, 3, 4)] == ["resident", "resident", "resident", "host", "host",
+                                                              "resident"]
+    assert "fits" in c[0].reason and "left" in c[2].reason
+
+
+def test_untied_head_comes_last_and_alone():
+    c = placing.choose(NUMEL, mode="auto", free_bytes=1 << 40, dtype_bytes=2, tied=False, cuda=True)
+    assert all(ch.placement == "resident" for ch in c.values())
+    assert placing.groups(L, tied=False)[-1] == (L,) and placing.groups(L, tied=True)[0] == (L, -1)
+
+
+def test_host_keeps_nothing_and_stream_streams_the_first_layers():
+    c = placing.choose(NUMEL, mode="host", free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True)
+    assert {ch.placement for ch in c.values()} == {"host"} and all("placement='host'" in ch.reason for ch in c.values())
+    s = placing.choose(NUMEL, mode="stream", free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True, share=0.5)
+    assert [s[u].placement for u in (-1, 0, 1, 2, 3, 4)] == ["host", "device", "device", "host", "host", "host"]
+    assert "first 2 of 4 layers" in s[0].reason and "embedding and head update on the host" in s[-1].reason
+
+
+def test_stream_share_balances_pcie_against_host_adam():
+    a, b = 3.5e9, 55e9
+    f = placing.stream_share(a, b)
+    assert (8 + 12 * f) / b == pytest.approx((1 - f) / a)  # Note: [Streamed updates]
+    assert placing.stream_share(1e15, b) == 0.0 and placing.stream_share(1.0, b) == pytest.approx(1.0)
+
+
+def test_auto_waits_for_a_measuring_step_and_never_places_on_cpu():
+    first = placing.choose(NUMEL, mode="auto", free_bytes=None, dtype_bytes=2, tied=True, cuda=True)
+    cpu = placing.choose(NUMEL, mode="auto", free_bytes=1 << 40, dtype_bytes=4, tied=True, cuda=False)
+    assert {c.placement for c in first.values()} == {c.placement for c in cpu.values()} == {"host"}
+    assert "measuring" in first[0].reason and "cpu" in cpu[0].reason
+
+
+@pytest.mark.parametrize("bad,match", [("gpu", "use one of"), ({7: "resident"}, "placement key 7"),
+                                       ({0: "device-ish"}, r"placement\[0\]"), ({-1: "resident"}, "placed alike"),
+                                       ({-1: "device", 4: "device"}, "only decoder layers"),
+                                       (["host"], "use one of")])
+def test_bad_placement_names_the_value_and_fix(bad, match):
+    with pytest.raises(ValueError, match=match):
+        placing.validate(bad, L, tied=True)
+
+
+def test_json_keys_come_back_as_units():
+    assert placing.validate({"-1": "resident", "4": "resident", "0": "host"}, L, tied=True) == \
+        {-1: "resident", 4: "resident", 0: "host"}
+
+
+# ---- equality with HF + torch.optim.AdamW -----------------------------------------------------------
+MIXES = {
+    "all_resident": lambda L: {u: "resident" for u in range(-1, L + 1)},
+    "layers_resident": lambda L: {u: "resident" for u in range(L)},
+    "head_group_only": lambda L: {-1: "resident", L: "resident"},
+    "alternating": lambda L: {u: "resident" for u in range(-1, L + 1) if u % 2 == 0} | {-1: "resident", L: "resident"},
+    "streamed_layers": lambda L: {0: "device", L - 1: "device"},
+    "every_kind": lambda L: {-1: "resident", L: "resident", 0: "device", 1: "resident"} | {u: "device" for u in range(2, L)},
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("family", families("llama", "llama_tied", "mixtral"))
+def test_placements_train_equal_to_reference(hf_dir, family, mix, tmp_path):
+    d = hf_dir(family)
+    import json
+    L_ = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    tied = json.loads((d / "config.json").read_text()).get("tie_word_embeddings", False)
+    mix_ = MIXES[mix](L_)
+    if not tied and mix == "head_group_only":
+        mix_ = {-1: "resident"}  # untied: the embedding alone
+    compare(d, family, tmp_path, placement=mix_)
+
+
+@pytest.mark.parametrize("family", families("llama_tied", "qwen3_moe"))
+def test_resident_with_clip_decay_schedule_and_recompute(hf_dir, family, tmp_path):
+    compare(hf_dir(family), family, tmp_path, steps=6, schedule=("linear", 1, 5), weight_decay=0.1, grad_clip=0.5,
+            checkpoint_every=1, micro_batch_size=1, pad=True, placement={u: "resident" for u in (-1, 0, 2)} |
+            ({} if family != "llama_tied" else {}) | {_head(hf_dir(family)): "resident"})
+
+
+def _head(d) -> int:
+    import json
+    return json.loads((d / "config.json").read_text())["num_hidden_layers"]
+
+
+def test_placement_frame_says_what_and_why(hf_dir):
+    d = hf_dir("llama_tied")
+    L_ = _head(d)
+    s = Session.from_pretrained(d, lr=LR, placement={0: "resident", -1: "resident", L_: "resident"})
+    try:
+        df = s.placement
+        assert list(df.columns) == ["unit", "name", "placement", "params", "device_GiB", "reason"]
+        assert df.set_index("unit").placement.to_dict() == {-1: "resident", **{i: "host" for i in range(1, L_)},
+                                                           0: "resident", L_: "resident"}
+        assert df.set_index("unit").loc[1, "reason"] == "not named in the placement dict"
+        assert (df.device_GiB[df.placement == "resident"] > 0).all() and (df.device_GiB[df.placement == "host"] == 0).all()
+        assert s.memory_report()["device_resident"] == pytest.approx(df.device_GiB.sum() * 2**30)
+    finally:
+        s.close()
+
+
+def test_resident_state_reaches_the_host_only_when_read(hf_dir, tmp_path):
+    """Between steps the host master of a resident unit is stale; save_pretrained/checkpoint write it back."""
+    d = hf_dir("llama")
+    s = Session.from_pretrained(d, lr=LR, placement={0: "resident"})
+    try:
+        before = s.store.units[0].master.clone()
+        train_session(s, make_batches(VOCAB, 2))
+        s.engine.adam.wait_all(s.engine.steps_done)
+        assert torch.equal(s.store.units[0].master, before), "the host copy should not be written every step"
+        assert not torch.equal(s.engine.dev_opt.of[0].master, before)
+        s.save_pretrained(tmp_path / "out")
+        assert torch.equal(s.store.units[0].master, s.engine.dev_opt.of[0].master)
+        assert s.optim.steps_done(0) == 2
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("first,then", [("host", {0: "resident", 2: "resident"}),
+                                        ({0: "resident", -1: "resident"}, "host"),
+                                        ({0: "device", 1: "resident"}, {0: "resident", 1: "device"})])
+def test_resume_is_bitwise_across_placements(hf_dir, tmp_path, first, then):
+    """Checkpoint format unchanged: a run saved under one placement resumes under another bit for bit."""
+    d = hf_dir("llama")
+    batches = make_batches(VOCAB, 5)
+    whole = Session.from_pretrained(d, lr=LR, placement=first)
+    try:
+        want = train_session(whole, batches)
+    finally:
+        whole.close()
+    s = Session.from_pretrained(d, lr=LR, placement=first)
+    try:
+        train_session(s, batches[:2])
+        s.save_checkpoint(tmp_path / "ck")
+    finally:
+        s.close()
+    r = Session.resume(tmp_path / "ck", placement=then)
+    try:
+        got = train_session(r, batches[2:])
+    finally:
+        r.close()
+    assert got == want[2:]
+
+
+def test_a_failed_step_leaves_resident_state_untouched(hf_dir):
+    """A step that fails before its backward changes nothing (docs/engine.md [Failed steps]), resident
+    units included: training goes on equal to a run that never saw it."""
+    d = hf_dir("llama")
+    batches = make_batches(VOCAB, 3)
+    clean = Session.from_pretrained(d, lr=LR, placement={0: "resident", 1: "resident"})
+    try:
+        want = train_session(clean, batches)
+    finally:
+        clean.close()
+    s = Session.from_pretrained(d, lr=LR, placement={0: "resident", 1: "resident"})
+    try:
+        train_session(s, batches[:1])
+        state = s.engine.dev_opt.of[0].master.clone()
+        s.engine._loss = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError, match="boom"):
+            s.step(batches[1])
+        del s.engine._loss
+        assert torch.equal(s.engine.dev_opt.of[0].master, state)
+        got = train_session(s, batches[1:])
+    finally:
+        s.close()
+    assert got == want[1:]
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_non_finite_loss_skips_resident_updates_too(hf_dir, nonfinite):
+    """Overlapped device updates decide on the device (found_inf); gated ones on the host: neither applies."""
+    import math
+    import warnings
+
+    d = hf_dir("llama")
+    L_ = _head(d)
+    s = Session.from_pretrained(d, lr=LR, nonfinite=nonfinite, placement={u: "resident" for u in (-1, 1, 2, L_)})
+    try:
+        train_session(s, make_batches(VOCAB, 1))
+        s.engine.settle()  # the first step's host updates are applied before we look
+        with torch.no_grad():
+            s.engine.dev_opt.of[1].w[:8] = float("nan")  # layer 1's weights: the loss becomes NaN
+        before = {u: (s.engine.dev_opt.of[u].master.clone(), float(s.engine.dev_opt.of[u].steps[u])) for u in (-1, 2, L_)}
+        host0 = s.store.units[0].master.clone()
+        if nonfinite == "raise":
+            with pytest.raises(FloatingPointError, match="no update was applied"):
+                s.step(make_batches(VOCAB, 1, seed=5)[0])
+        else:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                r = s.step(make_batches(VOCAB, 1, seed=5)[0])
+            assert r.skipped and math.isnan(r.loss) and s.skipped_steps == 1
+        s.engine.adam.wait_all(s.engine.steps_done)
+        for u, (m, n) in before.items():
+            assert torch.equal(s.engine.dev_opt.of[u].master, m), u
+            assert float(s.engine.dev_opt.of[u].steps[u]) == n == 1.0, u
+        assert torch.equal(s.store.units[0].master, host0)
+    finally:
+        s.close()
+
+
+# ---- the auto search (pure) -------------------------------------------------------------------------
+def _searched(a_s: float, b_s: float, *, kept=3, fits=False) -> placing.Search:
+    s = placing.Search()
+    assert s.candidate is None  # measuring: nothing resident
+    s.measured(free=10, keep=[True] * kept + [False], layer_bytes=4, checkpoint_bytes=1, everything_fits=fits)
+    for phase, t in (("A1", 9.0), ("A2", a_s), ("B1", 9.0), ("B2", b_s)):
+        if s.phase == "done":
+            break
+        assert s.phase == phase and s.candidate == phase[0]
+        s.stepped(t, keep=[False] * 4 if phase[0] == "B" else [True] * kept + [False])
+    return s
+
+
+def test_search_times_both_candidates_and_keeps_the_faster():
+    s = _searched(1.65, 1.02)
+    assert (s.phase, s.winner, s.candidate) == ("done", "B", "B")
+    assert s.free == {"A": 10, "B": 10 + 3 * (4 - 1) - 4} and s.keep["B"] == [False] * 4
+    assert "residency first won" in s.summary() and "1.650 s" in s.summary()
+    assert _searched(1.00, 0.99).winner == "A", "B must be 3% faster to win (timing noise)"
+
+
+def test_search_skips_b_when_a_places_everything_or_nothing_is_kept():
+    assert _searched(1.0, 0.5, fits=True).seconds == {} and _searched(1.0, 0.5, fits=True).winner == "A"
+    assert _searched(1.0, 0.5, kept=0).winner == "A"
+    assert placing.Search.done_with(123).free["A"] == 123
+
+
+def test_search_takes_a_at_once_when_the_step_hides_the_host():
+    s = placing.Search()
+    s.measured(free=10, keep=[True, False], layer_bytes=4, checkpoint_bytes=1, everything_fits=False, host_bound=False)
+    assert (s.phase, s.winner, s.candidate) == ("done", "A", "A")  # long context: no trial steps
+
+
+def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losing_the_step(hf_dir):
+    """An OOM before any update of a B trial step: the same batch runs again as activations first."""
+    d = hf_dir("llama")
+    batches = make_batches(VOCAB, 3)
+    twin = Session.from_pretrained(d, lr=LR)
+    try:
+        want = train_session(twin, batches)
+    finally:
+        twin.close()
+    s = Session.from_pretrained(d, lr=LR)
+    try:
+        train_session(s, batches[:1])
+        L_ = s.engine.L
+        s.engine._search = placing.Search(phase="B1", free={"A": 0, "B": 0}, keep={"A": [True] * L_})
+        real, calls = s.engine._loss, []
+
+        def oom_once(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(*a, **k)
+
+        s.engine._loss = oom_once
+        got = train_session(s, batches[1:])
+        assert len(calls) == 3 and s.engine._search.winner == "A" and s.engine._search.phase == "done"
+        assert "ran out of device memory" in s.placement.reason.iloc[0]
+    finally:
+        s.close()
+    assert got == want[1:]
