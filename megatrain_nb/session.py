@@ -244,7 +244,7 @@ class Session:
         from . import viz
 
         df = self._last_trace().to_dataframe()
-        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}: {self!r}")
+        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane: {self!r}")
 
     def plot_buffers(self):
         """Plotly figure: occupancy of every device weight and gradient slot over the last step."""

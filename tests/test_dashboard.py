@@ -73,14 +73,14 @@ def test_figures_have_the_structure_of_the_viz_functions(session, backend):
     run(session, 2)
     d.update()
     hist = d.figures["history"]
-    assert [t.name for t in hist.data] == ["loss", "tokens_per_s", "tflops"]  # one subplot each
+    assert [t.name for t in hist.data] == ["loss", "tokens/s", "model TFLOP/s"]  # one subplot each
     tl = d.figures["timeline"]
     bars = [t for t in tl.data if t.type == "bar"]
-    assert bars and {t.name for t in bars} <= {"fwd", "loss", "recompute", "bwd", "optim", "io"}
-    assert "compute" in tl.layout.yaxis.categoryarray and tl.layout.xaxis.title.text == "time (ms)"
+    assert bars and {t.legendgroup for t in bars} <= {"fwd", "loss", "recompute", "bwd", "optim", "io"}
+    assert "compute" in tl.layout.yaxis.categoryarray and tl.layout.xaxis.title.text.endswith("(ms)")
     assert sum(len(t.x) for t in bars) == len(session.trace.to_dataframe())  # one bar per span
     mem = d.figures["memory"]
-    assert [t.name for t in mem.data] == ["host_rss_bytes"]  # CPU: no device counters
+    assert [t.name for t in mem.data] == ["host RSS (whole process)"]  # CPU: no device counters
     assert mem.data[0].yaxis == "y2"
 
 

@@ -227,7 +227,7 @@ def test_timeline_of_a_real_trace_one_row_per_lane(traces, name):
     fig = viz.timeline(df, stalls=stalls)
     assert fig.layout.yaxis.categoryarray == ("compute", "h2d", "d2h", "host-pack", "host-unpack", "host-adam")
     bars = [t for t in fig.data if t.type == "bar"]
-    assert [t.name for t in bars] == [p for p in PHASES if p in set(df.phase)]
+    assert [t.legendgroup for t in bars] == [p for p in PHASES if p in set(df.phase)]
     assert sum(len(t.x) for t in bars) == len(df)
     assert {y for t in bars for y in t.y} == set(df.lane)
     assert len(fig.layout.shapes) == len(stalls) == len(fig.data[-1].x) and fig.data[-1].name == "stalls"

@@ -30,10 +30,12 @@ def small_spans() -> pd.DataFrame:
 def test_timeline_one_trace_per_phase_one_row_per_lane():
     fig = viz.timeline(small_spans(), title="t")
     assert isinstance(fig, go.Figure)
-    assert [t.name for t in fig.data] == ["fwd", "bwd", "io"]
+    assert [t.name for t in fig.data] == ["forward", "backward", "I/O"]  # words, not phase codes
+    assert [t.legendgroup for t in fig.data] == ["fwd", "bwd", "io"]
     assert all(t.type == "bar" and t.orientation == "h" for t in fig.data)
     assert fig.layout.yaxis.categoryarray == ("compute", "h2d")
-    assert fig.layout.xaxis.title.text == "time (ms)"
+    assert fig.layout.yaxis.ticktext == ("compute", "h2d · weights in")
+    assert fig.layout.xaxis.title.text == "time since the step began (ms)"
     assert fig.layout.title.text == "t" and fig.layout.barmode == "overlay"
     fwd = fig.data[0]
     assert list(fwd.base) == [0.0, 5.0] and list(fwd.x) == pytest.approx([2.0, 0.01])
@@ -56,7 +58,7 @@ def test_timeline_of_a_plan_and_of_the_fixture(synthetic):
     fig = viz.timeline(df, stalls=find_stalls(df))
     assert fig.layout.yaxis.categoryarray == ("compute", "h2d", "d2h", "host-pack", "host-unpack", "host-adam")
     assert sum(len(t.x) for t in fig.data if t.type == "bar") == len(df)
-    assert [t.name for t in fig.data if t.type == "bar"] == ["fwd", "loss", "bwd", "optim"]
+    assert [t.legendgroup for t in fig.data if t.type == "bar"] == ["fwd", "loss", "bwd", "optim"]
 
 
 def test_buffers_one_row_per_slot(synthetic):
@@ -65,7 +67,8 @@ def test_buffers_one_row_per_slot(synthetic):
     assert rows[:4] == ("weight[0]", "weight[1]", "grad[0]", "grad[1]")
     assert len(rows) == 4 + 13 and rows[-1] == "pinned[12]"
     assert {t.name for t in fig.data} == {"loading", "ready", "computing"}  # free segments are blank
-    assert fig.layout.xaxis.title.text == "time (ms)"
+    assert fig.layout.yaxis.ticktext[:3] == ("weight slot 0", "weight slot 1", "grad slot 0")
+    assert fig.layout.xaxis.title.text == "time since the step began (ms)"
 
 
 def test_buffers_segments_and_labels():
@@ -86,18 +89,18 @@ def test_memory_two_subplots_in_gib():
     dev = [t for t in fig.data if t.yaxis == "y"]
     host = [t for t in fig.data if t.yaxis == "y2"]
     assert [t.name for t in dev] == ["activations", "weights"] and all(t.stackgroup == "device" for t in dev)
-    assert [t.name for t in host] == ["host_rss_bytes", "pinned_in_use_bytes"]
+    assert [t.name for t in host] == ["host RSS (whole process)", "pinned staging in use"]
     assert list(dev[0].x) == [0.0, 1.0, 3.0]
     assert list(dev[0].y) == [0.0, 1.0, 0.0] and list(dev[1].y) == [2.0, 2.0, 2.0]  # carried forward
     assert list(host[0].y) == [100.0]
-    assert [a.text for a in fig.layout.annotations] == ["device memory", "host memory"]
-    assert fig.layout.yaxis.title.text == "GiB" and fig.layout.xaxis2.title.text == "time (ms)"
+    assert [a.text for a in fig.layout.annotations] == ["device memory by category", "host memory"]
+    assert fig.layout.yaxis.title.text == "GiB" and fig.layout.xaxis2.title.text == "time since the step began (ms)"
 
 
 def test_memory_of_the_fixture(synthetic):
     fig = viz.memory(synthetic.counters_dataframe())
     assert {t.name for t in fig.data if t.yaxis == "y"} == {
-        "activations", "embedding_rows", "grad_slots", "head_slots", "logits", "reserve", "weight_slots"}
+        "activations", "embedding rows", "gradient slots", "head slots", "logits", "allocator reserve", "weight slots"}
 
 
 def test_run_history_skips_missing_columns():
@@ -105,7 +108,7 @@ def test_run_history_skips_missing_columns():
                          "peak_device_bytes": [GIB, 2 * GIB, 2 * GIB]})
     fig = viz.run_history(hist)
     assert [a.text for a in fig.layout.annotations] == ["loss", "tokens/s", "memory"]
-    assert [t.name for t in fig.data] == ["loss", "tokens_per_s", "peak_device_bytes"]
+    assert [t.name for t in fig.data] == ["loss", "tokens/s", "peak device memory"]
     assert [t.yaxis for t in fig.data] == ["y", "y2", "y3"]
     assert list(fig.data[2].y) == [1.0, 2.0, 2.0]
     assert fig.layout.xaxis3.title.text == "step"

@@ -1,0 +1,343 @@
+"""The notebooks as a person sees them: JupyterLab in headless Chromium, every cell run, the page checked.
+
+Python tests pass while the page a person sees can be broken: a frontend extension missing, a renderer
+that does not match, a widget that never updates, a figure with nothing drawn. Here JupyterLab serves
+copies of `notebooks/00_quickstart.ipynb` (trains with the progress bar and the live dashboard) and
+`notebooks/02_overlap_stalls.ipynb` (figures of the recorded H200 traces in tests/data) on 127.0.0.1
+with a token; Debian's Chromium, driven by Playwright, opens each, runs all cells from the Run menu and
+reads the DOM: no error output, the progress bar at its end, the dashboard's numbers changing while
+training runs, every plotly figure drawn with at least one trace and a title, no console error.
+Screenshots of the dashboard and of every figure go to `out/browser/` (or $MEGATRAIN_BROWSER_ARTIFACTS).
+
+Needs `/usr/bin/chromium` (`apt-get install chromium`) and the `playwright` package (the dev extra);
+Playwright's own browser downloads are never used. Without them these tests fail, they do not skip:
+deselect them with `-m "not browser"`. `.ci/run` installs both.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from megatrain_nb.dashboard import FIGURES
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(os.environ.get("MEGATRAIN_BROWSER_ARTIFACTS", REPO / "out" / "browser"))
+STEPS = 40  # what 00_quickstart trains: s.train(batches, steps=40)
+NOTEBOOKS = ("00_quickstart.ipynb", "02_overlap_stalls.ipynb")
+RUN_S = 480  # a notebook's cells must all have run by then (00 takes ~80 s on 2 busy CPU cores)
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+# JupyterLab settings of the fresh settings dir: every cell kept in the DOM (not windowed out of view)
+# so each figure can be read; no news or update checks (there is no network); no autosave (the test
+# saves once, after the run, and reads that file).
+SETTINGS = {"@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+            "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+            "@jupyterlab/docmanager-extension/plugin": {"autosave": False}}
+
+NB = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # the notebook on show, not one in a hidden tab
+# One poll of the page: each code cell's prompt ("[3]:", "[*]:", "[ ]:") and dashboard header text.
+_CELLS_JS = """() => [...document.querySelectorAll('%NB .jp-CodeCell')].map(c => [
+    c.querySelector('.jp-InputArea-prompt')?.textContent.trim() ?? '',
+    c.querySelector('.megatrain-header')?.textContent ?? null])""".replace("%NB", NB)
+# Every plotly figure: its code cell, whether it is in a widget (the dashboard), title, traces in its
+# data, and traces really drawn (SVG groups of class "trace", outside the legend, holding a path with
+# a shape: plotly draws a hidden bar as "M0,0Z").
+_FIGURES_JS = """() => {
+  const cells = [...document.querySelectorAll('%NB .jp-CodeCell')];
+  return [...document.querySelectorAll('%NB .js-plotly-plot')].map(el => ({
+    cell: cells.indexOf(el.closest('.jp-CodeCell')),
+    in_widget: el.closest('.widget-output') !== null,
+    title: el.querySelector('.gtitle')?.textContent ?? '',
+    renderer: el.classList.contains('jp-RenderedPlotly') ? 'jupyterlab-plotly' : 'html',
+    traces: (el.data ?? []).length,
+    drawn: [...el.querySelectorAll('g.trace')].filter(g => !g.closest('.legend') && [...g.querySelectorAll('path')]
+        .some(p => { const d = p.getAttribute('d') ?? ''; return d.length > 6 && d !== 'M0,0Z'; })).length}));
+}""".replace("%NB", NB)
+_PROGRESS_JS = """() => [...document.querySelectorAll('%NB .widget-hprogress')].map(el => ({
+    width: el.querySelector('.progress-bar')?.style.width ?? '',
+    text: el.closest('.widget-hbox')?.innerText ?? ''}))""".replace("%NB", NB)
+
+
+@dataclass
+class Seen:
+    """What the browser saw of one notebook run."""
+
+    prompts: list[str]
+    live_headers: list[str] = field(default_factory=list)  # dashboard header texts while its cell ran
+    final_header: str | None = None
+    figures: list[dict] = field(default_factory=list)
+    progress: list[dict] = field(default_factory=list)
+    console_errors: list[str] = field(default_factory=list)
+    saved: dict | None = None  # the notebook as JupyterLab saved it after the run
+    screenshots: list[Path] = field(default_factory=list)
+
+
+@pytest.fixture(autouse=True)
+def _watchdog():
+    """Overrides conftest's 120 s watchdog: one notebook run may take minutes on a busy machine."""
+    faulthandler.dump_traceback_later(900, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on 127.0.0.1 with a token, serving a copy of notebooks/ and tests/data/ (so the
+    run never writes outputs into the repository), with fresh config, settings and workspace dirs."""
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "root"
+    shutil.copytree(REPO / "notebooks", root / "notebooks")
+    shutil.copytree(REPO / "tests" / "data", root / "tests" / "data")  # 02 reads ../tests/data
+    for name, value in SETTINGS.items():
+        path = tmp / "settings" / f"{name}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),  # this checkout
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # the kernel's python
+    log_path = tmp / "jupyterlab.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+             f"--ServerApp.root_dir={root}", "--ServerApp.allow_root=True",  # CI runs as root
+             "--LabApp.extension_manager=readonly"],  # no PyPI queries
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not answer within 120 s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield {"url": f"http://127.0.0.1:{port}", "token": token, "root": root, "log": log_path}
+    finally:
+        proc.terminate()  # the server shuts its kernels down
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Debian's Chromium under Playwright, fresh user data dir. Fails (never skips) when it cannot start."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as e:
+        pytest.fail(f"the browser tests need the playwright package ({e}): pip install -e '.[dev]'; "
+                    "or deselect them with -m 'not browser'")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"the browser tests need Chromium at {CHROMIUM}: apt-get install chromium "
+                    "(.ci/run does); or deselect them with -m 'not browser'")
+    pw = sync_playwright().start()
+    try:
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True, args=FLAGS,
+            viewport={"width": 1400, "height": 2400})  # tall: a whole dashboard fits in one screenshot
+    except Exception as e:
+        pw.stop()
+        pytest.fail(f"Chromium ({CHROMIUM}) did not start under Playwright: {type(e).__name__}: {e}")
+    try:
+        yield ctx
+    finally:
+        ctx.close()
+        pw.stop()
+
+
+def _step_of(header: str) -> int | None:
+    m = re.search(r"step\s+(\d+)", header)
+    return int(m.group(1)) if m else None
+
+
+def _run(lab, ctx, name: str) -> Seen:
+    """Open notebook `name`, run all cells, watch the page until every cell has run, read it back."""
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    stem = name.removesuffix(".ipynb")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    seen = Seen(prompts=[])
+    # A workspace of its own, reset: only this notebook open (not the one of the previous test).
+    page.goto(f"{lab['url']}/lab/workspaces/{stem}/tree/notebooks/{name}?reset&token={lab['token']}")
+    page.locator(f"{NB} .jp-CodeCell").first.wait_for(timeout=120_000)
+    page.get_by_text("| Idle").wait_for(timeout=120_000)  # the kernel's status in the status bar
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    deadline, shot_live = time.monotonic() + RUN_S, False
+    while True:
+        cells = page.evaluate(_CELLS_JS)
+        seen.prompts = [p for p, _ in cells]
+        for prompt, header in cells:
+            if header is not None and prompt == "[*]:" and (not seen.live_headers or seen.live_headers[-1] != header):
+                seen.live_headers.append(header)
+                step = _step_of(header)
+                if not shot_live and step is not None and 0 < step < STEPS:  # mid-run: the picture for docs/
+                    dash = page.locator(f"{NB} .widget-vbox:has(.megatrain-header)").first
+                    path = _shot(dash, f"{stem}-dashboard-running.png")
+                    after = _step_of(dash.locator(".megatrain-header").inner_text())
+                    shot_live = after is not None and after < STEPS  # else the run ended: try again if it has not
+                    if path not in seen.screenshots:
+                        seen.screenshots.append(path)
+        if all(re.fullmatch(r"\[\d+\]:", p) for p in seen.prompts):
+            break
+        if time.monotonic() > deadline:
+            break  # the tests below say which cells never ran
+        time.sleep(0.1)
+    page.wait_for_timeout(1500)  # let the last figures finish drawing
+    headers = [h for _, h in page.evaluate(_CELLS_JS) if h is not None]
+    seen.final_header = headers[0] if headers else None
+    seen.figures = page.evaluate(_FIGURES_JS)
+    seen.progress = page.evaluate(_PROGRESS_JS)
+    plots = page.locator(f"{NB} .js-plotly-plot")
+    for k in range(plots.count()):
+        fig = seen.figures[k]
+        where = "dashboard" if fig["in_widget"] else f"cell{fig['cell']}"
+        seen.screenshots.append(_shot(plots.nth(k), f"{stem}-fig{k:02d}-{where}.png"))
+    if headers:
+        seen.screenshots.append(_shot(page.locator(f"{NB} .widget-vbox:has(.megatrain-header)").first,
+                                      f"{stem}-dashboard-final.png"))
+    seen.saved = _save(page, lab["root"] / "notebooks" / name)
+    seen.console_errors = errors
+    page.close()
+    _shut_down_kernels(lab)
+    return seen
+
+
+def _shut_down_kernels(lab) -> None:
+    """Stop the notebook's kernel through the server's REST API, so the next notebook runs alone."""
+    url, auth = f"{lab['url']}/api/sessions", {"Authorization": f"token {lab['token']}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=10) as r:
+        sessions = json.load(r)
+    for sess in sessions:
+        req = urllib.request.Request(f"{url}/{sess['id']}", headers=auth, method="DELETE")
+        urllib.request.urlopen(req, timeout=60).close()
+
+
+def _shot(locator, filename: str) -> Path:
+    """A screenshot of the element's box. Not `locator.screenshot`, which waits for the element to hold
+    still: a dashboard redrawn every second on a busy machine may never do so."""
+    path = ARTIFACTS / filename
+    locator.page.mouse.move(0, 0)  # no hover: plotly's mode bar stays hidden
+    locator.evaluate("el => el.scrollIntoView({block: 'start'})")
+    box = locator.bounding_box()
+    assert box and box["width"] > 0 and box["height"] > 0, f"{filename}: nothing to see ({box})"
+    locator.page.screenshot(path=str(path), clip=box, animations="disabled")
+    return path
+
+
+def _save(page, path: Path) -> dict:
+    """Save the notebook from the page (what the frontend holds) and read the file back."""
+    before = path.stat().st_mtime_ns
+    page.locator(NB).first.click(position={"x": 5, "y": 5})
+    page.keyboard.press("ControlOrMeta+s")
+    deadline = time.monotonic() + 60
+    while path.stat().st_mtime_ns == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"JupyterLab did not save {path.name} within 60 s")
+        time.sleep(0.2)
+    time.sleep(0.5)  # the contents API writes the file in one go; give it a moment to finish
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def seen(lab, browser):
+    """notebook name -> Seen, each notebook run once for all the tests of this module (a run that
+    failed fails each test that asks for it, without running again)."""
+    runs: dict[str, Seen | Exception] = {}
+
+    def get(name: str) -> Seen:
+        if name not in runs:
+            try:
+                runs[name] = _run(lab, browser, name)
+            except Exception as e:
+                runs[name] = e
+        if isinstance(runs[name], Exception):
+            raise runs[name]
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_cell_ran_without_an_error_output(seen, name):
+    s = seen(name)
+    assert s.prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in s.prompts), \
+        f"cells that never finished (prompt [ ] or [*]) within {RUN_S} s: {s.prompts}"
+    errors = [(k, o.get("ename"), o.get("evalue")) for k, c in enumerate(s.saved["cells"]) if c["cell_type"] == "code"
+              for o in c["outputs"] if o["output_type"] == "error"]
+    assert not errors
+    assert sum(len(c.get("outputs", [])) for c in s.saved["cells"]) > 0  # the saved file does hold the run
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_plotly_figure_drew_a_trace_and_has_a_title(seen, name):
+    s = seen(name)
+    in_cells = sum(1 for c in s.saved["cells"] if c["cell_type"] == "code" for o in c["outputs"]
+                   if PLOTLY_MIME in o.get("data", {}))
+    dashboards = len(FIGURES) if name.startswith("00") else 0
+    assert in_cells > 0
+    assert len(s.figures) == in_cells + dashboards, "a plotly output did not render as a plotly figure"
+    for fig in s.figures:
+        assert fig["traces"] >= 1 and fig["drawn"] >= 1, f"figure with nothing drawn: {fig}"
+        # JupyterLab's plotly renderer (plotly.js bundled in the labextension, no CDN). Plotly's HTML
+        # fallback also draws offline here, but only in a trusted notebook: reopened, it stays blank.
+        assert fig["renderer"] == "jupyterlab-plotly", f"drawn by plotly's HTML fallback: {fig}"
+        assert fig["title"].strip(), f"figure without a title: {fig}"
+    assert all(path.stat().st_size > 5000 for path in s.screenshots)
+
+
+def test_the_progress_bar_reached_its_end(seen):
+    s = seen("00_quickstart.ipynb")
+    assert len(s.progress) == 1, s.progress
+    (bar,) = s.progress
+    assert bar["width"] == "100%" and f"{STEPS}/{STEPS}" in bar["text"] and "100%" in bar["text"], bar
+
+
+def test_the_dashboard_numbers_changed_while_training_ran(seen):
+    s = seen("00_quickstart.ipynb")
+    steps = [_step_of(h) for h in s.live_headers]
+    assert len(set(s.live_headers)) >= 2, f"the dashboard header did not change while training: {s.live_headers}"
+    assert any(st is not None and 0 < st < STEPS for st in steps), f"no step seen mid-run: {s.live_headers}"
+    known = [st for st in steps if st is not None]
+    assert known == sorted(known)  # the step only goes up
+    assert _step_of(s.final_header) == STEPS and "loss" in s.final_header
+    assert (ARTIFACTS / "00_quickstart-dashboard-running.png").exists()
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_the_browser_console_shows_no_error(seen, name):
+    assert seen(name).console_errors == []

@@ -1,0 +1,107 @@
+"""Tests for megatrain_nb.palette through the figures that use it, by structure (never pixels): every
+figure has a title, legends and axis ticks speak in words, and a phase has one colour in every figure.
+
+The figures come from everything that draws a step: a recorded H200 trace, the planner's simulated
+step, a fresh CPU session (what the dashboard and the report show) and the synthetic fixture.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from conftest import make_config
+from megatrain_nb import Session, palette, viz
+from megatrain_nb.data import synthetic_batches
+from megatrain_nb.planner import plan
+from megatrain_nb.trace import PHASES, Trace, find_stalls
+
+DATA = Path(__file__).parent / "data"
+SHAPE_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+HUMAN = (set(palette.PHASE_LABELS.values()) | set(palette.STATE_COLORS) | set(palette.MEMORY_LABELS.values())
+         | set(palette.METRIC_LABELS.values()) | {"stalls"})
+
+
+@pytest.fixture(scope="module")
+def session_figures() -> dict[str, go.Figure]:
+    """The four Session plots after three CPU steps (what the dashboard and report draw)."""
+    s = Session.from_config(make_config("llama"), device="cpu", lr=1e-2, seed=0)
+    try:
+        it = synthetic_batches(96, batch=2, seq=16, kind="successor", alphabet=96)
+        for _ in range(3):
+            s.step(next(it))
+        return {"timeline": s.plot_timeline(), "buffers": s.plot_buffers(), "memory": s.plot_memory(),
+                "history": s.plot_history()}
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def timelines(session_figures) -> dict[str, go.Figure]:
+    """Timelines of every source of spans."""
+    real = Trace.load(DATA / "trace_3b_cast_b4.json.gz").to_dataframe()
+    sim = plan(SHAPE_3B, batch=1, seq=4096).simulate()
+    synthetic = Trace.load(DATA / "synthetic_step.trace.json").to_dataframe()
+    return {"recorded H200": viz.timeline(real, stalls=find_stalls(real)), "planner": viz.timeline(sim),
+            "session": session_figures["timeline"], "synthetic": viz.timeline(synthetic)}
+
+
+def all_figures(session_figures) -> dict[str, go.Figure]:
+    real = Trace.load(DATA / "trace_3b_cast_b4.json.gz")
+    synthetic = Trace.load(DATA / "synthetic_step.trace.json")
+    return {**{f"session {k}": f for k, f in session_figures.items()},
+            "recorded buffers": viz.buffers(real.slots_dataframe()),
+            "synthetic memory": viz.memory(synthetic.counters_dataframe()),
+            "history": viz.run_history(pd.DataFrame({"step": [1, 2], "loss": [2.0, 1.0], "peak_device_bytes": [1, 2],
+                                                     "host_rss_bytes": [3, 4]}))}
+
+
+def test_every_figure_has_a_title_saying_what_it_shows(session_figures):
+    for name, fig in all_figures(session_figures).items():
+        assert fig.layout.title.text and len(fig.layout.title.text) > 8, name
+    assert session_figures["timeline"].layout.title.text.startswith("step 3, lane by lane")
+    assert viz.timeline(Trace(step=0).to_dataframe(), title="mine").layout.title.text == "mine"
+
+
+def test_legend_names_are_words_not_counter_or_column_names(session_figures):
+    for name, fig in all_figures(session_figures).items():
+        names = {t.name for t in fig.data}
+        assert names <= HUMAN, (name, names - HUMAN)
+        assert not any("_" in n for n in names), (name, names)
+    mem = viz.memory(Trace(step=0, counters=[("pinned_in_use_bytes", 0.0, 1.0), ("host_rss_bytes", 0.0, 2.0),
+                                             ("device_mem.weight_slots", 0.0, 3.0)]).counters_dataframe())
+    assert [t.name for t in mem.data] == ["weight slots", "host RSS (whole process)", "pinned staging in use"]
+
+
+def test_axis_ticks_are_words_over_the_codes(timelines, session_figures):
+    fig = timelines["recorded H200"]
+    ticks = dict(zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext))
+    assert ticks["host-adam"] == "host-adam · AdamW" and ticks["h2d"] == "h2d · weights in"
+    assert set(ticks) == set(fig.layout.yaxis.categoryarray)  # every lane ticked, none invented
+    buf = session_figures["buffers"]
+    assert [t for t in buf.layout.yaxis.ticktext if t.startswith("weight")] == ["weight slot 0", "weight slot 1"]
+    assert all(f.layout.xaxis.title.text.endswith("(ms)") for f in timelines.values())
+
+
+def test_a_phase_has_one_colour_in_every_figure(timelines, session_figures):
+    seen: dict[str, set] = {}
+    for name, fig in timelines.items():
+        bars = [t for t in fig.data if t.type == "bar"]
+        assert bars, name
+        for t in bars:
+            seen.setdefault(t.legendgroup, set()).add(t.marker.color)
+            assert t.name == palette.PHASE_LABELS[t.legendgroup], (name, t.name)
+    assert {"fwd", "loss", "bwd", "optim"} <= set(seen)
+    assert seen == {p: {palette.PHASE_COLORS[p]} for p in seen}
+    buf = {t.name: t.marker.color for t in session_figures["buffers"].data}
+    assert buf["loading"] == palette.PHASE_COLORS["io"]  # a loading slot is a weight copy: the I/O colour
+
+
+def test_a_colour_means_one_thing():
+    colours = list(palette.PHASE_COLORS.values()) + [c for s, c in palette.STATE_COLORS.items() if s != "loading"]
+    colours += [palette.STALL_COLOR, palette.OTHER_COLOR]
+    assert len(colours) == len(set(colours))
+    assert set(palette.PHASE_COLORS) == set(PHASES) == set(palette.PHASE_LABELS)
