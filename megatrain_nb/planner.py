@@ -477,11 +477,15 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     device["embedding_rows"] = 2 * T * h * d
     host_free = hw.host_mem_bytes - sum(host.values()) - HOST_MARGIN
     reserve = lambda k: k * act + transient  # noqa: E731
+    numel = {-1: s["embed_params"], **dict.fromkeys(range(L), P), L: s["head_params"]}
+    mode = placing.validate(placement, L, s["tied"])
+    placed = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u, v in mode.items()
+                 if v == "resident") if isinstance(mode, dict) else 0  # residents set ahead: their memory goes first
     if checkpoint_every is None:
         cap = L if offload_checkpoints is not None else keep_cap(
-            layers=L, act=act, boundary=boundary, used=sum(device.values()), budget=budget, reserve=reserve,
+            layers=L, act=act, boundary=boundary, used=sum(device.values()) + placed, budget=budget, reserve=reserve,
             host_free=host_free, host_each=pinned_bytes(boundary))
-        keep, used = [], sum(device.values())
+        keep, used = [], sum(device.values()) + placed
         for i in range(L):
             keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
             used += act if keep[-1] else boundary
@@ -489,7 +493,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         keep = [checkpoint_every == 0] * L
     block, parked, recomputed, ckpt_error = checkpoint_every or 1, 0, L - sum(keep), None
     if recomputed and offload_checkpoints is None:
-        free = budget - sum(device.values()) - sum(keep) * act
+        free = budget - sum(device.values()) - placed - sum(keep) * act
         try:
             block, parked = place_checkpoints(layers=recomputed, ckpt_bytes=boundary, device_free=free,
                                               reserve=reserve, host_free=host_free,
@@ -504,8 +508,6 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
-    numel = {-1: s["embed_params"], **dict.fromkeys(range(L), P), L: s["head_params"]}
-    mode = placing.validate(placement, L, s["tied"])
     free = activation_budget * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9)
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
@@ -582,6 +584,17 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                           f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool"
                           + (f" + {parked} parked checkpoints" if parked else "") + "). " + " ".join(p.advice),
                           stacklevel=2)
+    if mode == "auto" and _advise and checkpoint_every is None and sum(keep) and len(resident) < len(numel) \
+            and p.steady_step_ms < 3e3 * N / hw.host_adam_params_per_s:  # placement.Search, Note: [Auto search]
+        free_b = free + sum(keep) * (act - boundary) - act
+        b = {u for u, c in placing.choose(numel, mode="auto", free_bytes=int(free_b), dtype_bytes=d, tied=s["tied"],
+                                          cuda=True).items() if c.placement == "resident"}
+        kwargs = {k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes", "placement")}
+        q = plan(config, hardware=hardware, dtype_bytes=d, placement=dict.fromkeys(b, "resident"), _advise=False,
+                 **kwargs)
+        if q.steady_step_ms < 0.97 * p.steady_step_ms:  # residency first wins, as the engine's search decides
+            q.settings["placement"] = "auto"
+            return q
     return p
 
 

@@ -1,0 +1,51 @@
+"""The planner's steady step against measured H200 rows, per placement (host, auto, stream).
+
+Runs anywhere (the planner is arithmetic plus a small simulation):
+    python bench/planner_placement.py [--results bench/results_h200_2026-12-01_placement.jsonl]
+Each bench/throughput.py row is re-planned with the settings it ran with (shape, batch, seq, weight
+slots, cast_on_device, placement) on the `H200` profile; for "auto" the planner makes its own choice
+of resident units, printed beside the engine's. The error is planner / measured - 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shapes import qwen_config  # noqa: E402
+
+from megatrain_nb.planner import H200, plan  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results_h200_2026-12-01_placement.jsonl"))
+    a = ap.parse_args(argv)
+    rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
+    print("| call | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")
+    print("|---|---|---|---|---|---|---|---|")
+    errors = []
+    for r in rows:
+        if "placement" not in r:
+            continue
+        cfg = qwen_config(r["shape"], layers=r["layers"], seq=r["seq"])
+        p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=H200, weight_slots=r.get("slots", 2),
+                 cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
+                 placement=r["placement"])
+        got, want = p.steady_step_ms / 1e3, r["step_s"]
+        err = got / want - 1
+        errors.append(abs(err))
+        resident = sum(v == "resident" for v in p.placement.values())
+        print(f"| {r.get('call', '')} | {r['shape']} | {r['batch']} | {r['placement']} | {want:.3f} | {got:.3f} | "
+              f"{err:+.1%} | {r.get('resident_units', '?')} / {resident} |")
+    if errors:
+        print(f"\n{sum(e <= 0.10 for e in errors)} of {len(errors)} rows within 10%; largest error {max(errors):.1%}")
+
+
+if __name__ == "__main__":
+    main()
