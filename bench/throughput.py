@@ -110,7 +110,7 @@ def main(argv=None) -> None:
                    offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
                    resident_units=int((s.placement.placement == "resident").sum()),
                    resident_gib=round(float(s.placement.device_GiB.sum()), 2),
-                   streamed_units=int((s.placement.placement == "device").sum()), placement_search=s.engine._search.summary(),
+                   streamed_units=int((s.placement.placement == "device").sum()), placement_search=s.engine.device_updates.search.summary(),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
         if summaries:
             sm = summaries[-1]

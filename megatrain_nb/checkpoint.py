@@ -123,7 +123,7 @@ def resume(path: str | os.PathLike, **overrides):
         if state.get("placement_free_bytes") is not None:  # and the same placement (Note: [Placement])
             from .placement import Search
 
-            session.engine._search = Search.done_with(state["placement_free_bytes"])
+            session.engine.device_updates.search = Search.done_with(state["placement_free_bytes"])
     _set_rng(state["rng"])
     session.history = _history(state["history"])
     if hasattr(session, "skipped_steps"):
@@ -162,7 +162,7 @@ def _state(session, data_state) -> dict:
 
 def _placed_free(engine) -> int | None:
     """Device bytes the finished "auto" search places residents in (None: not finished)."""
-    search = getattr(engine, "_search", None)
+    search = getattr(getattr(engine, "device_updates", None), "search", None)
     return search.free.get(search.winner) if search is not None and search.phase == "done" else None
 
 

@@ -34,7 +34,8 @@ from .binding import Layout, SlotRefs, call, grads_into
 from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
-from .optim import DeviceAdamW, HostAdamW, grad_norm
+from .device_updates import DeviceUpdates
+from .optim import HostAdamW, grad_norm
 from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .longcontext import Checkpoints, layer_bytes, pinned_bytes
@@ -77,19 +78,11 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort)
-        self.dev_opt = DeviceAdamW(store, optim, ocfg, dev.device, self.dtype)  # resident units' state and update
-        self.placement_mode = placing.validate(ecfg.placement, L, arch.tied)
-        self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
-        self._search = placing.Search()  # "auto": measuring step, then activations first vs residency first
-        self._gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
-        self._share = 0.0  # "stream": share of the layers placed "device", from the rates of the first step
-        self._adam_rate = (0, 0.0)  # host AdamW so far: (params, seconds)
-        self._sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
-        self._sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
-        self._bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
-        self._seen: set[int] = set()  # units whose gradients are complete this step
-        self._updated = None  # event after this step's last overlapped device update
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
+        self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
+                                            io=self.io, rec=recorder, norm_dev=self.norm_dev, adam=self.adam,
+                                            dtype=self.dtype)  # placement: state on the device, its updates
+        self.dev_opt = self.device_updates.opt  # resident units' buffers, read by the compute below
         self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
                                     device=dev.device, dtype_bytes=self.dtype.itemsize)  # wraps the templates
@@ -126,14 +119,13 @@ class Engine:
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
         if unit in self.dev_opt.of or unit in self.dev_opt.streamed:
-            return  # the device updated it (_landed, _device_update, _stream_update)
+            return  # the device updated it (device_updates.py)
         self.io.delay("host-adam")
         t0 = time.perf_counter()
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
-        self._adam_rate = (self._adam_rate[0] + self.store.units[unit].layout.numel, self._adam_rate[1]
-                           + time.perf_counter() - t0)  # params, seconds: what "stream" balances PCIe against
+        self.device_updates.host_updated(unit, time.perf_counter() - t0)  # what "stream" balances PCIe against
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -160,11 +152,12 @@ class Engine:
             return self._step(mbs, n_valid)
         except torch.OutOfMemoryError:
             self._recover()
-            if self._search.phase not in ("B1", "B2") or self._committed:
+            search = self.device_updates.search
+            if search.phase not in ("B1", "B2") or self._committed:
                 raise
             # Note: [Auto search] a residency-first trial that does not fit: nothing of it was applied
             # (no update starts before the loss is known), so the same batch runs again as activations first.
-            self._search.abandon_b()
+            search.abandon_b()
             torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
             return self._step(mbs, n_valid)
         except BaseException:
@@ -193,7 +186,7 @@ class Engine:
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int) -> dict:
-        L, dev, rec = self.L, self.dev, self.rec
+        L, dev, rec, du = self.L, self.dev, self.rec, self.device_updates
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
         self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
@@ -205,19 +198,13 @@ class Engine:
         if self.keep is None:
             self._keep_tokens = tokens
             self._place_checkpoints(mbs)  # Note: [Long-context memory] (longcontext.py)
-            self._search = placing.Search()  # the activation policy is chosen again: so is the placement
-        self._place()
-        measuring = dev.cuda and self.placement_mode == "auto" and self._search.phase == "measure"
-        if measuring:  # Note: [Placement] this step's allocator peak says what the activations leave free
-            torch.cuda.reset_peak_memory_stats(dev.device)  # allocator bookkeeping: no sync
-        t_start = time.perf_counter()
+            du.search = placing.Search()  # the activation policy is chosen again: so is the placement
+        self.keep = du.place(self.steps_done, self.keep)  # Note: [Placement] in device_updates.py
         loss_box = Box(self.abort)
         gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
-        overlap_dev = bool(self.dev_opt.groups or self.dev_opt.streamed) and not gate  # Note: [Device updates]
-        self._bad = torch.zeros((), dtype=torch.bool, device=dev.device) if overlap_dev else None
-        self._seen, self._updated = set(), None
+        du.begin(gate)
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
         with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
@@ -232,7 +219,7 @@ class Engine:
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
-            dev.wait(dev.compute, self._updated)  # the next step's compute follows this step's device updates
+            du.end_backward()  # the next step's compute follows this step's device updates
             self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have
         loss = float(loss_box.get())
@@ -240,160 +227,17 @@ class Engine:
             norms = dict(adam_step["landed"])
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
-            self._device_update(norms)  # gated: the host's clip factor and verdict, for every unit at once
-        if measuring:
-            budget = self.cfg.activation_budget * torch.cuda.get_device_properties(dev.device).total_memory
-            free = int(budget - torch.cuda.max_memory_allocated(dev.device))
-            size = torch.tensor([], dtype=self.dtype).element_size()
-            all_in = all(c.placement == "resident" for c in self._choose(free).values())
-            params, seconds = self._adam_rate
-            adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
-            self._search.measured(free=free, keep=self.keep, layer_bytes=self._act_bytes, everything_fits=all_in,
-                                  host_bound=time.perf_counter() - t_start < 3 * adam_s,
-                                  checkpoint_bytes=sum(mb["input_ids"].numel() for mb in mbs) * self.arch.embed.weight.shape[1] * size)
-        elif self._search.phase != "done":
-            self._search.stepped(time.perf_counter() - t_start, self.keep)
+            du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
+        du.after_step(keep=self.keep, act_bytes=self._act_bytes, mbs=mbs)  # the "auto" search's measurements
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
                 "grad_norm": math.sqrt(sum(n * n for n in norms.values()))}
 
-    # ---- placement (driver thread, between steps) -------------------------------------------
-    def _place(self) -> None:
-        """Apply ``placement.choose`` for this step: move groups to or from the device where it changed.
-
-        Note: [Placement] under "auto" a step with nothing resident measures the device memory its
-        activations leave free (its allocator peak); the next step makes resident, in the order the
-        forward needs them, the groups that fit there. When the activation policy is chosen again
-        (more tokens), the placement is too: everything goes back to the host for one measuring step.
-        Only that step resets the allocator's peak statistics. Then two ways to share the device are
-        timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
-        run places as the first did from its first step (bit-identical results).
-        """
-        params, seconds = self._adam_rate
-        if self.placement_mode == "stream" and not self._share and seconds > 0:  # after the first step's updates
-            self._share = placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S)
-        cand = self._search.candidate
-        want = self._choose(None if cand is None else self._search.free[cand])
-        if cand == "B" and self._search.phase == "B1":
-            self.keep = None  # residency first: the activation policy is decided around the residents
-        elif cand is not None and self._search.keep.get(cand) is not None:
-            self.keep = list(self._search.keep[cand])
-        moving = [g for g in placing.groups(self.L, self.arch.tied)
-                  if (want[g[0]].placement == "resident") != (g in self.dev_opt.groups)]
-        streaming = {u for u, c in want.items() if c.placement == "device"}
-        if moving or streaming != set(self.dev_opt.streamed):
-            self.adam.wait_all(self.steps_done)  # host wait: every host update of finished steps is applied
-            if self.dev.cuda:
-                torch.cuda.synchronize(self.dev.device)  # named sync: device updates done before state moves
-            with self.dev.on(self.dev.compute):
-                for g in moving:
-                    self.dev_opt.remove(g) if g in self.dev_opt.groups else self.dev_opt.add(g)
-                for u in set(self.dev_opt.streamed) - streaming:
-                    self.dev_opt.stream_remove(u)
-                for u in streaming - set(self.dev_opt.streamed):
-                    self.dev_opt.stream_add(u)
-                n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
-                self._sslots = [torch.empty(n, device=self.dev.device) for _ in range(2)] if streaming else []
-                self._sslot_box = [Box(ready=True) for _ in self._sslots]
-            if self.dev.cuda:
-                torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
-                torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
-        self.choice = want
-
-    def _landed(self, unit: int) -> None:
-        """Compute stream: ``unit``'s gradient and norm are complete. A resident group whose units all
-        are gets its AdamW now, on the optimizer stream, while the backward goes on.
-
-        Note: [Device updates] without a gate (grad_clip, overlap off, nonfinite="raise") each resident
-        group updates as soon as its gradients are complete, on its own stream: it overlaps the rest of
-        the backward, and the next step's compute waits for the last one. A non-finite loss, or a
-        non-finite norm of any unit whose gradients were complete before, skips it through the fused
-        kernel's ``found_inf`` (the host's [Non-finite gradients] rule, decided on the device). With a
-        gate the driver updates every resident unit after the backward with the host's clip factor.
-        """
-        if self._bad is None:
-            return
-        torch.logical_or(self._bad, ~torch.isfinite(self.norm_dev[unit + 1]), out=self._bad)
-        self._seen.add(unit)
-        r = self.dev_opt.of.get(unit)
-        if r is None or not set(r.units) <= self._seen:
-            return
-        dev = self.dev
-        found = self._bad.float()  # a snapshot: what lands later cannot change this group's verdict
-        ready = dev.record(dev.compute)
-        with dev.on(dev.optim):
-            dev.wait(dev.optim, ready)
-            if dev.cuda:
-                found.record_stream(dev.optim)  # made on compute, read on optim: keep its memory until then
-            tok = self.rec.cuda_begin("device-adam", "adam", r.units[0], "optim", r.master.numel() * 16, dev.optim)
-            self.dev_opt.update(self.ocfg.lr_at(self.steps_done), groups=[r.units], found_inf=found)
-            self.rec.cuda_end(tok, dev.optim)
-            self._updated = dev.record(dev.optim)
-
-    def _choose(self, free: int | None) -> dict:
-        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
-        want = placing.choose(numel, mode=self.placement_mode, free_bytes=free, tied=self.arch.tied,
-                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda,
-                              share=self._share)
-        if self._gate:  # Note: [Streamed updates] a gated update waits for every gradient: on the host
-            want = {u: placing.Choice("host", c.reason + "; gated (grad_clip, overlap_optimizer=False or nonfinite="
-                                      "'raise'): updated on the host") if c.placement == "device" else c
-                    for u, c in want.items()}
-        return want
-
-    def _stream_update(self, i: int, g: torch.Tensor, done, j: int, loaded: Box, written: Box) -> Box:
-        """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
-
-        The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
-        copies master and moments back once the update is done, and the unit lands (its norm) after
-        that, so the next forward's load of it reads the updated master. Returns the grad slot's box:
-        free once the update has read the gradients.
-        """
-        dev, n = self.dev, g.numel()
-        state = self._sslots[j][:3 * n]
-        found = self._bad.float()  # made on compute, read on optim (see _landed)
-        ev = loaded.get()  # driver waits until the state's copy is enqueued
-        with dev.on(dev.optim):
-            dev.wait(dev.optim, done)
-            dev.wait(dev.optim, ev)
-            if dev.cuda:
-                found.record_stream(dev.optim)
-            tok = self.rec.cuda_begin("device-adam", "adam", i, "bwd", n * 16, dev.optim)
-            self.dev_opt.update_streamed(i, state, g, self.ocfg.lr_at(self.steps_done), found)
-            self.rec.cuda_end(tok, dev.optim)
-            updated = dev.record(dev.optim)
-            self._updated = updated
-        u = self.store.units[i]
-        self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)], updated, "bwd",
-                      op="state-out", enqueued=written)  # fills ``written``: the state slot's next load waits for it
-        return Box(ready=True, value=updated)
-
-    def _device_update(self, norms: dict) -> None:
-        """Driver: enqueue AdamW of every resident unit on the compute stream (the loss and norms are finite)."""
-        scale = self.optim.clip_factor(norms)[1]  # the host's clip factor: the same for every unit
-        n = sum(r.master.numel() for r in self.dev_opt.groups.values())
-        with self.dev.on(self.dev.compute):
-            tok = self.rec.cuda_begin("device-adam", "adam", -1, "optim", n * 16, self.dev.compute)
-            self.dev_opt.update(self.ocfg.lr_at(self.steps_done), scale)
-            self.rec.cuda_end(tok, self.dev.compute)
-
     def placement_frame(self):
         """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
-        import pandas as pd
-
-        cand = self._search.candidate
-        choice = self.choice or self._choose(None if cand is None else self._search.free[cand])
-        tried = self._search.summary()
-        size = torch.tensor([], dtype=self.dtype).element_size()
-        rows = []
-        for u in self.store.order:
-            c, n = choice[u], self.store.units[u].layout.numel
-            name = "embedding" if u == -1 else "head" if u == self.L else f"layer {u}"
-            dev_bytes = placing.resident_bytes(u, n, size, self.arch.tied) if c.placement == "resident" else 0
-            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason + (f"; {tried}" if tried else "")))
-        return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "reason"])
+        return self.device_updates.frame()
 
     def _count_memory(self) -> None:
         """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""
@@ -474,23 +318,17 @@ class Engine:
         loads, _, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
         rel = {k: Box(self.abort) for k in slot_of_op}
         jobs = [(ld.before, 0, ld) for ld in loads]
-        jobs += [(k, 1, op.layer) for k, op in enumerate(ops) if op.kind == "bwd" and op.layer in self.dev_opt.streamed]
+        jobs += [(k, 1, submit) for k, submit in self.device_updates.state_loads(ops, self.steps_done, self.abort)]
         boxes, state = {}, {}
         for k, kind, what in sorted(jobs, key=lambda j: j[:2]):
-            if kind == 0:
-                ld = what
-                after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
-                box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
-                                   ops[ld.before].phase, self.steps_done)
-                boxes[ld.before] = (ld, box)
+            if kind == 1:
+                state[k] = what()  # a "device" unit's state: after its backward's weights, in packer order
                 continue
-            j = len(state) % len(self._sslots)
-            u = self.store.units[what]
-            n = u.layout.numel
-            segs = [(what, lambda u=u: u.master, 0), (what, lambda u=u: u.exp_avg, n), (what, lambda u=u: u.exp_avg_sq, 2 * n)]
-            box = self.io.load(what, self._sslots[j], segs, self._sslot_box[j], "bwd", self.steps_done, op="state-in")
-            self._sslot_box[j] = Box(self.abort)  # filled by this unit's write-back (_stream_update)
-            state[k] = (j, box, self._sslot_box[j])
+            ld = what
+            after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
+            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
+                               ops[ld.before].phase, self.steps_done)
+            boxes[ld.before] = (ld, box)
         for k, s in sorted(slot_of_op.items()):
             self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
         return {"loads": boxes, "rel": rel, "slot": slot_of_op, "state": state}
@@ -684,8 +522,7 @@ class Engine:
             grads.append(g)
         n_head = self.store.units[L].layout.numel
         self.norm_dev[L + 1].copy_(grad_norm(gslot[:n_head]))
-        if self._bad is not None:
-            torch.logical_or(self._bad, ~torch.isfinite(total), out=self._bad)  # a non-finite loss skips every unit
+        self.device_updates.loss_known(total)  # a non-finite loss skips every device update
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
@@ -695,7 +532,7 @@ class Engine:
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
         self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
-        self._landed(L)
+        self.device_updates.landed(L, self.ocfg.lr_at(self.steps_done))
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -746,13 +583,14 @@ class Engine:
                 self.norm_dev[i + 1].copy_(grad_norm(g))
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
-                self._landed(i)
+                self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done))
                 self._done(plan, k)
                 self._count_memory()
                 if res is not None:
                     self.io.grads(i, g, [], done, "bwd")  # only its norm goes to the host (clip, report)
                 elif k in plan["state"]:
-                    self.gslot_box[gi] = self._stream_update(i, g, done, *plan["state"][k])
+                    self.gslot_box[gi] = self.device_updates.stream_update(i, g, done, self.ocfg.lr_at(self.steps_done),
+                                                                           *plan["state"][k])
                     gi ^= 1
                 else:
                     self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)],
@@ -771,7 +609,7 @@ class Engine:
                     self._embed_grads_device(ids, dE)
                     rec.cuda_end(tok, dev.compute)
                     landed = self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
-                    self._landed(-1)
+                    self.device_updates.landed(-1, self.ocfg.lr_at(self.steps_done))
                     return landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
@@ -827,8 +665,7 @@ class Engine:
     def settle(self) -> None:
         """Block until every update of every finished step is applied, on the host and on the device."""
         self.adam.wait_all(self.steps_done)
-        if (self.dev_opt.groups or self.dev_opt.streamed) and self.dev.cuda:
-            torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
+        self.device_updates.settle()
 
     def drain(self) -> None:
         """Block until every update of every finished step is applied to the host masters.
@@ -836,8 +673,7 @@ class Engine:
         Resident units' state is written back to the host store (it stays on the device too).
         """
         self.settle()
-        if self.dev_opt.groups or self.dev_opt.streamed:
-            self.dev_opt.write_back()
+        self.device_updates.write_back()
 
     def close(self) -> None:
         """Finish pending updates, then stop the worker threads. Idempotent."""

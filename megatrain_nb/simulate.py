@@ -77,7 +77,7 @@ class _Sim:
     with no unpack time lands in one. Without `steady`, AdamW runs inline as units land (the cold step).
     Units in `resident` (placement.py) are never loaded nor copied out; their AdamW (`dev_adam_ms`:
     unit -> ms) runs on the device-adam lane: each group as its gradients are complete, beside the
-    compute, when `overlap`; else all after the embedding's backward (engine Note: [Device updates]).
+    compute, when `overlap`; else all after the embedding's backward (Note: [Device updates] in device_updates.py).
     The next step's compute waits for the last one. Layers in `streamed` (placement "device") load
     their fp32 state (t["state_in"]) after their backward's weights, are updated on the device-adam
     lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"])."""

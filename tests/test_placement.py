@@ -269,7 +269,7 @@ def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losi
     try:
         train_session(s, batches[:1])
         L_ = s.engine.L
-        s.engine._search = placing.Search(phase="B1", free={"A": 0, "B": 0}, keep={"A": [True] * L_})
+        s.engine.device_updates.search = placing.Search(phase="B1", free={"A": 0, "B": 0}, keep={"A": [True] * L_})
         real, calls = s.engine._loss, []
 
         def oom_once(*a, **k):
@@ -280,7 +280,7 @@ def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losi
 
         s.engine._loss = oom_once
         got = train_session(s, batches[1:])
-        assert len(calls) == 3 and s.engine._search.winner == "A" and s.engine._search.phase == "done"
+        assert len(calls) == 3 and s.engine.device_updates.search.winner == "A" and s.engine.device_updates.search.phase == "done"
         assert "ran out of device memory" in s.placement.reason.iloc[0]
     finally:
         s.close()

@@ -1,0 +1,266 @@
+"""The device side of placement: state that lives on or passes through the device, and its updates.
+
+Owns: applying ``placement.choose`` between steps (moving resident groups in and out, the state slots
+of "device" units), the "auto" search's measurements, each device update's timing — a resident group
+as soon as its gradients are complete, beside the backward (Note: [Device updates]), a "device"
+unit's update in its streamed-in state (Note: [Streamed updates] in placement.py), or every resident
+unit after the backward when gated — and the per-unit placement table.
+Does not own: the order of a step (engine.py calls in at named points: ``place``, ``begin``,
+``loss_known``, ``landed``, ``stream_update``, ``end_backward``, ``gated_update``, ``after_step``),
+the choice itself (placement.py, pure), the AdamW arithmetic (``optim.DeviceAdamW``).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import placement as placing
+from .optim import DeviceAdamW
+from .workers import Box
+
+
+class DeviceUpdates:
+    """Placement in force for one engine, and every update that runs on the device."""
+
+    def __init__(self, *, arch, store, host_optim, ocfg, ecfg, dev, io, rec, norm_dev, adam, dtype):
+        self.arch, self.store, self.host_optim, self.ocfg, self.ecfg = arch, store, host_optim, ocfg, ecfg
+        self.dev, self.io, self.rec, self.norm_dev, self.adam, self.dtype = dev, io, rec, norm_dev, adam, dtype
+        self.L = arch.num_layers
+        self.opt = DeviceAdamW(store, host_optim, ocfg, dev.device, dtype)  # resident / streamed units' state
+        self.mode = placing.validate(ecfg.placement, self.L, arch.tied)
+        self.gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
+        self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
+        self.search = placing.Search()  # "auto": measuring step, then activations first vs residency first
+        self.share = 0.0  # "stream": share of the layers placed "device", from the first step's host AdamW rate
+        self.adam_rate = (0, 0.0)  # host AdamW so far: (params, seconds)
+        self.sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
+        self.sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
+        self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
+        self.seen: set[int] = set()  # units whose gradients are complete this step
+        self.updated = None  # event after this step's last overlapped device update
+        self.t_start = 0.0
+
+    @property
+    def measuring(self) -> bool:
+        """This step measures what the activations leave free (Note: [Placement], ``place``)."""
+        return self.dev.cuda and self.mode == "auto" and self.search.phase == "measure"
+
+    def host_updated(self, unit: int, seconds: float) -> None:
+        """The host's AdamW of ``unit`` took ``seconds`` (what "stream" balances PCIe against)."""
+        p, s = self.adam_rate
+        self.adam_rate = (p + self.store.units[unit].layout.numel, s + seconds)
+
+    # ---- between steps (driver thread) -------------------------------------------------------
+    def choose(self, free: int | None) -> dict:
+        """``placement.choose`` for this engine; a gated session updates "device" units on the host."""
+        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
+        want = placing.choose(numel, mode=self.mode, free_bytes=free, tied=self.arch.tied,
+                              dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda,
+                              share=self.share)
+        if self.gate:  # Note: [Streamed updates] a gated update waits for every gradient: on the host
+            want = {u: placing.Choice("host", c.reason + "; gated (grad_clip, overlap_optimizer=False or nonfinite="
+                                      "'raise'): updated on the host") if c.placement == "device" else c
+                    for u, c in want.items()}
+        return want
+
+    def place(self, steps_done: int, keep):
+        """Move state to or from the device where this step's placement differs; returns the activation
+        policy the step must use (the search's candidate's, None to decide in the forward, or ``keep``).
+
+        Note: [Placement] under "auto" a step with nothing resident measures the device memory its
+        activations leave free (its allocator peak); the next steps make resident, in the order the
+        forward needs them, the groups that fit there. When the activation policy is chosen again
+        (more tokens), the placement is too: everything goes back to the host for one measuring step.
+        Only that step resets the allocator's peak statistics. Then two ways to share the device are
+        timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
+        run places as the first did from its first step (bit-identical results).
+        """
+        params, seconds = self.adam_rate
+        if self.mode == "stream" and not self.share and seconds > 0:  # after the first step's updates
+            self.share = placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S)
+        cand = self.search.candidate
+        want = self.choose(None if cand is None else self.search.free[cand])
+        if cand == "B" and self.search.phase == "B1":
+            keep = None  # residency first: the activation policy is decided around the residents
+        elif cand is not None and self.search.keep.get(cand) is not None:
+            keep = list(self.search.keep[cand])
+        opt = self.opt
+        moving = [g for g in placing.groups(self.L, self.arch.tied)
+                  if (want[g[0]].placement == "resident") != (g in opt.groups)]
+        streaming = {u for u, c in want.items() if c.placement == "device"}
+        if moving or streaming != set(opt.streamed):
+            self.adam.wait_all(steps_done)  # host wait: every host update of finished steps is applied
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: device updates done before state moves
+            with self.dev.on(self.dev.compute):
+                for g in moving:
+                    opt.remove(g) if g in opt.groups else opt.add(g)
+                for u in set(opt.streamed) - streaming:
+                    opt.stream_remove(u)
+                for u in streaming - set(opt.streamed):
+                    opt.stream_add(u)
+                n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
+                self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(2)] if streaming else []
+                self.sslot_box = [Box(ready=True) for _ in self.sslots]
+            if self.dev.cuda:
+                torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
+                torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
+        self.choice = want
+        return keep
+
+    def after_step(self, *, keep, act_bytes: int, mbs) -> None:
+        """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""
+        if self.measuring:
+            total = torch.cuda.get_device_properties(self.dev.device).total_memory
+            free = int(self.ecfg.activation_budget * total - torch.cuda.max_memory_allocated(self.dev.device))
+            size = torch.tensor([], dtype=self.dtype).element_size()
+            all_in = all(c.placement == "resident" for c in self.choose(free).values())
+            params, seconds = self.adam_rate
+            adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
+            tokens = sum(mb["input_ids"].numel() for mb in mbs)
+            self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
+                                 host_bound=time.perf_counter() - self.t_start < 3 * adam_s,
+                                 checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
+        elif self.search.phase != "done":
+            self.search.stepped(time.perf_counter() - self.t_start, keep)
+
+    # ---- within a step (driver thread, compute stream) --------------------------------------------
+    def begin(self, gate: bool) -> None:
+        """A step begins (after ``place``): overlapped updates need the device's non-finite flag."""
+        if self.measuring:  # Note: [Placement] this step's allocator peak says what the activations leave free
+            torch.cuda.reset_peak_memory_stats(self.dev.device)  # allocator bookkeeping: no sync
+        self.t_start = time.perf_counter()
+        overlap = bool(self.opt.groups or self.opt.streamed) and not gate  # Note: [Device updates]
+        self.bad = torch.zeros((), dtype=torch.bool, device=self.dev.device) if overlap else None
+        self.seen, self.updated = set(), None
+
+    def loss_known(self, total: torch.Tensor) -> None:
+        """Compute stream: the step's loss (0-dim, device); a non-finite one skips every device update."""
+        if self.bad is not None:
+            torch.logical_or(self.bad, ~torch.isfinite(total), out=self.bad)
+
+    def landed(self, unit: int, lr: float) -> None:
+        """Compute stream: ``unit``'s gradient and norm are complete. A resident group whose units all
+        are gets its AdamW now, on the optimizer stream, while the backward goes on.
+
+        Note: [Device updates] without a gate (grad_clip, overlap off, nonfinite="raise") each resident
+        group updates as soon as its gradients are complete, on its own stream: it overlaps the rest of
+        the backward, and the next step's compute waits for the last one. A non-finite loss, or a
+        non-finite norm of any unit whose gradients were complete before, skips it through the fused
+        kernel's ``found_inf`` (the host's [Non-finite gradients] rule, decided on the device). With a
+        gate the driver updates every resident unit after the backward with the host's clip factor.
+        """
+        if self.bad is None:
+            return
+        torch.logical_or(self.bad, ~torch.isfinite(self.norm_dev[unit + 1]), out=self.bad)
+        self.seen.add(unit)
+        r = self.opt.of.get(unit)
+        if r is None or not set(r.units) <= self.seen:
+            return
+        dev = self.dev
+        found = self.bad.float()  # a snapshot: what lands later cannot change this group's verdict
+        ready = dev.record(dev.compute)
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, ready)
+            if dev.cuda:
+                found.record_stream(dev.optim)  # made on compute, read on optim: keep its memory until then
+            tok = self.rec.cuda_begin("device-adam", "adam", r.units[0], "optim", r.master.numel() * 16, dev.optim)
+            self.opt.update(lr, groups=[r.units], found_inf=found)
+            self.rec.cuda_end(tok, dev.optim)
+            self.updated = dev.record(dev.optim)
+
+    def stream_update(self, i: int, g: torch.Tensor, done, lr: float, j: int, loaded: Box, written: Box) -> Box:
+        """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
+
+        The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
+        copies master and moments back once the update is done, and the unit lands (its norm) after
+        that, so the next forward's load of it reads the updated master. Returns the grad slot's box:
+        free once the update has read the gradients.
+        """
+        dev, n = self.dev, g.numel()
+        state = self.sslots[j][:3 * n]
+        found = self.bad.float()  # made on compute, read on optim (see landed)
+        ev = loaded.get()  # driver waits until the state's copy is enqueued
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, done)
+            dev.wait(dev.optim, ev)
+            if dev.cuda:
+                found.record_stream(dev.optim)
+            tok = self.rec.cuda_begin("device-adam", "adam", i, "bwd", n * 16, dev.optim)
+            self.opt.update_streamed(i, state, g, lr, found)
+            self.rec.cuda_end(tok, dev.optim)
+            self.updated = updated = dev.record(dev.optim)
+        u = self.store.units[i]
+        self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)], updated, "bwd",
+                      op="state-out", enqueued=written)  # fills ``written``: the state slot's next load waits for it
+        return Box(ready=True, value=updated)
+
+    def state_loads(self, ops, steps_done: int, abort) -> list:
+        """(op index, submit) for each "device" unit's backward: its state's load into a free state slot.
+
+        ``submit()`` enqueues the load on the packer and returns (state slot, load box, write-back box);
+        the engine calls it in packer order, right after that op's weight load.
+        """
+        out = []
+        for k, op in enumerate(ops):
+            if op.kind != "bwd" or op.layer not in self.opt.streamed:
+                continue
+
+            def submit(i=op.layer):
+                j = self._next_slot()
+                u = self.store.units[i]
+                n = u.layout.numel
+                segs = [(i, lambda: u.master, 0), (i, lambda: u.exp_avg, n), (i, lambda: u.exp_avg_sq, 2 * n)]
+                box = self.io.load(i, self.sslots[j], segs, self.sslot_box[j], "bwd", steps_done, op="state-in")
+                self.sslot_box[j] = Box(abort)  # filled by this unit's write-back (stream_update)
+                return j, box, self.sslot_box[j]
+
+            out.append((k, submit))
+        self._slot_turn = 0
+        return out
+
+    def _next_slot(self) -> int:
+        j = self._slot_turn % len(self.sslots)
+        self._slot_turn += 1
+        return j
+
+    def end_backward(self) -> None:
+        """Compute stream: the next step's compute follows this step's overlapped device updates."""
+        self.dev.wait(self.dev.compute, self.updated)
+
+    def gated_update(self, norms: dict, lr: float) -> None:
+        """Driver, after the backward, gated: every resident unit's AdamW with the host's clip factor."""
+        scale = self.host_optim.clip_factor(norms)[1]  # the same for every unit
+        n = sum(r.master.numel() for r in self.opt.groups.values())
+        with self.dev.on(self.dev.compute):
+            tok = self.rec.cuda_begin("device-adam", "adam", -1, "optim", n * 16, self.dev.compute)
+            self.opt.update(lr, scale)
+            self.rec.cuda_end(tok, self.dev.compute)
+
+    # ---- reading the state ------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Block until the device's updates are done (named sync)."""
+        if (self.opt.groups or self.opt.streamed) and self.dev.cuda:
+            torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
+
+    def write_back(self) -> None:
+        """Resident state and streamed step counts into the host store (after ``settle``)."""
+        if self.opt.groups or self.opt.streamed:
+            self.opt.write_back()
+
+    def frame(self):
+        """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
+        import pandas as pd
+
+        cand = self.search.candidate
+        choice = self.choice or self.choose(None if cand is None else self.search.free[cand])
+        tried = self.search.summary()
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        rows = []
+        for u in self.store.order:
+            c, n = choice[u], self.store.units[u].layout.numel
+            name = "embedding" if u == -1 else "head" if u == self.L else f"layer {u}"
+            dev_bytes = placing.resident_bytes(u, n, size, self.arch.tied) if c.placement == "resident" else 0
+            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason + (f"; {tried}" if tried else "")))
+        return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "reason"])
