@@ -11,11 +11,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py tests/test_checkpoint.py \
     tests/test_soak.py tests/test_trace.py -rA 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
 [ "${1:-}" = "tests" ] && exit 0
-bench() {  # shape placement batches...
-    local shape=$1 p=$2; shift 2
-    timeout 200 python3 bench/throughput.py --shape "$shape" --batch "$@" --seq 4096 --steps 3 --placement "$p" \
-        --out "$OUT/bench.jsonl" --save-trace "$OUT/tr_$p" 2>&1 | grep -v "^  batch" | cut -c1-300
-}
+. bench/h200_lib.sh
 bench 3b auto 1 4 8
 bench 7b auto 2 8
 bench 3b host 1 4

@@ -29,7 +29,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rows import emit  # noqa: E402
+from rows import emit, rss_bytes  # noqa: E402
 from shapes import SHAPES, qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
@@ -42,14 +42,6 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
 def tokens(s: str) -> int:
     s = s.lower()
     return int(s[:-1]) * 1024 if s.endswith("k") else int(s)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def config_of(a):
@@ -108,7 +100,7 @@ def run_rows(a, cfg) -> None:
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    host_rss_gib=round(rss_bytes() / 2**30, 1), tile_rows=e.tiler.rows, attention=e.tiler.backend,
                    block=e.ckpts.block, parked=sum(map(bool, (e.ckpts.park or {}).values())), kept_layers=sum(e.keep),
-                   resident=sum(c.placement == "resident" for c in (e.choice or {}).values()),
+                   resident=sum(c.placement == "resident" for c in (e.device_updates.choice or {}).values()),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
                    settings={k: v for k, v in settings_of(a).items() if k not in ("device", "trace")},
                    **predicted(cfg, a, T))

@@ -9,3 +9,12 @@ def emit(row: dict, out: str | None) -> None:
     if out:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def rss_bytes() -> int:
+    """This process's resident host memory (Linux /proc)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0

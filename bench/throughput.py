@@ -17,19 +17,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rows import emit  # noqa: E402
+from rows import emit, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
 from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main(argv=None) -> None:
