@@ -401,8 +401,9 @@ def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, opts, losses = [], [], []
-    # placement "auto" (megatrain_nb's default) makes units resident after a batch size's first step: one more
-    warmup = spec["warmup"] + (spec["system"] in ("megatrain-auto", "megatrain"))
+    # placement "auto" (megatrain_nb's default) settles in 5 steps: a measuring step, then two steps of each of its
+    # two candidates (placement.Search); "stream" sizes its streamed share from its first step's host AdamW
+    warmup = spec["warmup"] + {"megatrain-auto": 5, "megatrain": 5, "megatrain-stream": 1}.get(spec["system"], 0)
     for k in range(warmup + spec["steps"]):
         ids = token_ids(k, batch, spec["seq"], vocab).to(device)
         sync(device)
