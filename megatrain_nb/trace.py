@@ -214,7 +214,7 @@ class Recorder:
                 a = ref.elapsed_time(ev0) + ref_ms  # Note: [GPU clock]
                 b = ref.elapsed_time(ev1) + ref_ms
                 spans.append((ln, op, int(ly), ph, round(a, 4), round(b, 4), int(nb)))
-        meta = {"device": str(self.device)}
+        meta = {"device": str(self.device), "origin_s": t0}  # host clock at the step's start: where it really ran
         if self._cuda:
             meta["device_name"] = torch.cuda.get_device_name(self.device)
         return Trace(step=step, spans=spans, meta=meta, counters=[(n, ms(t), float(v)) for n, v, t in counters],
@@ -443,7 +443,10 @@ def export_chrome_trace(trace_or_traces: Trace | list[Trace], path: str | Path) 
 
     One track per lane (plus one per weight/grad/pinned slot), "X" events with args layer/phase/bytes,
     counters as "C" events, and flow arrows from each h2d span of layer k to the first compute span
-    of layer k that starts after it. Several traces are laid end to end on the time axis.
+    of layer k that starts after it. Several traces of one run (each with ``meta["origin_s"]``, the
+    recorder's clock at its start) are placed at their real starts, so a span filed under a later
+    step that began before it (an update carried over) is drawn where it ran; traces without it
+    (older recordings) are laid end to end.
 
     Args:
         trace_or_traces: one Trace or a list of them (consecutive steps).
@@ -461,11 +464,18 @@ def export_chrome_trace(trace_or_traces: Trace | list[Trace], path: str | Path) 
         ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
         ev.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     offset, flow_id = 0.0, 0
-    for tr, df, cn, sl in frames:
-        times = [0.0, *df.start_ms, *df.end_ms, *cn.t_ms, *sl.t_ms]
+    spans_of = [[0.0, *df.start_ms, *df.end_ms, *cn.t_ms, *sl.t_ms] for _, df, cn, sl in frames]
+    origins = [tr.meta.get("origin_s") for tr in traces]
+    if all(o is not None for o in origins):  # steps of one run: each at its real start, so a span that began
+        base = [(o - origins[0]) * 1e3 for o in origins]  # before its step (negative times) sits where it ran
+        first = min(b + min(t) for b, t in zip(base, spans_of))
+    for n, (tr, df, cn, sl) in enumerate(frames):
+        times = spans_of[n]
         lo, hi = min(times), max(times)
+        if all(o is not None for o in origins):
+            lo, offset = first - base[n], 0.0
 
-        def us(t_ms: float) -> float:
+        def us(t_ms: float, lo=lo, offset=offset) -> float:
             return round((t_ms - lo + offset) * 1e3, 3)
 
         for r in df.itertuples(index=False):

@@ -267,3 +267,24 @@ def test_recorder_puts_cuda_spans_on_the_host_axis():
     assert comp.start_ms >= h2d.end_ms - 0.01  # the wait_event order survives on the axis
     assert 0.0 <= h2d.start_ms < pack.start_ms < h2d.end_ms  # GPU and host clocks line up
     assert find_stalls(df.reset_index()).waited_on.tolist() == ["h2d"]
+
+
+def test_chrome_export_places_steps_of_one_run_where_they_ran(tmp_path):
+    """A span filed under step 2 that began 3 ms before it (an update carried over) is exported inside
+    step 1's time, where it really ran, when the traces carry their start on the recorder's clock."""
+    one = Trace(step=1, spans=[("compute", "fwd", 0, "fwd", 0.0, 12.0, 0)], meta={"origin_s": 100.000})
+    two = Trace(step=2, spans=[("host-adam", "adam", 0, "optim", -3.0, 1.0, 0), ("compute", "fwd", 0, "fwd", 0.5, 4.0, 0)],
+                meta={"origin_s": 100.012})
+    export_chrome_trace([one, two], tmp_path / "t.json")
+    ev = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    ts = {(e["args"]["step"], e["args"]["op"]): e["ts"] for e in ev}
+    assert ts[(1, "fwd")] == 0.0 and ts[(2, "fwd")] == pytest.approx(12500.0)
+    assert ts[(2, "adam")] == pytest.approx(9000.0)  # 12 ms - 3 ms: during step 1, not after it
+
+
+def test_recorded_traces_carry_their_origin():
+    rec = Recorder(enabled=True, device="cpu")
+    rec.begin_step(0)
+    with rec.span("host-adam", "adam", 0, "optim"):
+        pass
+    assert isinstance(rec.end_step().meta["origin_s"], float)
