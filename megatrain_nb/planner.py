@@ -11,6 +11,11 @@ work on a plan exactly as on a recorded step. The same simulation runs one step 
 three ways of moving weights (packing from the fp32 master, `pin_store`, `cast_on_device`) but does
 not choose between them: that rule (`preflight.resolve_pinning`) needs the device type and the
 machine's RAM, which a `Hardware` profile does not say. The scheduler itself lives in `simulate.py`.
+It also predicts what the engine decides for itself: placement (`placement.choose`, and the "auto"
+search between activations first and residency first) and long-context checkpoint placement
+(`longcontext.py`), with `Plan.advice` for what does not fit. Over 400 lines because `plan` must
+follow every one of the engine's memory and time decisions in one place to stay comparable with a
+recorded step; the pure rules it shares with the engine live in placement.py and longcontext.py.
 """
 
 from __future__ import annotations
