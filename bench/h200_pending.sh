@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200, in one device call (~8 minutes). Writes under $OUT.
-#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh        ("tests" as the argument: only the GPU tests)
-# Pending since 2026-11-29 (second session): the pinned arena (host RSS should fall by ~11 GB at 3B),
-# the tied embedding's gradient norm in row blocks (3B tail ~200 ms before), h2d bytes as they cross
-# PCIe (fp32 under the device cast), and the GPU tests on that code.
+# What is still to measure on the H200 (pending since 2026-12-01). Writes under $OUT.
+#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh [tests|placement|long|peers]   (about 8-10 minutes each)
+# tests:     the GPU tests first — device_updates.py (the device side of placement moved out of the
+#            engine) and the auto search's out-of-memory fallback came after the last GPU run.
+# placement: 7B x 8 with the auto search (its residency-first trial ran out of memory on 2026-12-01,
+#            before the fallback existed), 3B x 8 again; host rows beside them in the same run.
+# long:      issue 11's rows: 32K tiled vs untiled (bf16 noise), 256K; 512K runs on its own, detached
+#            (see bench/long_context.py's docstring for the 512K command and its settings).
+# peers:     issue 12's core sweep (carry .whl, built by bench/peers_wheels.sh; see bench/peers.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_checkpoint.py tests/test_soak.py \
-    tests/test_preflight.py tests/test_trace.py tests/test_gpu.py -rA 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^FAILED|passed|failed"
-[ "${1:-}" = "tests" ] && exit 0
-timeout 150 python3 bench/throughput.py --shape 3b --batch 1 4 8 --seq 4096 --steps 3 --out "$OUT/bench.jsonl" \
-    --save-trace "$OUT" 2>/dev/null | cut -c1-420
-timeout 200 python3 bench/throughput.py --shape 7b --batch 2 8 --seq 4096 --steps 2 --out "$OUT/bench.jsonl" \
-    --save-trace "$OUT" 2>/dev/null | cut -c1-420
+case "${1:-tests}" in
+tests)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/ -rA 2>&1 | tee "$OUT/gpu_tests.log" \
+        | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+placement)
+    . bench/h200_lib.sh
+    bench 7b auto 8
+    bench 3b auto 8
+    bench 3b host 8 ;;
+long)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 bench/long_context.py --mode compare --seq 32k \
+        --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 bench/long_context.py --seq 256k --steps 1 \
+        --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400 ;;
+peers)
+    python3 bench/peers.py --sweep core --budget-s 550 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
+esac
