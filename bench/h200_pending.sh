@@ -25,6 +25,8 @@ long)
         --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 bench/long_context.py --seq 256k --steps 1 \
         --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400 ;;
-peers)
+peers)  # DeepSpeed and its missing requirements travel as wheels: carry .whl (bench/peers_wheels.sh builds it)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
     python3 bench/peers.py --sweep core --budget-s 550 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
 esac
