@@ -156,7 +156,7 @@ def _fits(engine) -> bool:
 
 def _decode(engine, ids: torch.Tensor, max_new: int, pick, eos: set[int], cache_weights: bool) -> list[int]:
     """Driver: prefill ``ids`` (1, T), then one token at a time with a KV cache; returns the new ids."""
-    arch, dev = engine.arch, engine.dev
+    arch = engine.arch
     H = arch.embed.weight.shape[1]
     cache = _layer_cache(arch.config)
     cache_arg = "cache" if "cache" in inspect.signature(arch.base.forward).parameters else "past_key_values"
