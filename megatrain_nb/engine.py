@@ -35,6 +35,7 @@ from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
 from .optim import DeviceAdamW, HostAdamW, grad_norm
+from . import distributed
 from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .longcontext import Checkpoints, layer_bytes, pinned_bytes
@@ -105,6 +106,7 @@ class Engine:
         self._pending: tuple | None = None  # last step's raw records and slot uses, until `trace` is read
         self._trace = None
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
+        self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         _LIVE.add(self)
 
     @property
@@ -196,6 +198,8 @@ class Engine:
         L, dev, rec = self.L, self.dev, self.rec
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
+        if self.dp is not None:
+            n_valid = self.dp.begin(mbs, n_valid)  # CPU waits for every rank: the loss divides by the global count
         self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
         tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
         if self.keep is not None and not self._keep_tokens:
@@ -243,16 +247,17 @@ class Engine:
             self._device_update(norms)  # gated: the host's clip factor and verdict, for every unit at once
         if measuring:
             budget = self.cfg.activation_budget * torch.cuda.get_device_properties(dev.device).total_memory
-            free = int(budget - torch.cuda.max_memory_allocated(dev.device))
+            free = int(self._agree(budget - torch.cuda.max_memory_allocated(dev.device), "min"))
             size = torch.tensor([], dtype=self.dtype).element_size()
             all_in = all(c.placement == "resident" for c in self._choose(free).values())
             params, seconds = self._adam_rate
             adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
+            elapsed = self._agree(time.perf_counter() - t_start, "max")
             self._search.measured(free=free, keep=self.keep, layer_bytes=self._act_bytes, everything_fits=all_in,
-                                  host_bound=time.perf_counter() - t_start < 3 * adam_s,
+                                  host_bound=elapsed < 3 * self._agree(adam_s, "max"),
                                   checkpoint_bytes=sum(mb["input_ids"].numel() for mb in mbs) * self.arch.embed.weight.shape[1] * size)
         elif self._search.phase != "done":
-            self._search.stepped(time.perf_counter() - t_start, self.keep)
+            self._search.stepped(self._agree(time.perf_counter() - t_start, "max"), self.keep)
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
@@ -272,8 +277,8 @@ class Engine:
         run places as the first did from its first step (bit-identical results).
         """
         params, seconds = self._adam_rate
-        if self.placement_mode == "stream" and not self._share and seconds > 0:  # after the first step's updates
-            self._share = placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S)
+        if self.placement_mode == "stream" and not self._share and self._agree(seconds > 0, "min"):  # after the first step's updates
+            self._share = self._agree(placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S), "min")
         cand = self._search.candidate
         want = self._choose(None if cand is None else self._search.free[cand])
         if cand == "B" and self._search.phase == "B1":
@@ -302,7 +307,20 @@ class Engine:
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
         self.choice = want
 
-    def _landed(self, unit: int) -> None:
+    def _agree(self, value: float, op: str) -> float:
+        """Under data parallel the min / max over ranks, so that every rank places alike; else ``value``."""
+        return value if self.dp is None else self.dp.agree(value, op)
+
+    def _reduced(self, unit: int, g: torch.Tensor, n: int, done):
+        """Compute stream: ``unit``'s gradient ``g`` is written (``done``); its first ``n`` elements' norm
+        goes to ``norm_dev``. Under data parallel ``g`` is summed over ranks first, on a side stream on CUDA.
+        Returns the event after which ``g`` and its norm are final: what copies and updates wait for."""
+        if self.dp is not None:
+            return self.dp.grads(g, self.norm_dev[unit + 1], n, done)
+        self.norm_dev[unit + 1].copy_(grad_norm(g[:n]))
+        return self.dev.record(self.dev.compute)
+
+    def _landed(self, unit: int, final=None) -> None:
         """Compute stream: ``unit``'s gradient and norm are complete. A resident group whose units all
         are gets its AdamW now, on the optimizer stream, while the backward goes on.
 
@@ -315,6 +333,8 @@ class Engine:
         """
         if self._bad is None:
             return
+        if self.dp is not None:
+            self.dev.wait(self.dev.compute, final)  # the reduced norm: the verdict and the update follow it
         torch.logical_or(self._bad, ~torch.isfinite(self.norm_dev[unit + 1]), out=self._bad)
         self._seen.add(unit)
         r = self.dev_opt.of.get(unit)
@@ -682,20 +702,22 @@ class Engine:
                 g[:, a:b] = x.grad
                 total += loss.detach()
             grads.append(g)
+        if self.dp is not None:
+            self.dp.sum_(total, "the loss all-reduce")  # every rank reports the global loss, and skips alike
         n_head = self.store.units[L].layout.numel
-        self.norm_dev[L + 1].copy_(grad_norm(gslot[:n_head]))
         if self._bad is not None:
             torch.logical_or(self._bad, ~torch.isfinite(total), out=self._bad)  # a non-finite loss skips every unit
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
         self.io.read_loss(total, done, loss_box)
+        done = self._reduced(L, gslot, n_head, done)
         self._committed = True  # the Adam worker may start this step's updates once the loss arrives
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
         self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
-        self._landed(L)
+        self._landed(L, done)
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -743,10 +765,9 @@ class Engine:
                 for m in range(len(outs)):
                     torch.autograd.backward(outs[m], gs[m])
                     gs[m] = xs[m].grad
-                self.norm_dev[i + 1].copy_(grad_norm(g))
                 rec.cuda_end(tok, dev.compute)
-                done = dev.record(dev.compute)
-                self._landed(i)
+                done = self._reduced(i, g, g.numel(), dev.record(dev.compute))
+                self._landed(i, done)
                 self._done(plan, k)
                 self._count_memory()
                 if res is not None:
@@ -767,11 +788,14 @@ class Engine:
                     dE.append(st["E"][m].grad.flatten())
                 dE = (torch.cat(dE) if len(dE) > 1 else dE[0]).float()  # the device casts: the host only adds
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
+                if self.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
+                    dE, ids = self.dp.rows(dE), self.dp.ids
                 if -1 in self.dev_opt.of:
                     self._embed_grads_device(ids, dE)
                     rec.cuda_end(tok, dev.compute)
-                    landed = self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
-                    self._landed(-1)
+                    done = dev.record(dev.compute)
+                    landed = self.io.grads(-1, dE, [], done, "bwd")[1]  # norm only
+                    self._landed(-1, done)
                     return landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
