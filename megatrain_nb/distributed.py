@@ -75,13 +75,48 @@ def local_device(device: str) -> str:
     return device
 
 
-def strided(batches, rank: int | None = None, size: int | None = None):
-    """This rank's share of an iterable of batches: items rank, rank + size, ... (each rank its own rows)."""
-    r, n = world()
-    r, n = (r if rank is None else rank), (n if size is None else size)
-    for k, b in enumerate(batches):
-        if k % n == r:
-            yield b
+class strided:
+    """This rank's share of an iterator of batches: of each ``size`` consecutive items, the rank-th.
+
+    Every rank reads the same iterator (same data, same seed) and advances it ``size`` items per
+    step, so its ``state_dict()`` is the same on every rank (rank 0's checkpoint holds it) and
+    counts global batches: a resume on another number of ranks goes on from the same place.
+
+    Args:
+        batches: an iterator of batches (``sft_batches``, ``synthetic_batches``, any iterable).
+        rank, size: default: this process's rank and world size.
+    Example:
+        >>> it = strided(sft_batches("d.jsonl", "m", batch=8, seq=512))   # doctest: +SKIP
+    """
+
+    def __init__(self, batches, rank: int | None = None, size: int | None = None):
+        r, n = world()
+        self.it, self.rank, self.size = iter(batches), (r if rank is None else rank), (n if size is None else size)
+        self.source = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        got = [next(self.it) for _ in range(self.size)]  # StopIteration ends every rank at the same step
+        return got[self.rank]
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
+
+    def __getattr__(self, name):  # the source's other attributes (enc, examples, format, ...)
+        if name == "source":
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+
+def destroy() -> None:
+    """Leave the process group (at the end of a torchrun script); no-op without one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier(what: str) -> None:
@@ -94,6 +129,9 @@ def barrier(what: str) -> None:
 def attach(dev) -> "DataParallel | None":
     """A ``DataParallel`` over the default group when it has several ranks, else None (one process)."""
     return DataParallel(dev) if world()[1] > 1 else None
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renames it
 
 
 @contextlib.contextmanager
@@ -174,7 +212,7 @@ class DataParallel:
         pad[:dE.numel()] = dE
         out = torch.empty(self.size * most, dtype=dE.dtype, device=dE.device)
         with _failing("the embedding-row gather"):
-            dist.all_gather_into_tensor(out, pad)
+            _all_gather(out, pad)
         parts = [out[r * most:r * most + t * H] for r, t in enumerate(self.tokens)]
         return torch.cat(parts)
 

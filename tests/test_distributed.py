@@ -215,3 +215,34 @@ def test_helpers_without_a_process_group():
     assert list(distributed.strided(range(7), 1, 3)) == [1, 4]
     assert list(distributed.strided(range(3))) == [0, 1, 2]
     assert distributed.init() is False  # no WORLD_SIZE: one process, nothing joined
+
+
+def test_torchrun_trains_each_rank_on_its_own_rows_as_one_process_on_all(tmp_path):
+    """``torchrun --nproc-per-node 2 -m megatrain_nb train --batch 1`` = one process with ``--batch 2``."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "tiny"))
+    rows = [{"prompt": "the cat sat on", "response": "the mat"}, {"prompt": "2+2=", "response": "4"}] * 6
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["-m", "megatrain_nb", "train", "--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "d.jsonl"),
+            "--steps", "3", "--seq", "32", "--lr", "1e-3", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "MEGATRAIN_DP_TIMEOUT_S": "60"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *args, "--batch", "1", "--out", str(tmp_path / "two"),
+                          "--save-every", "2"], capture_output=True, text=True, env=env, timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 ranks (data parallel)" in two.stdout and two.stdout.count("saved to") == 1  # rank 0 speaks and writes
+    one = subprocess.run([sys.executable, *args, "--batch", "2", "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "megatrain_state.json").read_text()) for d in ("two", "one"))
+    assert all(rel_scalar(x, y) <= TOL for x, y in zip(a["losses"], b["losses"])), (a["losses"], b["losses"])
+    assert a["data"] == b["data"]  # every rank advanced the data by both ranks' batches
+    assert (tmp_path / "two" / "checkpoint" / "state.json").exists()
