@@ -26,6 +26,7 @@ SCENARIOS = {  # name -> (family, settings)
     "llama_host": ("llama", dict(placement="host")),
     "mixtral_auto_clip": ("mixtral", dict(placement="auto", grad_clip=0.05)),
     "llama_mixed": ("llama", dict(placement={0: "resident", 1: "device"})),
+    "mixtral_stream": ("mixtral", dict(placement="stream")),
     "tied_resident": ("llama_tied", dict(placement={-1: "resident", 0: "resident", 2: "resident"})),
 }
 
@@ -246,3 +247,50 @@ def test_torchrun_trains_each_rank_on_its_own_rows_as_one_process_on_all(tmp_pat
     assert all(rel_scalar(x, y) <= TOL for x, y in zip(a["losses"], b["losses"])), (a["losses"], b["losses"])
     assert a["data"] == b["data"]  # every rank advanced the data by both ranks' batches
     assert (tmp_path / "two" / "checkpoint" / "state.json").exists()
+
+
+# ---- CUDA: NCCL, one GPU per rank (needs 2 GPUs; skipped elsewhere) ------------------------------
+GPU_SCENARIOS = ("llama_host", "tied_resident", "mixtral_auto_clip")
+
+
+def _gpu_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
+    import torch.distributed as dist
+
+    from megatrain_nb import Session
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    out = {}
+    for name in GPU_SCENARIOS:
+        fam, settings = SCENARIOS[name]
+        s = Session.from_pretrained(dirs[fam], **{**BASE, "device": "cuda"}, **settings)
+        assert str(s.engine.dev.device) == f"cuda:{rank}"
+        out[name] = _train(s, _batches(), rank, world)
+        s.close()
+    torch.save(out, tmp / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_equal_one_gpu_with_all_rows(hf_dir, tmp_path):
+    """fp32 on CUDA: NCCL ranks (gradient all-reduce on a side stream) as one GPU with all the rows, 1e-5."""
+    from megatrain_nb import Session
+
+    dirs = {SCENARIOS[n][0]: hf_dir(SCENARIOS[n][0]) for n in GPU_SCENARIOS}
+    assert _spawn(_gpu_rank, tmp_path, dirs) == [0] * WORLD
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name in GPU_SCENARIOS:
+        fam, settings = SCENARIOS[name]
+        s = Session.from_pretrained(dirs[fam], **{**BASE, "device": "cuda:0"}, **settings)
+        try:
+            want = _train(s, _batches())
+        finally:
+            s.close()
+        for r in range(WORLD):
+            got = dict(ranks[r][name], masters={u: w.cpu() for u, w in ranks[r][name]["masters"].items()})
+            _assert_close(got, dict(want, masters={u: w.cpu() for u, w in want["masters"].items()}),
+                          f"{name}, GPU rank {r}", tol=1e-5)
+        assert ranks[0][name]["losses"] == ranks[1][name]["losses"]
