@@ -66,8 +66,13 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     """
     if max_shard_bytes < (1 << 20):
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: use at least 1 MiB")
+    from .distributed import barrier, world
+
     path = Path(path)
     session.engine.drain()  # host wait: every finished step's updates are in the masters
+    if world()[0] != 0:  # data parallel: every rank holds the same state; rank 0 writes it
+        barrier(f"saving checkpoint {str(path)!r} (rank 0 writes it)")
+        return path
     if data_state is None:
         data_state = getattr(session, "data_state", None)
     state = _state(session, data_state)  # before any file: a non-JSON-able field fails here
@@ -83,6 +88,7 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    barrier(f"saving checkpoint {str(path)!r}")  # the other ranks return once it is complete
     return path
 
 

@@ -177,10 +177,26 @@ def _demo(args) -> int:
 
 
 def _train(args) -> int:
+    from . import distributed
     from .data import sft_batches
     from .session import Session
 
     device = _device(args.device)
+    if distributed.init():  # under torchrun: data parallel, each rank its own rows (docs/distributed.md)
+        try:
+            return _train_ranks(args, device)
+        finally:
+            distributed.destroy()
+    return _train_ranks(args, device)
+
+
+def _train_ranks(args, device: str) -> int:
+    """``train`` on this process; under data parallel it reads its rank's batches and rank 0 writes."""
+    from . import distributed
+    from .data import sft_batches
+    from .session import Session
+
+    rank, size = distributed.world()
     model = Path(args.model)
     if not (model / "config.json").is_file():  # before the data, so a wrong path is the one error shown
         raise FileNotFoundError(f"model directory {str(model)!r} does not exist" if not model.is_dir()
@@ -189,16 +205,20 @@ def _train(args) -> int:
         raise ValueError("--eval-every needs --eval-data FILE")
     out = Path(args.out) if args.out else Path("out") / model.resolve().name
     data = sft_batches(args.data, model, batch=args.batch, seq=args.seq, pack=args.pack, seed=args.seed)
+    data = distributed.strided(data) if size > 1 else data  # --batch rows per rank: batch x ranks per step
     held_out = (sft_batches(args.eval_data, data.enc.tok or model, batch=args.batch, seq=args.seq, pack=args.pack)
                 if args.eval_data else None)
     schedule = {} if args.lr_schedule == "constant" else {"total_steps": args.steps}
     s = Session.from_pretrained(model, device=device, lr=args.lr, checkpoint_every=args.checkpoint_every,
                                 lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, **schedule)
     try:
-        print(f"{s}; data {args.data} ({len(data.examples)} {data.format} examples, "
-              f"{'packed' if args.pack else 'one per row'}), batch {args.batch} x seq {args.seq}")
+        ranks = f", {size} ranks (data parallel)" if size > 1 else ""
+        _say(rank, f"{s}; data {args.data} ({len(data.examples)} {data.format} examples, "
+             f"{'packed' if args.pack else 'one per row'}), batch {args.batch} x seq {args.seq}{ranks}")
         losses = _loop(s, data, args.steps, "train", held_out=held_out, eval_every=args.eval_every,
-                       save_every=args.save_every, out=out)
+                       save_every=args.save_every, out=out, quiet=rank > 0)
+        if rank > 0:  # every rank holds the same weights: rank 0 writes them
+            return 0
         s.save_pretrained(out)  # waits for the last updates
         sample = _sample(s, data) if data.enc.tok is not None else None
     finally:
@@ -235,12 +255,17 @@ def _sample(s, data, new_tokens: int = 32) -> tuple:
     return shown, s.generate(prompt, max_new_tokens=new_tokens, tokenizer=data.enc.tok)
 
 
+def _say(rank: int, text: str) -> None:
+    if rank == 0:  # data parallel: one rank speaks for all (they report the same loss)
+        print(text)
+
+
 def _loop(s, batches, steps: int, desc: str, *, held_out=None, eval_every: int | None = None,
-          save_every: int | None = None, out: Path | None = None) -> list[float]:
+          save_every: int | None = None, out: Path | None = None, quiet: bool = False) -> list[float]:
     from tqdm import tqdm
 
     losses = []
-    with tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True, disable=quiet) as bar:
         for k in range(1, steps + 1):
             r = s.step(next(batches))
             losses.append(r.loss)

@@ -23,10 +23,11 @@ from .workers import Box
 class DeviceUpdates:
     """Placement in force for one engine, and every update that runs on the device."""
 
-    def __init__(self, *, arch, store, host_optim, ocfg, ecfg, dev, io, rec, norm_dev, adam, dtype):
+    def __init__(self, *, arch, store, host_optim, ocfg, ecfg, dev, io, rec, norm_dev, adam, dtype, dp=None):
         self.arch, self.store, self.host_optim, self.ocfg, self.ecfg = arch, store, host_optim, ocfg, ecfg
         self.dev, self.io, self.rec, self.norm_dev, self.adam, self.dtype = dev, io, rec, norm_dev, adam, dtype
         self.L = arch.num_layers
+        self.dp = dp  # data parallel (distributed.py): every rank must measure, search and place alike
         self.opt = DeviceAdamW(store, host_optim, ocfg, dev.device, dtype)  # resident / streamed units' state
         self.mode = placing.validate(ecfg.placement, self.L, arch.tied)
         self.gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
@@ -40,6 +41,10 @@ class DeviceUpdates:
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
         self.t_start = 0.0
+
+    def agree(self, value: float, op: str) -> float:
+        """Under data parallel the min / max over ranks, so that every rank places alike; else ``value``."""
+        return value if self.dp is None else self.dp.agree(value, op)
 
     @property
     def measuring(self) -> bool:
@@ -77,8 +82,8 @@ class DeviceUpdates:
         run places as the first did from its first step (bit-identical results).
         """
         params, seconds = self.adam_rate
-        if self.mode == "stream" and not self.share and seconds > 0:  # after the first step's updates
-            self.share = placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S)
+        if self.mode == "stream" and not self.share and self.agree(seconds > 0, "min"):  # after the first step's updates
+            self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S), "min")
         cand = self.search.candidate
         want = self.choose(None if cand is None else self.search.free[cand])
         if cand == "B" and self.search.phase == "B1":
@@ -113,17 +118,19 @@ class DeviceUpdates:
         """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""
         if self.measuring:
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
-            free = int(self.ecfg.activation_budget * total - torch.cuda.max_memory_allocated(self.dev.device))
+            free = int(self.agree(self.ecfg.activation_budget * total - torch.cuda.max_memory_allocated(self.dev.device),
+                                  "min"))
             size = torch.tensor([], dtype=self.dtype).element_size()
             all_in = all(c.placement == "resident" for c in self.choose(free).values())
             params, seconds = self.adam_rate
             adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
             tokens = sum(mb["input_ids"].numel() for mb in mbs)
+            elapsed = self.agree(time.perf_counter() - self.t_start, "max")
             self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
-                                 host_bound=time.perf_counter() - self.t_start < 3 * adam_s,
+                                 host_bound=elapsed < 3 * self.agree(adam_s, "max"),
                                  checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
         elif self.search.phase != "done":
-            self.search.stepped(time.perf_counter() - self.t_start, keep)
+            self.search.stepped(self.agree(time.perf_counter() - self.t_start, "max"), keep)
 
     # ---- within a step (driver thread, compute stream) --------------------------------------------
     def begin(self, gate: bool) -> None:
@@ -140,7 +147,7 @@ class DeviceUpdates:
         if self.bad is not None:
             torch.logical_or(self.bad, ~torch.isfinite(total), out=self.bad)
 
-    def landed(self, unit: int, lr: float) -> None:
+    def landed(self, unit: int, lr: float, final=None) -> None:
         """Compute stream: ``unit``'s gradient and norm are complete. A resident group whose units all
         are gets its AdamW now, on the optimizer stream, while the backward goes on.
 
@@ -153,6 +160,8 @@ class DeviceUpdates:
         """
         if self.bad is None:
             return
+        if self.dp is not None:
+            self.dev.wait(self.dev.compute, final)  # the reduced norm (``final``): the verdict and the update follow it
         torch.logical_or(self.bad, ~torch.isfinite(self.norm_dev[unit + 1]), out=self.bad)
         self.seen.add(unit)
         r = self.opt.of.get(unit)

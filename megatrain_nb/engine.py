@@ -36,6 +36,7 @@ from .host_store import HostStore
 from .hf import Architecture
 from .device_updates import DeviceUpdates
 from .optim import HostAdamW, grad_norm
+from . import distributed
 from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .longcontext import Checkpoints, layer_bytes, pinned_bytes
@@ -79,9 +80,10 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort)
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
+        self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
                                             io=self.io, rec=recorder, norm_dev=self.norm_dev, adam=self.adam,
-                                            dtype=self.dtype)  # placement: state on the device, its updates
+                                            dtype=self.dtype, dp=self.dp)  # placement: state on the device, its updates
         self.dev_opt = self.device_updates.opt  # resident units' buffers, read by the compute below
         self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
@@ -189,6 +191,8 @@ class Engine:
         L, dev, rec, du = self.L, self.dev, self.rec, self.device_updates
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
+        if self.dp is not None:
+            n_valid = self.dp.begin(mbs, n_valid)  # CPU waits for every rank: the loss divides by the global count
         self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
         tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
         if self.keep is not None and not self._keep_tokens:
@@ -234,6 +238,15 @@ class Engine:
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
                 "grad_norm": math.sqrt(sum(n * n for n in norms.values()))}
+
+    def _reduced(self, unit: int, g: torch.Tensor, n: int, done):
+        """Compute stream: ``unit``'s gradient ``g`` is written (``done``); its first ``n`` elements' norm
+        goes to ``norm_dev``. Under data parallel ``g`` is summed over ranks first, on a side stream on CUDA.
+        Returns the event after which ``g`` and its norm are final: what copies and updates wait for."""
+        if self.dp is not None:
+            return self.dp.grads(g, self.norm_dev[unit + 1], n, done)
+        self.norm_dev[unit + 1].copy_(grad_norm(g[:n]))
+        return self.dev.record(self.dev.compute)
 
     def placement_frame(self):
         """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
@@ -520,19 +533,21 @@ class Engine:
                 g[:, a:b] = x.grad
                 total += loss.detach()
             grads.append(g)
+        if self.dp is not None:
+            self.dp.sum_(total, "the loss all-reduce")  # every rank reports the global loss, and skips alike
         n_head = self.store.units[L].layout.numel
-        self.norm_dev[L + 1].copy_(grad_norm(gslot[:n_head]))
         self.device_updates.loss_known(total)  # a non-finite loss skips every device update
         self.rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
         self.io.read_loss(total, done, loss_box)
+        done = self._reduced(L, gslot, n_head, done)
         self._committed = True  # the Adam worker may start this step's updates once the loss arrives
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
         self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
-        self.device_updates.landed(L, self.ocfg.lr_at(self.steps_done))
+        self.device_updates.landed(L, self.ocfg.lr_at(self.steps_done), done)
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -580,10 +595,9 @@ class Engine:
                 for m in range(len(outs)):
                     torch.autograd.backward(outs[m], gs[m])
                     gs[m] = xs[m].grad
-                self.norm_dev[i + 1].copy_(grad_norm(g))
                 rec.cuda_end(tok, dev.compute)
-                done = dev.record(dev.compute)
-                self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done))
+                done = self._reduced(i, g, g.numel(), dev.record(dev.compute))  # summed over ranks, its norm
+                self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done), done)
                 self._done(plan, k)
                 self._count_memory()
                 if res is not None:
@@ -605,11 +619,14 @@ class Engine:
                     dE.append(st["E"][m].grad.flatten())
                 dE = (torch.cat(dE) if len(dE) > 1 else dE[0]).float()  # the device casts: the host only adds
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
+                if self.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
+                    dE, ids = self.dp.rows(dE), self.dp.ids
                 if -1 in self.dev_opt.of:
                     self._embed_grads_device(ids, dE)
                     rec.cuda_end(tok, dev.compute)
-                    landed = self.io.grads(-1, dE, [], dev.record(dev.compute), "bwd")[1]  # norm only
-                    self.device_updates.landed(-1, self.ocfg.lr_at(self.steps_done))
+                    done = dev.record(dev.compute)
+                    landed = self.io.grads(-1, dE, [], done, "bwd")[1]  # norm only
+                    self.device_updates.landed(-1, self.ocfg.lr_at(self.steps_done), done)
                     return landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, OptimConfig
+from .distributed import local_device
 from .engine import Engine
 from .hf import load_architecture
 from .host_store import HostStore
@@ -62,7 +63,8 @@ class Session:
 
         check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
         pin, cast = resolve_pinning(self.engine_cfg, self.arch)
-        resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast)  # engine_cfg keeps "auto"
+        resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast,  # engine_cfg keeps "auto"
+                                       device=local_device(self.engine_cfg.device))  # data parallel: this rank's GPU
         if torch.device(resolved.device).type == "cuda" and not cast and _streams_state(resolved.placement):
             raise ValueError(f"placement={resolved.placement!r} streams fp32 masters and moments over PCIe, which needs "
                              f"them pinned (cast_on_device), but pin_store={resolved.pin_store} and cast_on_device="

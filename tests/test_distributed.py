@@ -1,0 +1,296 @@
+"""Data parallel (distributed.py): N ranks with b rows each train as one process with N*b rows.
+
+CPU, gloo, fp32, 2 ranks started with ``torch.multiprocessing`` (spawn) on a FileStore. One spawn
+runs every scenario (dense and MoE, the placements, a checkpoint and its resume) and saves what
+each rank saw; the tests compare it with single-process Sessions. Tolerance 1e-6 relative (the
+batch is split across ranks, so the matmuls group their sums differently); a resume on the same
+ranks is bit-exact.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import VOCAB, make_batches, rel, rel_scalar
+
+WORLD, ROWS, STEPS, SAVE_AT = 2, 2, 3, 2  # ranks, rows per rank, steps, checkpoint after this step
+TOL = 1e-6
+BASE = dict(device="cpu", dtype=torch.float32, lr=2e-3, betas=(0.9, 0.95), eps=1e-7)
+SCENARIOS = {  # name -> (family, settings)
+    "llama_host": ("llama", dict(placement="host")),
+    "mixtral_auto_clip": ("mixtral", dict(placement="auto", grad_clip=0.05)),
+    "llama_mixed": ("llama", dict(placement={0: "resident", 1: "device"})),
+    "mixtral_stream": ("mixtral", dict(placement="stream")),
+    "tied_resident": ("llama_tied", dict(placement={-1: "resident", 0: "resident", 2: "resident"})),
+}
+
+
+def _batches(world: int = 1) -> list[dict]:
+    return make_batches(VOCAB, STEPS, batch=ROWS * WORLD, pad_id=0)  # row 0 padded: ranks differ in n_valid
+
+
+def _shard(b: dict, rank: int, world: int) -> dict:
+    n = b["input_ids"].shape[0] // world
+    return {k: v[rank * n:(rank + 1) * n] for k, v in b.items()}
+
+
+def _join(rank: int, world: int, tmp: Path, timeout_s: float = 60) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _masters(s) -> dict:
+    s.engine.drain()
+    return {u: s.store.units[u].master.clone() for u in s.store.order}
+
+
+def _train(s, batches, rank=0, world=1, *, save: Path | None = None) -> dict:
+    losses, norms = [], []
+    for k, b in enumerate(batches):
+        r = s.step(_shard(b, rank, world))
+        losses.append(r.loss), norms.append(r.grad_norm)
+        if save is not None and k + 1 == SAVE_AT:
+            from megatrain_nb.checkpoint import save_checkpoint
+
+            save_checkpoint(s, save)
+    return {"losses": losses, "norms": norms, "masters": _masters(s)}
+
+
+def _scenario_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
+    """One rank: every scenario, then a resume of the first one's checkpoint; results to rank<r>.pt."""
+    from megatrain_nb import Session
+    from megatrain_nb.checkpoint import resume
+
+    _join(rank, world, tmp)
+    out = {}
+    for name, (fam, settings) in SCENARIOS.items():
+        s = Session.from_pretrained(dirs[fam], **BASE, **settings)
+        assert s.engine.dp is not None and s.engine.dp.size == world
+        out[name] = _train(s, _batches(), rank, world, save=tmp / "ckpt" if name == "llama_host" else None)
+        out[name]["placement"] = list(s.placement.placement)
+        s.close()
+    s = resume(tmp / "ckpt")
+    out["resumed"] = _train(s, _batches()[SAVE_AT:], rank, world)
+    s.close()
+    torch.save(out, tmp / f"rank{rank}.pt")
+
+
+def _spawn(fn, tmp: Path, *args, timeout_s: float = 240) -> list[int]:
+    """Start WORLD processes of fn(rank, WORLD, tmp, *args); join them; returns their exit codes."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(r, WORLD, tmp, *args)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(1, deadline - time.monotonic()))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.terminate()  # our own child, by its handle
+            p.join()
+        codes.append(p.exitcode)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def ran(hf_dir, tmp_path_factory):
+    """Every scenario on 2 ranks, once: (tmp dir, [rank 0's results, rank 1's])."""
+    tmp = tmp_path_factory.mktemp("dp")
+    dirs = {fam: hf_dir(fam) for fam, _ in SCENARIOS.values()}
+    codes = _spawn(_scenario_rank, tmp, dirs)
+    assert codes == [0] * WORLD, f"ranks exited with {codes}"
+    return tmp, dirs, [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _single(d: Path, settings: dict) -> dict:
+    from megatrain_nb import Session
+
+    s = Session.from_pretrained(d, **BASE, **settings)
+    try:
+        return _train(s, _batches())
+    finally:
+        s.close()
+
+
+def _assert_close(got: dict, want: dict, what: str, tol: float = TOL) -> None:
+    for a, b in zip(got["losses"], want["losses"]):
+        assert rel_scalar(a, b) <= tol, f"{what}: losses {got['losses']} vs {want['losses']}"
+    for u in want["masters"]:
+        d = rel(got["masters"][u], want["masters"][u])
+        assert d <= tol, f"{what}: unit {u} weights differ by {d:.2e} (tolerance {tol})"
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_equal_one_process_with_all_rows(ran, name):
+    tmp, dirs, ranks = ran
+    fam, settings = SCENARIOS[name]
+    want = _single(dirs[fam], settings)
+    for r, got in enumerate(ranks):
+        _assert_close(got[name], want, f"{name}, rank {r}")
+    assert ranks[0][name]["losses"] == ranks[1][name]["losses"], "ranks report different losses"
+    for u, w in ranks[0][name]["masters"].items():
+        assert torch.equal(w, ranks[1][name]["masters"][u]), f"unit {u}: the ranks' weights drifted apart"
+    if settings.get("grad_clip"):  # the norms are those of the reduced gradients: what one process sees
+        assert all(rel_scalar(a, b) <= TOL for a, b in zip(ranks[0][name]["norms"], want["norms"]))
+        assert max(want["norms"]) > settings["grad_clip"], "the clip never acted: the test would not see it"
+    if isinstance(settings["placement"], dict):
+        assert "resident" in ranks[0][name]["placement"]
+
+
+def test_checkpoint_resumes_bit_exactly_on_same_ranks_and_to_tolerance_on_one(ran):
+    from megatrain_nb.checkpoint import resume
+
+    tmp, dirs, ranks = ran
+    for r in range(WORLD):  # same N: the uninterrupted run's last steps, bit for bit
+        got, want = ranks[r]["resumed"], ranks[r]["llama_host"]
+        assert got["losses"] == want["losses"][SAVE_AT:]
+        assert all(torch.equal(got["masters"][u], w) for u, w in want["masters"].items())
+    s = resume(tmp / "ckpt")  # M = 1 process, all rows
+    try:
+        assert s.engine.dp is None and s.engine.steps_done == SAVE_AT
+        got = _train(s, _batches()[SAVE_AT:])
+    finally:
+        s.close()
+    want = dict(ranks[0]["llama_host"], losses=ranks[0]["llama_host"]["losses"][SAVE_AT:])
+    _assert_close(got, want, "resumed on 1 process")
+
+
+def _failing_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
+    """Step 1 and a checkpoint on both ranks; then rank 1 raises and stays alive (no collective comes)."""
+    from megatrain_nb import Session
+    from megatrain_nb.checkpoint import save_checkpoint
+
+    _join(rank, world, tmp, timeout_s=5)
+    s = Session.from_pretrained(d, **BASE)
+    b = _batches()
+    s.step(_shard(b[0], rank, world))
+    save_checkpoint(s, tmp / "ckpt")
+    if rank == 1:
+        try:
+            s.step({"input_ids": torch.full((1, 4), VOCAB)})  # a token outside the vocabulary
+        except ValueError:
+            t0 = time.monotonic()  # alive, never answering: only the timeout can end rank 0's wait
+            while not (tmp / "rank0.txt").exists() and time.monotonic() - t0 < 60:
+                time.sleep(0.2)
+        return
+    t0 = time.monotonic()
+    try:
+        s.step(_shard(b[1], rank, world))
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e)
+    (tmp / "rank0.txt").write_text(f"{time.monotonic() - t0:.1f}\n{msg}")
+
+
+def test_a_failing_rank_ends_the_others_with_a_clear_error_and_the_checkpoint_stays(hf_dir, tmp_path):
+    from megatrain_nb.checkpoint import resume
+
+    codes = _spawn(_failing_rank, tmp_path, hf_dir("llama"), timeout_s=90)
+    assert codes[0] == 0, f"rank 0 exited with {codes[0]}"
+    seconds, msg = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "rank 0 of 2" in msg and "another rank stopped" in msg and "checkpoint is intact" in msg, msg
+    assert float(seconds) < 60, f"rank 0 waited {seconds} s"  # bounded by the 5 s timeout, not by rank 1
+    s = resume(tmp_path / "ckpt")
+    try:
+        assert s.engine.steps_done == 1
+    finally:
+        s.close()
+
+
+# ---- one process: the helpers -----------------------------------------------------------------
+def test_helpers_without_a_process_group():
+    from megatrain_nb import distributed
+
+    assert distributed.world() == (0, 1)
+    assert distributed.attach(None) is None
+    assert distributed.local_device("cuda") == "cuda" and distributed.local_device("cpu") == "cpu"
+    assert list(distributed.strided(range(7), 1, 3)) == [1, 4]
+    assert list(distributed.strided(range(3))) == [0, 1, 2]
+    assert distributed.init() is False  # no WORLD_SIZE: one process, nothing joined
+
+
+def test_torchrun_trains_each_rank_on_its_own_rows_as_one_process_on_all(tmp_path):
+    """``torchrun --nproc-per-node 2 -m megatrain_nb train --batch 1`` = one process with ``--batch 2``."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "tiny"))
+    rows = [{"prompt": "the cat sat on", "response": "the mat"}, {"prompt": "2+2=", "response": "4"}] * 6
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["-m", "megatrain_nb", "train", "--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "d.jsonl"),
+            "--steps", "3", "--seq", "32", "--lr", "1e-3", "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "MEGATRAIN_DP_TIMEOUT_S": "60"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          *args, "--batch", "1", "--out", str(tmp_path / "two"),
+                          "--save-every", "2"], capture_output=True, text=True, env=env, timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 ranks (data parallel)" in two.stdout and two.stdout.count("saved to") == 1  # rank 0 speaks and writes
+    one = subprocess.run([sys.executable, *args, "--batch", "2", "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "megatrain_state.json").read_text()) for d in ("two", "one"))
+    assert all(rel_scalar(x, y) <= TOL for x, y in zip(a["losses"], b["losses"])), (a["losses"], b["losses"])
+    assert a["data"] == b["data"]  # every rank advanced the data by both ranks' batches
+    assert (tmp_path / "two" / "checkpoint" / "state.json").exists()
+
+
+# ---- CUDA: NCCL, one GPU per rank (needs 2 GPUs; skipped elsewhere) ------------------------------
+GPU_SCENARIOS = ("llama_host", "tied_resident", "mixtral_auto_clip")
+
+
+def _gpu_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
+    import torch.distributed as dist
+
+    from megatrain_nb import Session
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    out = {}
+    for name in GPU_SCENARIOS:
+        fam, settings = SCENARIOS[name]
+        s = Session.from_pretrained(dirs[fam], **{**BASE, "device": "cuda"}, **settings)
+        assert str(s.engine.dev.device) == f"cuda:{rank}"
+        out[name] = _train(s, _batches(), rank, world)
+        s.close()
+    torch.save(out, tmp / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_equal_one_gpu_with_all_rows(hf_dir, tmp_path):
+    """fp32 on CUDA: NCCL ranks (gradient all-reduce on a side stream) as one GPU with all the rows, 1e-5."""
+    from megatrain_nb import Session
+
+    dirs = {SCENARIOS[n][0]: hf_dir(SCENARIOS[n][0]) for n in GPU_SCENARIOS}
+    assert _spawn(_gpu_rank, tmp_path, dirs) == [0] * WORLD
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name in GPU_SCENARIOS:
+        fam, settings = SCENARIOS[name]
+        s = Session.from_pretrained(dirs[fam], **{**BASE, "device": "cuda:0"}, **settings)
+        try:
+            want = _train(s, _batches())
+        finally:
+            s.close()
+        for r in range(WORLD):
+            got = dict(ranks[r][name], masters={u: w.cpu() for u, w in ranks[r][name]["masters"].items()})
+            _assert_close(got, dict(want, masters={u: w.cpu() for u, w in want["masters"].items()}),
+                          f"{name}, GPU rank {r}", tol=1e-5)
+        assert ranks[0][name]["losses"] == ranks[1][name]["losses"]
