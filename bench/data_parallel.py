@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rows import emit  # noqa: E402
+from rows import emit, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 
@@ -45,14 +45,6 @@ def merge_chrome_traces(paths: list[str], out: str) -> None:
         events.append({"name": "process_sort_index", "ph": "M", "pid": r + 1, "tid": 0, "args": {"sort_index": r}})
     with (gzip.open if out.endswith(".gz") else open)(out, "wt") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f, separators=(",", ":"))
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def one_rank(a) -> None:
