@@ -122,8 +122,9 @@ class EngineConfig:
     placement: str | dict = "auto"
     """Where each unit's AdamW and state live (placement.py): "auto" (on CUDA, units resident on the
     device while the memory the activations leave holds them), "host" (every update on the host,
-    nothing kept on the device), "stream", or a dict {unit: "host" | "resident"} (-1 embedding,
-    0..L-1 layers, L head). ``Session.placement`` shows the choice and why."""
+    nothing kept on the device), "stream" (a share of the layers stream their fp32 state through the
+    device for their update; nothing kept), or a dict {unit: "host" | "device" | "resident"} (-1
+    embedding, 0..L-1 layers, L head). ``Session.placement`` shows the choice and why."""
 
     def __post_init__(self):
         try:
@@ -164,6 +165,6 @@ class EngineConfig:
                              "or None (the fused kernels in torch's order)")
         if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
             raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
-                             "{unit: 'host' | 'resident'}")
+                             "{unit: 'host' | 'device' | 'resident'}")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")
