@@ -16,7 +16,7 @@ import time
 import torch
 
 from . import placement as placing
-from .optim import DeviceAdamW
+from .optim import DeviceAdamW, grad_norm
 from .workers import Box
 
 
@@ -233,6 +233,29 @@ class DeviceUpdates:
         j = self._slot_turn % len(self.sslots)
         self._slot_turn += 1
         return j
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Compute stream: the rows of a resident embedding for ``ids`` (B, T) -> (B, T, H), compute dtype."""
+        r, H = self.opt.of[-1], self.arch.embed.weight.shape[1]
+        a, b = r.seg(-1)
+        rows = r.w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
+        return rows.view(*ids.shape, H)
+
+    def embed_grads(self, ids: torch.Tensor, dE: torch.Tensor) -> None:
+        """Compute stream: the resident embedding's fp32 gradient from its rows (and the head's, when tied)."""
+        r, H = self.opt.of[-1], self.arch.embed.weight.shape[1]
+        if self.arch.tied:
+            a, b = r.seg(-1)
+            r.egrad.copy_(r.grad[a:b])  # the lm_head's gradient of the shared weight, upcast as the host does
+        else:
+            r.egrad.zero_()
+        ids = ids.to(self.dev.device, non_blocking=True)
+        rows = dE.view(-1, H)
+        pad = self.arch.embed.padding_idx
+        if pad is not None:
+            rows = rows.masked_fill((ids == pad).unsqueeze(1), 0)  # nn.Embedding gives padding_idx no gradient
+        r.egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
+        self.norm_dev[0].copy_(grad_norm(r.egrad))
 
     def end_backward(self) -> None:
         """Compute stream: the next step's compute follows this step's overlapped device updates."""

@@ -307,11 +307,8 @@ class Engine:
         """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves)."""
         ids = mb["input_ids"]
         H = self.arch.embed.weight.shape[1]
-        if -1 in self.dev_opt.of:  # resident: gather on the device from the current weights
-            r = self.dev_opt.of[-1]
-            a, b = r.seg(-1)
-            rows = r.w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
-            return rows.view(*ids.shape, H), Box(ready=True)
+        if -1 in self.dev_opt.of:  # resident: gathered on the device from the current weights
+            return self.device_updates.embed_rows(ids), Box(ready=True)
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
         rows = lambda: self.store.units[-1].master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
         box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", self.steps_done)
@@ -622,7 +619,7 @@ class Engine:
                 if self.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
                     dE, ids = self.dp.rows(dE), self.dp.ids
                 if -1 in self.dev_opt.of:
-                    self._embed_grads_device(ids, dE)
+                    self.device_updates.embed_grads(ids, dE)
                     rec.cuda_end(tok, dev.compute)
                     done = dev.record(dev.compute)
                     landed = self.io.grads(-1, dE, [], done, "bwd")[1]  # norm only
@@ -636,23 +633,6 @@ class Engine:
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]
         raise AssertionError("backward_ops always ends with embed_bwd")
-
-    def _embed_grads_device(self, ids: torch.Tensor, dE: torch.Tensor) -> None:
-        """Compute stream: the resident embedding's fp32 gradient from its rows (and the head's, when tied)."""
-        r = self.dev_opt.of[-1]
-        H = self.arch.embed.weight.shape[1]
-        if self.arch.tied:
-            a, b = r.seg(-1)
-            r.egrad.copy_(r.grad[a:b])  # the lm_head's gradient of the shared weight, upcast as the host does
-        else:
-            r.egrad.zero_()
-        ids = ids.to(self.dev.device, non_blocking=True)
-        rows = dE.view(-1, H)
-        pad = self.arch.embed.padding_idx
-        if pad is not None:
-            rows = rows.masked_fill((ids == pad).unsqueeze(1), 0)  # nn.Embedding gives padding_idx no gradient
-        r.egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
-        self.norm_dev[0].copy_(grad_norm(r.egrad))
 
     def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive) -> float:
         """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
