@@ -205,7 +205,7 @@ class Engine:
             du.search = placing.Search()  # the activation policy is chosen again: so is the placement
         self.keep = du.place(self.steps_done, self.keep)  # Note: [Placement] in device_updates.py
         loss_box = Box(self.abort)
-        gate = self.ocfg.grad_clip is not None or not self.cfg.overlap_optimizer or self.cfg.nonfinite == "raise"
+        gate = du.gate  # grad_clip, overlap off or nonfinite="raise": every update waits for every gradient
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         du.begin(gate)
@@ -266,8 +266,7 @@ class Engine:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         weights = size(self.slots + [self.head_slot])
         grads = size(self.gslots + [self.head_gslot])
-        resident = size([t for r in self.dev_opt.groups.values() for t in (r.w, r.grad, r.master, r.exp_avg,
-                                                                             r.exp_avg_sq, r.egrad) if t is not None])
+        resident = self.dev_opt.nbytes
         rec.counter("device_mem.weights", weights)
         rec.counter("device_mem.grads", grads)
         rec.counter("device_mem.resident", resident)

@@ -124,6 +124,11 @@ class Resident:
         return next((a, b) for u, a, b in self.segs if u == unit)
 
 
+def _nbytes(r: Resident) -> int:
+    return sum(t.numel() * t.element_size() for t in (r.w, r.grad, r.master, r.exp_avg, r.exp_avg_sq, r.egrad)
+               if t is not None)
+
+
 class DeviceAdamW:
     """AdamW on the device for the units placed "resident": their state stays there between steps.
 
@@ -139,6 +144,7 @@ class DeviceAdamW:
         self.groups: dict[tuple[int, ...], Resident] = {}
         self.of: dict[int, Resident] = {}  # unit -> its group
         self.streamed: dict[int, torch.Tensor] = {}  # unit placed "device" -> its step count on the device
+        self.nbytes = 0  # device bytes of every resident group's buffers (kept as groups come and go)
 
     def add(self, units: tuple[int, ...]) -> Resident:
         """Move a group's state from the host store to the device (the host's last update must be applied)."""
@@ -162,6 +168,7 @@ class DeviceAdamW:
         r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
         self.groups[units] = r
         self.of.update(dict.fromkeys(units, r))
+        self.nbytes += _nbytes(r)
         return r
 
     def stream_add(self, u: int) -> None:
@@ -207,6 +214,7 @@ class DeviceAdamW:
         """Write a group back to the host and free its device memory."""
         self.write_back(units)
         r = self.groups.pop(units)
+        self.nbytes -= _nbytes(r)
         for u in r.units:
             del self.of[u]
 

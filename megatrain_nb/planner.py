@@ -370,7 +370,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
-         offload_checkpoints: bool | None = None, _advise: bool = True) -> Plan:
+         offload_checkpoints: bool | None = None, _advise: bool = True, _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -589,14 +589,14 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                           f"{hw.host_mem_bytes / _GIB:.1f} ({p.host_bytes_per_param:g} B/param + pinned pool"
                           + (f" + {parked} parked checkpoints" if parked else "") + "). " + " ".join(p.advice),
                           stacklevel=2)
-    if mode == "auto" and _advise and checkpoint_every is None and sum(keep) and len(resident) < len(numel) \
+    if mode == "auto" and _search and _advise and checkpoint_every is None and sum(keep) and len(resident) < len(numel) \
             and p.steady_step_ms < 3e3 * N / hw.host_adam_params_per_s:  # placement.Search, Note: [Auto search]
         free_b = free + sum(keep) * (act - boundary) - act
         b = {u for u, c in placing.choose(numel, mode="auto", free_bytes=int(free_b), dtype_bytes=d, tied=s["tied"],
                                           cuda=True).items() if c.placement == "resident"}
         kwargs = {k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes", "placement")}
         q = plan(config, hardware=hardware, dtype_bytes=d, placement=dict.fromkeys(b, "resident"), _advise=False,
-                 **kwargs)
+                 _search=False, **kwargs)
         if q.steady_step_ms < 0.97 * p.steady_step_ms:  # residency first wins, as the engine's search decides
             q.settings["placement"] = "auto"
             return q

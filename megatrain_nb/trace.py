@@ -5,7 +5,7 @@ span DataFrame (`find_stalls`, `summarize`, `slot_segments`) and the Chrome Trac
 It does not plot (`viz.py` does) and decides nothing for the engine: recording only appends, and
 the one GPU wait is in `Recorder.resolve`, which the engine runs when a trace is first read, after
 its step. Times are ms on the host clock from `begin_step` (t0).
-Why ~490 lines: recorder, analysis and export share one span layout; if the analysis grows, it is
+Why ~500 lines: recorder, analysis and export share one span layout; if the analysis grows, it is
 the part to move to a module of its own.
 """
 

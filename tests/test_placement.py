@@ -285,3 +285,17 @@ def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losi
     finally:
         s.close()
     assert got == want[1:]
+
+
+def test_resident_bytes_follow_groups_in_and_out(hf_dir):
+    s = Session.from_pretrained(hf_dir("llama"), lr=LR, placement={0: "resident", -1: "resident"})
+    try:
+        train_session(s, make_batches(VOCAB, 1))
+        opt = s.engine.dev_opt
+        want = sum(t.numel() * t.element_size() for r in opt.groups.values()
+                   for t in (r.w, r.grad, r.master, r.exp_avg, r.exp_avg_sq, r.egrad) if t is not None)
+        assert opt.nbytes == want > 0
+        opt.remove((0,))
+        assert opt.nbytes < want
+    finally:
+        s.close()

@@ -390,7 +390,7 @@ def test_auto_placement_chooses_as_the_engine_search_does():
     residency first recomputes layers to make nearly all resident, and is faster: 'auto' takes it
     (measured in one run: 0.990 s a step, 28 layers resident; bench/planner_placement.py)."""
     a = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto")
-    first = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto", _advise=False)  # no search
+    first = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto", _search=False)  # no search
     n = lambda p: sum(v == "resident" for v in p.placement.values())  # noqa: E731
     assert n(a) > n(first) and a.recomputed_layers > first.recomputed_layers == 0
     assert a.steady_step_ms < 0.97 * first.steady_step_ms and a.settings["placement"] == "auto"
