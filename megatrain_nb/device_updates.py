@@ -32,7 +32,7 @@ class DeviceUpdates:
         self.mode = placing.validate(ecfg.placement, self.L, arch.tied)
         self.gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
-        self.search = placing.Search()  # "auto": measuring step, then activations first vs residency first
+        self.search = placing.Search()  # "auto": a measuring step, then timed candidates (Note: [Auto search])
         self.share = 0.0  # "stream": share of the layers placed "device", from the first step's host AdamW rate
         self.adam_rate = (0, 0.0)  # host AdamW so far: (params, seconds)
         self.sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
@@ -86,8 +86,8 @@ class DeviceUpdates:
             self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S), "min")
         cand = self.search.candidate
         want = self.choose(None if cand is None else self.search.free[cand])
-        if cand == "B" and self.search.phase == "B1":
-            keep = None  # residency first: the activation policy is decided around the residents
+        if self.search.phase in ("B1", "C1"):
+            keep = None  # residency first / the head resident: the activation policy is decided around the residents
         elif cand is not None and self.search.keep.get(cand) is not None:
             keep = list(self.search.keep[cand])
         opt = self.opt
@@ -126,11 +126,18 @@ class DeviceUpdates:
             adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
             tokens = sum(mb["input_ids"].numel() for mb in mbs)
             elapsed = self.agree(time.perf_counter() - self.t_start, "max")
+            rate = self.agree(params / seconds if seconds else 3e9, "min")
+            a = self.choose(free)
+            head = [(sum(placing.resident_bytes(u, self.store.units[u].layout.numel, size, self.arch.tied) for u in g),
+                     sum(self.store.units[u].layout.numel for u in g) / rate)
+                    for g in placing.groups(self.L, self.arch.tied) if a[g[0]].placement == "host"]
             self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
-                                 host_bound=elapsed < 3 * self.agree(adam_s, "max"),
+                                 host_bound=elapsed < 3 * self.agree(adam_s, "max"), head=head,
                                  checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
+            self.io.take_update_wait()
         elif self.search.phase != "done":
-            self.search.stepped(self.agree(time.perf_counter() - self.t_start, "max"), keep)
+            self.search.stepped(self.agree(time.perf_counter() - self.t_start, "max"), keep,
+                                waited=self.agree(self.io.take_update_wait(), "max"))
 
     # ---- within a step (driver thread, compute stream) --------------------------------------------
     def begin(self, gate: bool) -> None:

@@ -155,11 +155,11 @@ class Engine:
         except torch.OutOfMemoryError:
             self._recover()
             search = self.device_updates.search
-            if search.phase not in ("B1", "B2") or self._committed:
+            if not search.trial or self._committed:
                 raise
-            # Note: [Auto search] a residency-first trial that does not fit: nothing of it was applied
-            # (no update starts before the loss is known), so the same batch runs again as activations first.
-            search.abandon_b()
+            # Note: [Auto search] a trial (C or B) that does not fit: nothing of it was applied (no update
+            # starts before the loss is known), so the same batch runs again with the search's best so far.
+            search.abandon()
             torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
             return self._step(mbs, n_valid)
         except BaseException:

@@ -19,6 +19,7 @@ Placements of one unit (-1 embedding, 0..L-1 decoder layers, L head):
 Modes:
   "auto":   on CUDA, after the first step of a batch size has measured what the activations use,
             the units the next forward needs first become resident while they fit; the rest stay "host".
+            How much the activations give up for residents is timed (Note: [Auto search]).
   "host":   nothing resident (the behaviour before placements existed).
   "stream": nothing kept on the device between steps: the first layers (the next forward needs them
             first) are placed "device", the share that balances PCIe against the host's AdamW
@@ -166,28 +167,67 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
     return out
 
 
+def head_budget(free_a: int, free_b: int, head: list, wait: float, step: float) -> int | None:
+    """Candidate C's device bytes for residents (Note: [Auto search]), or None when C is not worth a trial.
+
+    Args:
+        free_a, free_b: candidate A's and B's bytes for residents.
+        head: (device bytes, host AdamW seconds) of each group that A leaves on the host, in the order
+            the forward needs them.
+        wait, step: A's timed step and how long its forward waited for host updates (seconds).
+    Returns:
+        ``free_a`` (at least the reserve) plus the bytes of the first groups of ``head`` whose host
+        AdamW adds up to ``wait``;
+        None when the wait is under 3% of the step or the budget would reach B's.
+
+    Example:
+        >>> GiB = 2**30
+        >>> head_budget(5 * GiB, 99 * GiB, [(10 * GiB, 0.1), (4 * GiB, 0.05), (4 * GiB, 0.05)], wait=0.12, step=1.0) // GiB
+        19
+    """
+    if wait < 0.03 * step or not head:
+        return None
+    need = covered = 0
+    for nbytes, adam_s in head:
+        if covered >= wait:
+            break
+        need, covered = need + nbytes, covered + adam_s
+    free = max(free_a, RESERVE_BYTES) + need  # A may have overshot its budget: C's residents displace activations
+    return free if free < free_b else None
+
+
 @dataclasses.dataclass
 class Search:
-    """The "auto" mode's choice between two ways to share the device, made by timing both.
+    """The "auto" mode's choice between ways to share the device, made by timing them.
 
     Note: [Auto search] candidate A, activations first: the layers the activation policy keeps stay
-    kept, and residency takes what they leave. Candidate B, residency first: the kept activations
-    give their memory back (less one layer's working set and a checkpoint per layer), units become
-    resident in that, and the activation policy keeps what is still free. A is right when the host's
-    AdamW hides behind a long step; B when the host's AdamW is what the step waits for. The engine
-    runs one measuring step (nothing resident), then each candidate for two steps (the second is
-    timed: it carries the first's trailing host updates, as every later step will), and keeps the
-    faster (B only if it is 3% faster). When A already makes every unit resident, or the measuring
-    step lasted over three times the host AdamW of every unit (long context: the host hides), B is
-    not tried and A is taken at once.
-    Phases: measure -> A1 -> A2 -> B1 -> B2 -> done.
+    kept, and residency takes what they leave. Candidate C, the forward's head resident: A, plus
+    just enough residency for the units the next forward needs first that the forward no longer
+    waits for their host AdamW (the last gradients to land are the first weights the next step
+    reads: measured as the packer's wait for host updates in A's timed step); those bytes come from
+    the activations, so the policy keeps a layer or two fewer. Candidate B, residency first: the kept
+    activations give their memory back (less one layer's working set and a checkpoint per layer),
+    units become resident in that, and the activation policy keeps what is still free. A is right
+    when the host's AdamW hides behind a long step; C when only its tail shows; B when the host's
+    AdamW is what the step waits for. The engine runs one measuring step (nothing resident), then
+    each candidate for two steps (the second is timed: it carries the first's trailing host
+    updates, as every later step will), and keeps the fastest (C or B only if 3% faster than A).
+    C is not tried when A's forward waited under 3% of its step, or when its budget would reach B's.
+    When A already makes every unit resident, or the measuring step lasted over three times the
+    host AdamW of every unit (long context: the host hides), nothing else is tried: A at once.
+    Phases: measure -> A1 -> A2 -> C1 -> C2 -> B1 -> B2 -> done.
     """
 
     phase: str = "measure"
     free: dict = dataclasses.field(default_factory=dict)  # candidate -> device bytes for residents
     keep: dict = dataclasses.field(default_factory=dict)  # candidate -> activation policy (list of bool)
     seconds: dict = dataclasses.field(default_factory=dict)  # candidate -> its timed step
+    waited: dict = dataclasses.field(default_factory=dict)  # candidate -> the forward's wait for host updates
+    head: list = dataclasses.field(default_factory=list)  # [(device bytes, host AdamW s)] per group A leaves host
     winner: str | None = None
+
+    NAMES = {"A": "activations first", "C": "the forward's head resident", "B": "residency first"}
+    ORDER = ("A1", "A2", "C1", "C2", "B1", "B2", "done")
 
     @classmethod
     def done_with(cls, free: int) -> "Search":
@@ -196,45 +236,70 @@ class Search:
 
     @property
     def candidate(self) -> str | None:
-        """What the next step runs: None (measuring: nothing resident), "A" or "B"."""
+        """What the next step runs: None (measuring: nothing resident), "A", "C" or "B"."""
         if self.phase == "measure":
             return None
         return self.winner if self.phase == "done" else self.phase[0]
 
+    @property
+    def trial(self) -> bool:
+        """This step tries C or B: an out-of-memory error in it is the trial's, not the run's."""
+        return self.phase in ("C1", "C2", "B1", "B2")
+
     def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool,
-                 host_bound: bool = True) -> None:
+                 host_bound: bool = True, head: list | None = None) -> None:
         """After the measuring step: A's and B's budgets (see the Note). ``host_bound``: the host's AdamW
-        could hold the step back (else, a long step that hides it, B is not worth its trial steps)."""
+        could hold the step back (else, a long step that hides it, nothing else is worth trial steps).
+        ``head``: (device bytes, host AdamW seconds) of each group that A leaves on the host, in the
+        order the forward needs them (what C makes resident, as far as A's forward waited)."""
         kept = sum(keep)
         self.free["A"], self.keep["A"] = free, list(keep)
         self.free["B"] = free + kept * (layer_bytes - checkpoint_bytes) - layer_bytes
+        self.head = list(head or [])
         if everything_fits or kept == 0 or not host_bound:
             self.phase, self.winner = "done", "A"
         else:
             self.phase = "A1"
 
-    def stepped(self, seconds: float, keep: list) -> None:
-        """After a step of a candidate: time it (the second of two) and move on."""
-        nxt = {"A1": "A2", "A2": "B1", "B1": "B2", "B2": "done"}
-        if self.phase in ("A2", "B2"):
-            self.seconds[self.phase[0]] = seconds
-        if self.phase == "B1":
-            self.keep["B"] = list(keep)  # decided in B1's forward, around the residents
-        if self.phase in nxt:
-            self.phase = nxt[self.phase]
-        if self.phase == "done" and self.winner is None:
-            self.winner = "B" if self.seconds["B"] < 0.97 * self.seconds["A"] else "A"
+    def _c_budget(self) -> int | None:
+        return head_budget(self.free["A"], self.free["B"], self.head, self.waited.get("A", 0.0),
+                           self.seconds.get("A", 0.0))
 
-    def abandon_b(self) -> None:
-        """Residency first ran out of device memory in a trial step: activations first it is."""
-        self.phase, self.winner, self.seconds["B"] = "done", "A", float("inf")
+    def stepped(self, seconds: float, keep: list, waited: float = 0.0) -> None:
+        """After a step of a candidate: time it (the second of two) and move on. ``waited``: seconds the
+        step's forward waited for host updates (the packer's wait)."""
+        if self.phase in ("A2", "C2", "B2"):
+            self.seconds[self.phase[0]] = seconds
+            self.waited[self.phase[0]] = waited
+        if self.phase in ("C1", "B1"):
+            self.keep[self.phase[0]] = list(keep)  # decided in the trial's first forward, around the residents
+        if self.phase in self.ORDER[:-1]:
+            self.phase = self.ORDER[self.ORDER.index(self.phase) + 1]
+        if self.phase == "C1":
+            free = self._c_budget()
+            if free is None:
+                self.phase = "B1"
+            else:
+                self.free["C"] = free
+        if self.phase == "done" and self.winner is None:
+            self._decide()
+
+    def _decide(self) -> None:
+        a = self.seconds.get("A", float("inf"))
+        best = min((c for c in ("C", "B") if c in self.seconds), key=self.seconds.get, default=None)
+        self.winner = best if best is not None and self.seconds[best] < 0.97 * a else "A"
+
+    def abandon(self) -> None:
+        """The trial (C or B) ran out of device memory: it is out of the running, and so is anything
+        that holds more residents (B after C); the fastest of what ran wins."""
+        self.seconds[self.phase[0]] = float("inf")
+        self.phase = "done"
+        self._decide()
 
     def summary(self) -> str:
         """One line for Session.placement: what was tried and what won."""
-        if self.seconds.get("B") == float("inf"):
-            return "auto tried residency first: it ran out of device memory, so activations first it is"
-        if not self.seconds:
+        if not self.seconds or self.winner is None:
             return ""
-        a, b = self.seconds.get("A"), self.seconds.get("B")
-        return (f"auto tried activations first ({a:.3f} s a step) and residency first ({b:.3f} s): "
-                f"{'residency' if self.winner == 'B' else 'activations'} first won")
+        tried = ", ".join(f"{self.NAMES[c]} ({'ran out of device memory' if s == float('inf') else f'{s:.3f} s a step'})"
+                          for c, s in self.seconds.items())
+        return f"auto tried {tried}: {self.NAMES[self.winner]} won"

@@ -12,7 +12,7 @@ three ways of moving weights (packing from the fp32 master, `pin_store`, `cast_o
 not choose between them: that rule (`preflight.resolve_pinning`) needs the device type and the
 machine's RAM, which a `Hardware` profile does not say. The scheduler itself lives in `simulate.py`.
 It also predicts what the engine decides for itself: placement (`placement.choose`, and the "auto"
-search between activations first and residency first) and long-context checkpoint placement
+search between activations first, the forward's head resident and residency first) and long-context checkpoint placement
 (`longcontext.py`), with `Plan.advice` for what does not fit. Over 400 lines because `plan` must
 follow every one of the engine's memory and time decisions in one place to stay comparable with a
 recorded step; the pure rules it shares with the engine live in placement.py and longcontext.py.
@@ -595,9 +595,24 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         b = {u for u, c in placing.choose(numel, mode="auto", free_bytes=int(free_b), dtype_bytes=d, tied=s["tied"],
                                           cuda=True).items() if c.placement == "resident"}
         kwargs = {k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes", "placement")}
-        q = plan(config, hardware=hardware, dtype_bytes=d, placement=dict.fromkeys(b, "resident"), _advise=False,
-                 _search=False, **kwargs)
-        if q.steady_step_ms < 0.97 * p.steady_step_ms:  # residency first wins, as the engine's search decides
+
+        def trial(free_bytes):
+            units = {u for u, c in placing.choose(numel, mode="auto", free_bytes=int(free_bytes), dtype_bytes=d,
+                                                  tied=s["tied"], cuda=True).items() if c.placement == "resident"}
+            return plan(config, hardware=hardware, dtype_bytes=d, placement=dict.fromkeys(units, "resident"),
+                        _advise=False, _search=False, **kwargs)
+
+        tried = [trial(free_b)]  # B, residency first
+        df = p.simulate_steady()
+        wait_s = float(df.loc[df.op == "wait-update", "dur_ms"].sum()) / 1e3
+        head = [(sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in g),
+                 sum(numel[u] for u in g) / hw.host_adam_params_per_s)
+                for g in placing.groups(L, s["tied"]) if not set(g) & resident]
+        free_c = placing.head_budget(int(free), int(free_b), head, wait_s, p.steady_step_ms / 1e3)
+        if free_c is not None:
+            tried.append(trial(free_c))  # C, the forward's head resident
+        q = min(tried, key=lambda x: x.steady_step_ms)
+        if q.steady_step_ms < 0.97 * p.steady_step_ms:  # as the engine's search decides (3% better than A)
             q.settings["placement"] = "auto"
             return q
     return p

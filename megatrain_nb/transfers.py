@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 
@@ -82,9 +83,15 @@ class Transfers:
         self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
                           if ecfg.cast_on_device else [])  # fp32 landing buffers when the device casts
         self.norm_host = dev.host_buffer(norm_dev.numel(), torch.float32)
+        self.update_wait_s = 0.0  # the packer's waits for host updates since the last take_update_wait
         self.loss_host = dev.host_buffer(1, torch.float32)
         self.packer = Worker("host-pack", abort)
         self.unpacker = Worker("host-unpack", abort)
+
+    def take_update_wait(self) -> float:
+        """Seconds loads waited for host AdamW since the last call (Note: [Auto search] in placement.py)."""
+        w, self.update_wait_s = self.update_wait_s, 0.0
+        return w
 
     # ---- weights in (packer thread) --------------------------------------------------------
     def load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int,
@@ -98,8 +105,10 @@ class Transfers:
         def job():
             for unit, _, _ in segments:
                 if self.adam.version[unit] < version:  # host wait: the unit's last update (a traced span)
+                    t0 = time.perf_counter()
                     with self.rec.span("host-pack", "wait-update", layer, phase):
                         self.adam.wait_version(unit, version)
+                    self.update_wait_s += time.perf_counter() - t0  # what placement "auto" measures (Search)
             prev = after.get()  # host wait until the driver recorded the slot's release
             self.delay("host-pack")
             srcs = [(src_fn(), off) for _, src_fn, off in segments]

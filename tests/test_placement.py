@@ -250,6 +250,54 @@ def test_search_skips_b_when_a_places_everything_or_nothing_is_kept():
     assert placing.Search.done_with(123).free["A"] == 123
 
 
+GiB = 2**30
+
+
+def _with_head(wait: float, *, free_b_layers=40) -> placing.Search:
+    """A search whose A step (1.0 s) waited ``wait`` s for host updates; head groups of 6, 1, 1... GiB."""
+    s = placing.Search()
+    head = [(6 * GiB, 0.10)] + [(1 * GiB, 0.02)] * 8
+    s.measured(free=1 * GiB, keep=[True] * free_b_layers + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
+               everything_fits=False, head=head)
+    s.stepped(1.2, keep=[True] * free_b_layers + [False])  # A1
+    s.stepped(1.0, keep=[True] * free_b_layers + [False], waited=wait)  # A2: timed, with its forward's wait
+    return s
+
+
+def test_search_tries_the_forwards_head_resident_when_as_forward_waited():
+    s = _with_head(0.15)
+    assert s.phase == "C1" and s.candidate == "C"
+    # the reserve (A overshot nothing: 1 GiB < 2 GiB reserve) plus the head group and three layers: 0.10 + 3 * 0.02 >= 0.15
+    assert s.free["C"] == placing.RESERVE_BYTES + 6 * GiB + 3 * GiB
+    s.stepped(0.95, keep=[True] * 35 + [False] * 6)  # C1: its policy was decided around the residents
+    assert s.keep["C"] == [True] * 35 + [False] * 6 and s.phase == "C2"
+    s.stepped(0.90, keep=s.keep["C"], waited=0.0)
+    assert s.phase == "B1"
+    s.stepped(1.5, keep=[False] * 41)
+    s.stepped(1.3, keep=[False] * 41)
+    assert (s.phase, s.winner, s.candidate) == ("done", "C", "C")
+    assert "the forward's head resident won" in s.summary() and "0.900 s" in s.summary()
+
+
+def test_search_skips_c_when_the_forward_did_not_wait_or_c_would_be_b():
+    assert _with_head(0.02).phase == "B1", "under 3% of the step: nothing to hide"
+    assert _with_head(0.15, free_b_layers=2).phase == "B1", "C's budget would reach B's"
+    assert placing.head_budget(0, GiB, [], wait=1.0, step=1.0) is None
+
+
+def test_a_trial_that_runs_out_of_memory_leaves_the_best_of_what_ran():
+    s = _with_head(0.15)
+    assert s.trial
+    s.abandon()  # C1 ran out of device memory
+    assert (s.phase, s.winner) == ("done", "A") and not s.trial
+    assert "the forward's head resident (ran out of device memory)" in s.summary()
+    s = _with_head(0.15)
+    for t in (0.95, 0.90):
+        s.stepped(t, keep=[True] * 41, waited=0.0)
+    s.abandon()  # B1 ran out: C, timed and faster, wins
+    assert s.winner == "C" and s.seconds["B"] == float("inf")
+
+
 def test_search_takes_a_at_once_when_the_step_hides_the_host():
     s = placing.Search()
     s.measured(free=10, keep=[True, False], layer_bytes=4, checkpoint_bytes=1, everything_fits=False, host_bound=False)
