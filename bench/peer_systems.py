@@ -236,6 +236,12 @@ def _host_share(zero) -> float | None:
     return round(sum(n for i, n in enumerate(numel) if where.get(i) == "cpu") / sum(numel), 3)
 
 
+def _search_done(session) -> bool:
+    """placement "auto" has chosen (always true for other placements and older sessions)."""
+    du = getattr(session.engine, "device_updates", None)
+    return getattr(du, "settled", True)
+
+
 class Megatrain:
     """megatrain_nb's Session with default settings, and `placement` when given.
 
@@ -255,13 +261,20 @@ class Megatrain:
             raise
         self.num_params = self.session.store.num_params
         self.settings = dict(placement=placement, default_settings=True)
+        self._done_steps = 0  # steps begun with the placement search done (``settled``)
 
     def before_batch(self) -> None:
         self.session.engine.keep = None  # re-derive the activation policy for this batch size
+        self._done_steps = 0
 
     def step(self, ids: torch.Tensor) -> tuple[float, None]:
+        self._done_steps = self._done_steps + 1 if _search_done(self.session) else 0
         r = self.session.step({"input_ids": ids})
         return r.loss, None  # the update overlaps the backward: its share comes from the trace
+
+    def settled(self) -> bool:
+        """The last step ran the "auto" search's winner, and not as the first step after it moved state."""
+        return self._done_steps >= 2
 
     def extras(self, step_s: float) -> dict:
         """The last step's trace: optimizer time (host + device AdamW), its exposed part (compute waiting on
@@ -401,10 +414,13 @@ def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, opts, losses = [], [], []
-    # placement "auto" (megatrain_nb's default) settles in 5 steps: a measuring step, then two steps of each of its
-    # two candidates (placement.Search); "stream" sizes its streamed share from its first step's host AdamW
-    warmup = spec["warmup"] + {"megatrain-auto": 5, "megatrain": 5, "megatrain-stream": 1}.get(spec["system"], 0)
-    for k in range(warmup + spec["steps"]):
+    # placement "auto" (megatrain_nb's default) settles in up to 7 steps: a measuring step, then two steps of each
+    # candidate it times (placement.Search), then its winner's first step moves state: timed steps begin after
+    # that (``settled``); "stream" sizes its streamed share from its first step's host AdamW
+    warmup = spec["warmup"] + {"megatrain-stream": 1}.get(spec["system"], 0)
+    settled = getattr(system, "settled", lambda: True)
+    k = 0
+    while len(times) < spec["steps"] and k < warmup + spec["steps"] + 10:
         ids = token_ids(k, batch, spec["seq"], vocab).to(device)
         sync(device)
         t0 = time.perf_counter()
@@ -413,9 +429,11 @@ def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> 
         dt = time.perf_counter() - t0
         losses.append(loss)
         print(f"{spec['system']} batch {batch} step {k}: {dt:.3f}s loss {loss:.4f}", file=sys.stderr, flush=True)
-        if k >= warmup:
+        if k >= warmup and settled():
             times.append(dt)
             opts.append(opt_s)
+        k += 1
+    warmup = k - len(times)
     t = statistics.median(times)
     tokens = batch * spec["seq"]
     row = dict(status="ok", warmup=warmup, step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],

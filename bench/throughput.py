@@ -31,8 +31,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per batch, after the warm-up steps")
-    ap.add_argument("--warmup", type=int, default=6, help="untimed steps per batch (placement='auto' measures at "
-                                                          "the first and moves state to the device at the second)")
+    ap.add_argument("--warmup", type=int, default=6, help="untimed steps per batch, at least (placement='auto' "
+                                                          "also waits for its search and its winner's first step)")
     ap.add_argument("--placement", default="auto", help="'auto', 'host', 'stream' (EngineConfig.placement)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
@@ -75,12 +75,15 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times, losses, summaries, waits = [], [], [], []
-        for k in range(a.steps + a.warmup):
+        k = done_steps = 0
+        while len(times) < a.steps and k < a.steps + a.warmup + 10:
             ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
+            done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto" times its candidates
             r = s.step({"input_ids": ids})
             losses.append(r.loss)
             print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
-            if k < a.warmup:
+            k += 1
+            if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
                 continue
             times.append(r.seconds)
         if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading

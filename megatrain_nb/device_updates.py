@@ -51,6 +51,11 @@ class DeviceUpdates:
         """This step measures what the activations leave free (Note: [Placement], ``place``)."""
         return self.dev.cuda and self.mode == "auto" and self.search.phase == "measure"
 
+    @property
+    def settled(self) -> bool:
+        """The placement is final for this batch size: no "auto" search step (measuring or a trial) is left."""
+        return not (self.dev.cuda and self.mode == "auto") or self.search.phase == "done"
+
     def host_updated(self, unit: int, seconds: float) -> None:
         """The host's AdamW of ``unit`` took ``seconds`` (what "stream" balances PCIe against)."""
         p, s = self.adam_rate
