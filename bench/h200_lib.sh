@@ -2,5 +2,5 @@
 bench() {  # shape placement batches...
     local shape=$1 p=$2; shift 2
     timeout 240 python3 bench/throughput.py --shape "$shape" --batch "$@" --seq 4096 --steps 3 --placement "$p" \
-        --out "$OUT/bench.jsonl" --save-trace "$OUT/tr_$p" 2>&1 | grep -v "^  batch" | cut -c1-300
+        --out "$OUT/bench.jsonl" --save-trace "$OUT/tr_$p" 2>&1 | tee -a "$OUT/steps.log" | grep -v "^  batch" | cut -c1-300
 }

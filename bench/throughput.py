@@ -81,7 +81,9 @@ def main(argv=None) -> None:
             done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto" times its candidates
             r = s.step({"input_ids": ids})
             losses.append(r.loss)
-            print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
+            du = s.engine.device_updates
+            print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
+                  f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
             k += 1
             if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
                 continue

@@ -160,11 +160,12 @@ class Engine:
             # Note: [Auto search] a trial (C or B) that does not fit: nothing of it was applied (no update
             # starts before the loss is known), so the same batch runs again with the search's best so far.
             search.abandon()
-            torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
-            return self._step(mbs, n_valid)
         except BaseException:
             self._recover()
             raise
+        # out of the except clause: the failed trial's traceback, and the activations its frames held, are gone
+        torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
+        return self.step(mbs, n_valid)
 
     def _recover(self) -> None:
         """After a failed step: stop its jobs, let the GPU finish what was queued, reset the handoffs.
