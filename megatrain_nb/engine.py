@@ -120,8 +120,11 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
-        if unit in self.dev_opt.of or unit in self.dev_opt.streamed:
-            return  # the device updated it (device_updates.py)
+        if unit in self.dev_opt.streamed:  # the device updated it; its master came back before it landed
+            self.store.refresh_shadow(unit)  # a pinned bf16 shadow (pin_store) is what the next load reads
+            return
+        if unit in self.dev_opt.of:
+            return  # resident: the device updated it, the host copy is written back when read
         self.io.delay("host-adam")
         t0 = time.perf_counter()
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
