@@ -172,7 +172,7 @@ def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
     H, V = arch.embed.weight.shape[1], arch.embed.weight.shape[0]
     boundary = T * H * d  # one layer's input, kept by a recompute block
     try:
-        act = T * _act_bytes_per_token(model_shape(arch.config), d)
+        act = T * _act_bytes_per_token(model_shape(arch.config), d, lean=cfg.lean_activations)
     except (ValueError, KeyError, TypeError):
         act = 8 * boundary  # config fields the planner does not know: a rough SwiGLU layer
     K = cfg.checkpoint_every

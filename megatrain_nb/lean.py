@@ -1,0 +1,181 @@
+"""Lean activations: a decoder layer's norms and dense gated MLP keep less for their backward.
+
+Owns: the forwards ``lean_layer`` installs on a weightless layer template's RMSNorms and dense gated
+MLP (Note: [Lean activations]), the autograd function of the MLP's second half (``GatedDown``), and
+switching them on and off for an architecture's templates (``prepare``: the engine's one call).
+Does not own: the one-tile recompute of a norm (``tiling.Tiled``, shared with sequence tiling), the
+detection of norms and dense MLPs (``tiling._is_norm`` / ``_is_dense_mlp``), the memory arithmetic
+(``planner._act_bytes_per_token``), or any weights (they arrive as the views ``binding.call`` binds;
+saved weights go through whatever saved-tensor hooks are active, e.g. ``binding.SlotRefs``).
+
+Note: [Lean activations] per token of one layer (d = compute dtype bytes, h = hidden, I = intermediate),
+Hugging Face's eager modules keep for the backward:
+  each RMSNorm: an fp32 copy of its input (4h), its normalized output cast back (d*h), and the next
+  matmul keeps its output (d*h); a dense gated MLP: gate, act(gate), up and act(gate)*up (4*d*I).
+A lean norm is ``tiling.Tiled`` with one tile: it keeps its input (d*h) and weight and runs HF's own
+forward again inside its backward (elementwise). A lean MLP runs gate_proj and up_proj as HF does
+(they keep their shared input x) and ``GatedDown`` for down_proj(act(gate) * up): it keeps gate, up
+and W_down (2*d*I) and recomputes act(gate) * up (elementwise) in its backward. Saved: 4h per norm
+(8h per layer) and 2*d*I per MLP; the planner's Note: [Activation estimate] has the formula. Cost:
+one elementwise forward of the norms and of act(gate) * up per layer in the backward, no matmul.
+Gradients are autograd's own kernels on the same tensors, so the numbers are HF's (bitwise in fp32 on
+the CPU in tests/test_lean.py; low-precision weight grads are made as autograd makes them, one matmul
+in the compute dtype, and accumulate into the engine's flat grad buffer as HF's do).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .tiling import _is_dense_mlp, _is_norm, _TiledForward
+
+
+class GatedDown(torch.autograd.Function):
+    """``down_proj(act(gate) * up)`` that saves gate, up and W_down only (Note: [Lean activations]).
+
+    Backward recomputes ``h = act(gate) * up``, makes ``grad_h = grad_out @ W`` and
+    ``grad_W = grad_out^T @ h`` as autograd's linear (mm) backward does, and backprops ``grad_h``
+    through the recomputed product with autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, act, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *bias: torch.Tensor):
+        # gate, up: (..., I) compute dtype; weight: (H, I); bias: () or ((H,),)
+        ctx.act = act
+        ctx.save_for_backward(gate, up, weight)  # through SlotRefs: the weight comes back from its slot
+        return F.linear(act(gate) * up, weight, *bias)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):  # gy: (..., H)
+        gate, up, weight = ctx.saved_tensors
+        need_gate, need_up, need_w, *need_b = ctx.needs_input_grad[1:]
+        g2 = gy.reshape(-1, gy.shape[-1])  # (n, H), as matmul folds a (..., I) input before its mm
+        with torch.enable_grad():
+            gd, ud = gate.detach().requires_grad_(need_gate), up.detach().requires_grad_(need_up)
+            h = ctx.act(gd) * ud  # (..., I): the down_proj input, recomputed
+        gw = g2.t().mm(h.detach().reshape(-1, h.shape[-1])) if need_w else None  # autograd's mm_mat2_backward
+        gb = [g2.sum(0) if need else None for need in need_b]  # addmm's bias gradient
+        wrt = [t for t in (gd, ud) if t.requires_grad]
+        got = iter(torch.autograd.grad(h, wrt, g2.mm(weight).view(h.shape)) if wrt else ())  # grad_h: mm_mat1_backward
+        return None, next(got) if need_gate else None, next(got) if need_up else None, gw, *gb
+
+
+class _LeanNorm:
+    """A norm's forward: ``Tiled`` with one tile (keeps its input and weight); HF's when no graph is built."""
+
+    def __init__(self, module: nn.Module):
+        self.tiled = _TiledForward(module)  # its weightless twin and parameter getters
+        self.tiled.plain = type(module).forward.__get__(module)  # HF's, also when tiling wrapped it first
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        if args or kwargs or not torch.is_grad_enabled():
+            return self.tiled.plain(x, *args, **kwargs)
+        return self.tiled.run(x, x.numel() // x.shape[-1])
+
+
+class _LeanMLP:
+    """A dense gated MLP's forward: gate_proj and up_proj as HF, then ``GatedDown``."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.plain = type(module).forward.__get__(module)
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        m = self.module
+        if args or kwargs or not torch.is_grad_enabled():
+            return self.plain(x, *args, **kwargs)
+        gate, up, down = m.gate_proj(x), m.up_proj(x), m.down_proj  # the views bound for this call
+        return GatedDown.apply(m.act_fn, gate, up, down.weight, *(() if down.bias is None else (down.bias,)))
+
+
+def _is_gated(m: nn.Module) -> bool:
+    """A dense MLP whose own forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: tried on a small twin."""
+    if not (_is_dense_mlp(m) and callable(getattr(m, "act_fn", None))):
+        return False
+    twin = nn.Module()
+    g = torch.Generator().manual_seed(0)
+    for name, (i, o) in (("gate_proj", (8, 16)), ("up_proj", (8, 16)), ("down_proj", (16, 8))):
+        lin = nn.Linear(i, o, bias=getattr(m, name).bias is not None)
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        twin.add_module(name, lin)
+    twin.act_fn = m.act_fn
+    x = torch.randn(3, 8, generator=g)
+    try:
+        with torch.no_grad():
+            got = type(m).forward(twin, x)
+    except Exception:  # a forward that needs more than these four: not the pattern
+        return False
+    want = twin.down_proj(twin.act_fn(twin.gate_proj(x)) * twin.up_proj(x))
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
+
+
+def _install(child: nn.Module, fwd) -> None:
+    """``fwd`` as the child's forward below any sequence tiling (tiling wins above its tile size)."""
+    current = child.__dict__.get("forward")
+    if isinstance(current, _TiledForward):
+        current.plain = fwd or type(child).forward.__get__(child)
+    elif fwd is None:
+        child.__dict__.pop("forward", None)
+    else:
+        child.forward = fwd
+
+
+def _lean_of(child: nn.Module):
+    current = child.__dict__.get("forward")
+    return current.plain if isinstance(current, _TiledForward) else current
+
+
+def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
+    """Install (or, with ``on=False``, remove) lean forwards on a layer template's direct children.
+
+    Its RMSNorms and a dense gated MLP (gate_proj, up_proj, down_proj, any elementwise act_fn: SwiGLU,
+    GeGLU) get the forwards of Note: [Lean activations]; MoE blocks, attention and anything not
+    recognised stay as they are. Idempotent; works under ``tiling.tile_layer``'s wrapping too
+    (installed before or after it).
+
+    Args:
+        template: a decoder layer from ``hf.Architecture.templates`` (parameters on meta), or any
+            decoder layer with real weights.
+        on: True installs, False restores Hugging Face's own forwards.
+    Returns:
+        Names of the children that run lean (after this call), e.g.
+        ["input_layernorm", "mlp", "post_attention_layernorm"]; [] with ``on=False``.
+    Example:
+        >>> arch = load_architecture(config)                   # doctest: +SKIP
+        >>> lean_layer(arch.templates[0])                      # doctest: +SKIP
+        ['input_layernorm', 'mlp', 'post_attention_layernorm']
+    """
+    out = []
+    for name, child in template.named_children():
+        lean = isinstance(_lean_of(child), (_LeanNorm, _LeanMLP))
+        if not on:
+            if lean:
+                _install(child, None)
+        elif lean:
+            out.append(name)
+        elif _is_norm(child) or _is_gated(child):
+            _install(child, _LeanNorm(child) if _is_norm(child) else _LeanMLP(child))
+            out.append(name)
+    return sorted(out)
+
+
+def prepare(arch, on: bool) -> list[list[str]]:
+    """The engine's one call: every template of ``arch`` lean (``on``) or Hugging Face's own.
+
+    Args:
+        arch: an ``hf.Architecture`` (its templates are changed in place).
+        on: ``EngineConfig.lean_activations``.
+    Returns:
+        Per template, the children that run lean.
+    Raises:
+        ValueError: ``on`` is not a bool.
+    Example:
+        >>> prepare(load_architecture(config), on=True)        # doctest: +SKIP
+        [['input_layernorm', 'mlp', 'post_attention_layernorm']]
+    """
+    if not isinstance(on, bool):
+        raise ValueError(f"lean_activations={on!r}: use True or False")
+    return [lean_layer(t, on) for t in arch.templates]
