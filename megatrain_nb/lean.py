@@ -179,3 +179,68 @@ def prepare(arch, on: bool) -> list[list[str]]:
     if not isinstance(on, bool):
         raise ValueError(f"lean_activations={on!r}: use True or False")
     return [lean_layer(t, on) for t in arch.templates]
+
+
+# ---- measuring what a layer keeps -------------------------------------------------------------
+def saved_bytes(fn, exclude=()) -> int:
+    """Bytes autograd keeps for the backward of ``fn()``: unique storages packed by saved-tensor hooks.
+
+    Args:
+        fn: a callable that builds a graph (its output is held until the count is made).
+        exclude: tensors whose storages do not count (weights, inputs shared with other layers).
+    Returns:
+        The sum of ``untyped_storage().nbytes()`` over distinct storages saved, excluded ones left out.
+    Example:
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> x = torch.randn(8, 4, requires_grad=True)
+        >>> saved_bytes(lambda: (x @ w).relu(), exclude=[w])   # x (128 B) and the relu output (128 B)
+        256
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def layer_bytes_per_token(config, *, lean: bool, tokens: int = 64, dtype: torch.dtype = torch.bfloat16,
+                          seed: int = 0) -> float:
+    """Measured activation bytes per token that one decoder layer of ``config`` keeps for its backward.
+
+    Builds the architecture's first layer template, binds random weights of the full shape (CPU),
+    runs it on ``tokens`` tokens of one sequence with every input requiring grad, and counts with
+    ``saved_bytes``: the layer input and every intermediate count; weights and the rotary cos/sin
+    (computed once per step and shared by all layers) do not.
+
+    Args:
+        config: a transformers decoder config.
+        lean: run the layer with lean activations (``lean_layer``) or with Hugging Face's own forwards.
+        tokens: sequence length of the one row.
+        dtype: compute dtype of weights and activations.
+    Returns:
+        Bytes per token.
+    Example:
+        >>> layer_bytes_per_token(qwen_config("3b"), lean=True)   # doctest: +SKIP
+    """
+    from .binding import call
+    from .hf import load_architecture
+
+    arch = load_architecture(config)
+    prepare(arch, lean)
+    t = arch.templates[0]
+    g = torch.Generator().manual_seed(seed)
+    params = {n: (torch.randn(p.shape, generator=g) * 0.02).to(dtype).requires_grad_() for n, p in t.named_parameters()}
+    x = torch.randn(1, tokens, arch.embed.weight.shape[1], generator=g).to(dtype).requires_grad_()
+    h0, calls = arch.prelude(x, None)
+    args, kwargs = calls[0]
+    shared = [a for a in (*args, *kwargs.values()) for a in (a if isinstance(a, (tuple, list)) else (a,))
+              if isinstance(a, torch.Tensor)]
+    return saved_bytes(lambda: call(t, params, h0, *args, **kwargs), exclude=[*params.values(), *shared]) / tokens
