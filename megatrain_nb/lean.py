@@ -13,22 +13,28 @@ Hugging Face's eager modules keep for the backward:
   each RMSNorm: an fp32 copy of its input (4h), its normalized output cast back (d*h), and the next
   matmul keeps its output (d*h); a dense gated MLP: gate, act(gate), up and act(gate)*up (4*d*I).
 A lean norm is ``tiling.Tiled`` with one tile: it keeps its input (d*h) and weight and runs HF's own
-forward again inside its backward (elementwise). A lean MLP runs gate_proj and up_proj as HF does
-(they keep their shared input x) and ``GatedDown`` for down_proj(act(gate) * up): it keeps gate, up
-and W_down (2*d*I) and recomputes act(gate) * up (elementwise) in its backward. Saved: 4h per norm
-(8h per layer) and 2*d*I per MLP; the planner's Note: [Activation estimate] has the formula. Cost:
-one elementwise forward of the norms and of act(gate) * up per layer in the backward, no matmul.
-Gradients are autograd's own kernels on the same tensors, so the numbers are HF's (bitwise in fp32 on
-the CPU in tests/test_lean.py; low-precision weight grads are made as autograd makes them, one matmul
-in the compute dtype, and accumulate into the engine's flat grad buffer as HF's do).
+forward again inside its backward (elementwise), differentiated by autograd. A lean MLP runs gate_proj
+and up_proj as HF does (they keep their shared input x) and ``GatedDown`` for down_proj(act(gate) * up):
+it keeps gate, up and W_down (2*d*I) and recomputes act(gate) * up (elementwise) in its backward.
+Saved: 4h per norm (8h per layer) and 2*d*I per MLP; the planner's Note: [Activation estimate] has
+the formula. Cost: one elementwise forward of the norms and of act(gate) * up per layer in the
+backward, no matmul; and host time: each norm's backward is a nested autograd call (~90 us on a
+2-core CPU), which ``GatedDown`` avoids for silu and gelu by running the same aten backward kernels
+autograd runs (``act_grad_of``; any other activation goes through autograd).
+Gradients are made by the same kernels on the same tensors as HF's: bitwise in bf16 (the compute
+dtype on CUDA; tests/test_lean.py, CPU); in fp32 a norm's input gradient sums its three terms in
+another order (rel ~1e-7). Low-precision weight grads come out of one matmul in the compute dtype, as
+autograd's, and accumulate into the engine's flat grad buffer as HF's do.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tiling import _is_dense_mlp, _is_norm, _TiledForward
+from .tiling import Tiled, _is_dense_mlp, _is_norm, _TiledForward
 
 
 class GatedDown(torch.autograd.Function):
@@ -36,42 +42,83 @@ class GatedDown(torch.autograd.Function):
 
     Backward recomputes ``h = act(gate) * up``, makes ``grad_h = grad_out @ W`` and
     ``grad_W = grad_out^T @ h`` as autograd's linear (mm) backward does, and backprops ``grad_h``
-    through the recomputed product with autograd.
+    through the product and ``act``: with ``act_grad`` (the aten backward kernel autograd itself
+    runs for silu / gelu: ``act_grad_of``), else with autograd on the recomputed product.
     """
 
     @staticmethod
-    def forward(ctx, act, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *bias: torch.Tensor):
+    def forward(ctx, act, act_grad, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *bias: torch.Tensor):
         # gate, up: (..., I) compute dtype; weight: (H, I); bias: () or ((H,),)
-        ctx.act = act
+        ctx.act, ctx.act_grad = act, act_grad
         ctx.save_for_backward(gate, up, weight)  # through SlotRefs: the weight comes back from its slot
         return F.linear(act(gate) * up, weight, *bias)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):  # gy: (..., H)
         gate, up, weight = ctx.saved_tensors
-        need_gate, need_up, need_w, *need_b = ctx.needs_input_grad[1:]
+        need_gate, need_up, need_w, *need_b = ctx.needs_input_grad[2:]
         g2 = gy.reshape(-1, gy.shape[-1])  # (n, H), as matmul folds a (..., I) input before its mm
+        gb = [g2.sum(0) if need else None for need in need_b]  # addmm's bias gradient
+        gh = g2.mm(weight).view(gate.shape) if need_gate or need_up else None  # mm_mat1_backward
+        if ctx.act_grad is not None:  # no autograd graph: the kernels autograd's MulBackward and act backward run
+            a = ctx.act(gate)
+            gw = g2.t().mm((a * up).reshape(-1, gate.shape[-1])) if need_w else None  # mm_mat2_backward
+            g_up = gh * a if need_up else None
+            g_gate = ctx.act_grad(gh * up, gate) if need_gate else None
+            return None, None, g_gate, g_up, gw, *gb
         with torch.enable_grad():
             gd, ud = gate.detach().requires_grad_(need_gate), up.detach().requires_grad_(need_up)
             h = ctx.act(gd) * ud  # (..., I): the down_proj input, recomputed
-        gw = g2.t().mm(h.detach().reshape(-1, h.shape[-1])) if need_w else None  # autograd's mm_mat2_backward
-        gb = [g2.sum(0) if need else None for need in need_b]  # addmm's bias gradient
+        gw = g2.t().mm(h.detach().reshape(-1, h.shape[-1])) if need_w else None
         wrt = [t for t in (gd, ud) if t.requires_grad]
-        got = iter(torch.autograd.grad(h, wrt, g2.mm(weight).view(h.shape)) if wrt else ())  # grad_h: mm_mat1_backward
-        return None, next(got) if need_gate else None, next(got) if need_up else None, gw, *gb
+        got = iter(torch.autograd.grad(h, wrt, gh) if wrt else ())
+        return None, None, next(got) if need_gate else None, next(got) if need_up else None, gw, *gb
+
+
+def act_grad_of(act):
+    """The aten kernel autograd runs for ``act``'s backward, ``(grad, input) -> grad_input``, when ``act``
+    computes ``F.silu`` or ``F.gelu`` (exact or tanh) bit for bit on a probe; else None (autograd)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(257, generator=g) * 4
+    try:
+        with torch.no_grad():
+            y, yb = act(z), act(z.bfloat16())
+    except Exception:
+        return None
+    if torch.equal(y, F.silu(z)) and torch.equal(yb, F.silu(z.bfloat16())):
+        return torch.ops.aten.silu_backward
+    for how in ("none", "tanh"):
+        if torch.equal(y, F.gelu(z, approximate=how)) and torch.equal(yb, F.gelu(z.bfloat16(), approximate=how)):
+            return lambda grad, x, how=how: torch.ops.aten.gelu_backward(grad, x, approximate=how)
+    return None
 
 
 class _LeanNorm:
     """A norm's forward: ``Tiled`` with one tile (keeps its input and weight); HF's when no graph is built."""
 
     def __init__(self, module: nn.Module):
-        self.tiled = _TiledForward(module)  # its weightless twin and parameter getters
-        self.tiled.plain = type(module).forward.__get__(module)  # HF's, also when tiling wrapped it first
+        self.module = module
+        self.plain = type(module).forward.__get__(module)  # HF's own; params bound by the caller
+        self.twin = copy.copy(module)  # shallow: its own parameter dict, swapped in the backward
+        self.twin._parameters = dict(module._parameters)
+        self.twin.__dict__.pop("forward", None)
+        self.names = [n for n, p in module._parameters.items() if p is not None]
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         if args or kwargs or not torch.is_grad_enabled():
-            return self.tiled.plain(x, *args, **kwargs)
-        return self.tiled.run(x, x.numel() // x.shape[-1])
+            return self.plain(x, *args, **kwargs)
+        return Tiled.apply(self._fn, x.shape[0], x, *(getattr(self.module, n) for n in self.names))
+
+    def _fn(self, x: torch.Tensor, params) -> torch.Tensor:
+        """HF's forward with ``params``: the bound views in the forward, the weightless twin in the backward."""
+        if all(p is getattr(self.module, n) for n, p in zip(self.names, params)):
+            return self.plain(x)  # inside binding.call: no reparametrization needed
+        keep = dict(self.twin._parameters)
+        self.twin._parameters.update(zip(self.names, params))  # driver thread only: nothing else runs the twin
+        try:
+            return type(self.module).forward(self.twin, x)
+        finally:
+            self.twin._parameters = keep
 
 
 class _LeanMLP:
@@ -80,13 +127,15 @@ class _LeanMLP:
     def __init__(self, module: nn.Module):
         self.module = module
         self.plain = type(module).forward.__get__(module)
+        self.act_grad = act_grad_of(module.act_fn)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
         m = self.module
         if args or kwargs or not torch.is_grad_enabled():
             return self.plain(x, *args, **kwargs)
         gate, up, down = m.gate_proj(x), m.up_proj(x), m.down_proj  # the views bound for this call
-        return GatedDown.apply(m.act_fn, gate, up, down.weight, *(() if down.bias is None else (down.bias,)))
+        bias = () if down.bias is None else (down.bias,)
+        return GatedDown.apply(m.act_fn, self.act_grad, gate, up, down.weight, *bias)
 
 
 def _is_gated(m: nn.Module) -> bool:
@@ -156,7 +205,7 @@ def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
                 _install(child, None)
         elif lean:
             out.append(name)
-        elif _is_norm(child) or _is_gated(child):
+        elif (_is_norm(child) and not any(True for _ in child.children())) or _is_gated(child):
             _install(child, _LeanNorm(child) if _is_norm(child) else _LeanMLP(child))
             out.append(name)
     return sorted(out)

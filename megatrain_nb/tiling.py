@@ -44,7 +44,8 @@ class Tiled(torch.autograd.Function):
 
     Saves ``x`` and ``params`` only (Note: [Tiled recompute]). Weight gradients of low-precision
     params are summed over tiles in fp32 and cast once, so a tiled bf16 step rounds them once as the
-    untiled matmul does.
+    untiled matmul does. ``rows >= x.shape[0]``: one tile, ``x`` of any shape, gradients as autograd
+    makes them (``lean.py``'s norms: save the input, recompute the forward in the backward).
     """
 
     @staticmethod
@@ -66,16 +67,16 @@ class Tiled(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         need_x, need_p = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
         gx = torch.empty_like(x) if need_x else None
-        low = (torch.bfloat16, torch.float16)
-        acc = [torch.zeros(p.shape, device=p.device, dtype=torch.float32 if p.dtype in low else p.dtype)
-               if need else None for p, need in zip(params, need_p)]
         ps = [p.detach().requires_grad_(need) for p, need in zip(params, need_p)]
-        if ctx.rows >= x.shape[0]:  # one tile: autograd's own gradients, nothing summed or copied
+        if ctx.rows >= x.shape[0]:  # one tile (lean.py's norms): autograd's own gradients, nothing summed or copied
             xc = x.detach().requires_grad_(need_x)
             with torch.enable_grad():
                 y = ctx.fn(xc, ps)
             got = iter(torch.autograd.grad(y, [t for t in (xc, *ps) if t.requires_grad], gy))
             return None, None, next(got) if need_x else None, *(next(got) if need else None for need in need_p)
+        low = (torch.bfloat16, torch.float16)
+        acc = [torch.zeros(p.shape, device=p.device, dtype=torch.float32 if p.dtype in low else p.dtype)
+               if need else None for p, need in zip(params, need_p)]
         for a, b in chunks(x.shape[0], ctx.rows):
             xc = x[a:b].detach().requires_grad_(need_x)
             with torch.enable_grad():
@@ -108,15 +109,8 @@ class _TiledForward:
         n = x.numel() // x.shape[-1]
         if args or kwargs or not self.rows or n <= self.rows:
             return self.plain(x, *args, **kwargs)
-        return self.run(x, self.rows)
-
-    def run(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """Through ``Tiled`` in tiles of ``rows`` rows; ``rows`` >= x's rows: one tile, x's shape kept."""
         params = [g(self.module) for g in self.get]  # the views bound for this call
-        n = x.numel() // x.shape[-1]
-        if rows >= n:
-            return Tiled.apply(self._fn, x.shape[0], x, *params)
-        y = Tiled.apply(self._fn, rows, x.reshape(n, x.shape[-1]), *params)
+        y = Tiled.apply(self._fn, self.rows, x.reshape(n, x.shape[-1]), *params)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _fn(self, x: torch.Tensor, params) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_batches, make_config, rel
@@ -196,6 +197,24 @@ def test_lean_mlp_with_biases_equals_the_module():
     got = torch.autograd.grad(y1, [x, *m.parameters()], g)
     assert torch.equal(y0, y1)
     assert all(rel(a, b) <= 1e-6 for a, b in zip(got, want))  # addmm's bias sum vs ours: fp32 rounding apart
+
+
+@pytest.mark.parametrize("act, kernel", [(nn.SiLU(), True), (nn.GELU(approximate="tanh"), True), (nn.GELU(), True),
+                                         (lambda z: z * torch.sigmoid(z), False), (torch.tanh, False)])
+def test_gated_down_equals_autograd_for_any_activation(act, kernel):
+    """silu / gelu: autograd's own backward kernels, no nested graph (bitwise); others: autograd itself."""
+    assert (lean.act_grad_of(act) is not None) == kernel
+    for dtype in (torch.bfloat16, torch.float32):
+        g = torch.Generator().manual_seed(0)
+        gate, up = (torch.randn(2, 7, 24, generator=g).to(dtype).requires_grad_() for _ in range(2))
+        w = (torch.randn(16, 24, generator=g) * 0.2).to(dtype).requires_grad_()
+        gy = torch.randn(2, 7, 16, generator=g).to(dtype)
+        y0 = F.linear(act(gate) * up, w)
+        want = torch.autograd.grad(y0, [gate, up, w], gy)
+        y1 = GatedDown.apply(act, lean.act_grad_of(act), gate, up, w)
+        got = torch.autograd.grad(y1, [gate, up, w], gy)
+        assert torch.equal(y0, y1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), dtype
 
 
 def test_on_off_and_tiling_in_either_order():
