@@ -153,6 +153,18 @@ def test_planner_keeps_more_layers_with_lean():
     assert per_layer(off) == 8 * 4096 * _act_bytes_per_token(model_shape(cfg), 2, lean=False)
 
 
+def test_preflight_counts_lean_and_names_it_as_a_fix():
+    from megatrain_nb.preflight import _device_advice, estimate
+
+    cfg = make_config("llama", hidden_size=64, intermediate_size=160)
+    on, off = (estimate(cfg, EngineConfig(lean_activations=v, checkpoint_every=0), batch=2, seq=64) for v in (True, False))
+    s = model_shape(cfg)
+    saved = 2 * 64 * 2 * (8 * s["hidden"] + 2 * 4 * s["intermediate"])  # 2 layers x 128 tokens, fp32 on "cpu"
+    assert off["device"]["activations"] - on["device"]["activations"] == saved
+    assert any(a.startswith("lean_activations=True") for a in _device_advice(EngineConfig(lean_activations=False), 8, 4096, None))
+    assert not any("lean" in a for a in _device_advice(EngineConfig(), 8, 4096, None))
+
+
 # ---- what lean leaves alone ---------------------------------------------------------------------
 class _Mlp(nn.Module):
     def __init__(self):
