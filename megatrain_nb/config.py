@@ -103,12 +103,19 @@ class EngineConfig:
     """Rows (tokens) per tile of a layer's norms and dense MLP (``tiling.py``): their whole-sequence
     intermediates then exist one tile at a time, for one more MLP forward per layer in the backward.
     0: never tile. None: tile in 16384-row tiles once one untiled layer's activations would exceed 1/8
-    of device memory (the 7B shape: above ~75K tokens per micro-batch)."""
+    of device memory (the 7B shape: above ~147K tokens per micro-batch with lean_activations, ~81K without)."""
     attention_backend: str | None = None
     """SDPA kernel of the layers' attention: "flash", "cudnn", "efficient" (tried first, the other fused
     ones after it) or "math". None: at long context (T x T scores above 1 GiB) the fused kernels in
     torch's order, never math; at short context torch's own choice. The chosen one is named in
     ``Session.engine.tiler.backend``."""
+    lean_activations: bool = True
+    """Keep fewer activations per layer (``lean.py``): each RMSNorm keeps only its input (not HF's fp32
+    copy and cast) and a dense gated MLP keeps gate and up (not also act(gate) and the product), saving
+    8*hidden + 2*dtype_bytes*intermediate bytes per token and layer (Qwen2.5-7B shape in bf16: 225 -> 121
+    KB, ``bench/lean_bytes.py``). Costs one elementwise recompute of the norms and of act(gate)*up in
+    each layer's backward; no matmul. Where sequence tiling runs (``tile_tokens``) tiling wins; MoE
+    experts and attention stay as they are. False: Hugging Face's own forward, exactly as before."""
     activation_budget: float = 0.85
     """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
     overlap_optimizer: bool = True
@@ -166,5 +173,8 @@ class EngineConfig:
         if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
             raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
                              "{unit: 'host' | 'device' | 'resident'}")
+        if not isinstance(self.lean_activations, bool):
+            raise ValueError(f"lean_activations={self.lean_activations!r}: use True (keep fewer activations, "
+                             "recompute the norms and the MLP's activation in the backward) or False (HF's own forward)")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

@@ -41,6 +41,7 @@ from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from .longcontext import Checkpoints, layer_bytes, pinned_bytes
 from .tiling import SequenceTiling
+from . import lean
 from .transfers import Offload, Streams, Transfers, chunks
 from .workers import AdamWorker, Box
 
@@ -86,8 +87,9 @@ class Engine:
                                             dtype=self.dtype, dp=self.dp)  # placement: state on the device, its updates
         self.dev_opt = self.device_updates.opt  # resident units' buffers, read by the compute below
         self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
+        lean.prepare(arch, ecfg.lean_activations)  # the templates' norms and MLP keep less (lean.py), then tiling wraps
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
-                                    device=dev.device, dtype_bytes=self.dtype.itemsize)  # wraps the templates
+                                    device=dev.device, dtype_bytes=self.dtype.itemsize, lean=ecfg.lean_activations)
         self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
                                  offload_checkpoints=ecfg.offload_checkpoints)
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
@@ -434,7 +436,7 @@ class Engine:
             s = model_shape(self.arch.config)
         except (ValueError, KeyError, TypeError):
             s = None  # a shape the planner cannot read: nothing predicted, no cap
-        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d))
+        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.cfg.lean_activations))
         self._dE_need = pinned_bytes(lb["boundary"] * 4 // d) if lb else 0  # the pinned dE buffer to come
         self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
 

@@ -205,15 +205,19 @@ def model_shape(config) -> dict:
 #   2 RMSNorms (HF eager keeps an fp32 copy of the input, the cast and the scaled output): 2*(4+2d)*hidden
 #   attention (flash SDPA keeps q, k, v after rotary and its output; o_proj keeps a copy): d*(3q + 2kv)
 #   SwiGLU MLP (gate, silu(gate), up, product):                                             4*d*I
+# With lean activations (lean.py, EngineConfig.lean_activations) a norm keeps only its input and the
+# next matmul its output, 2*2d*hidden for the two, and a dense gated MLP keeps gate and up, 2*d*I (MoE
+# experts are left as they are: 4*d*I). Lean saves 8*hidden + 2*d*I per token (dense), 8*hidden (MoE).
 # A recompute block keeps only its input, d*hidden per token. A loss chunk holds its logits in compute
 # dtype plus fp32 logits and their fp32 gradient: (d + 8)*vocab per token of the chunk.
 
 
-def _act_bytes_per_token(s: dict, d: int) -> int:
-    """Per-token activation bytes of one layer; see Note: [Activation estimate]."""
+def _act_bytes_per_token(s: dict, d: int, lean: bool = True) -> int:
+    """Per-token activation bytes of one layer, with lean activations or HF's; see Note: [Activation estimate]."""
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     inter = s["intermediate"] * (s["experts_per_tok"] or 1)
-    return 2 * (4 + 2 * d) * s["hidden"] + d * (3 * q + 2 * kv) + 4 * d * inter
+    norms = 2 * (2 * d if lean else 4 + 2 * d) * s["hidden"]
+    return norms + d * (3 * q + 2 * kv) + (2 if lean and not s["experts"] else 4) * d * inter
 
 
 @dataclass(kw_only=True)
@@ -370,7 +374,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
-         offload_checkpoints: bool | None = None, _advise: bool = True, _search: bool = True) -> Plan:
+         offload_checkpoints: bool | None = None, lean_activations: bool = True, _advise: bool = True,
+         _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -424,6 +429,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         offload_checkpoints: as `EngineConfig.offload_checkpoints`: True parks every recompute-block input
             in host memory, False none, None lets `longcontext.place_checkpoints` choose the block length
             and how many to park from both budgets, as the engine does (Note: [Long-context memory]).
+        lean_activations: as `EngineConfig.lean_activations`: untiled layers keep the lean per-token bytes
+            of Note: [Activation estimate]. Lean's recompute in the backward (one elementwise pass of
+            the norms and of the MLP's activation product per layer) is not timed.
 
     Returns:
         Plan.
@@ -447,6 +455,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     if not 0 < activation_budget <= 1:
         raise ValueError(f"activation_budget must be a fraction in (0, 1], got {activation_budget!r}.")
+    if not isinstance(lean_activations, bool):
+        raise ValueError(f"lean_activations must be True or False, got {lean_activations!r}.")
     if pin_store and cast_on_device:
         raise ValueError("pin_store=True and cast_on_device=True both pin the store (as in EngineConfig); "
                          "set one of them to False.")
@@ -458,7 +468,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
-                    offload_checkpoints=offload_checkpoints)
+                    offload_checkpoints=offload_checkpoints, lean_activations=lean_activations)
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
@@ -471,8 +481,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     from .tiling import AUTO_ROWS, auto_tiles
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
-        (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d) else 0)
-    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d))
+        (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
+    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations))
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
     budget, host_free = activation_budget * hw.device_mem_bytes - _DEVICE_RESERVE, None
     device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
@@ -637,6 +647,8 @@ def _advice(p: Plan, ckpt_error: str | None, kwargs: dict) -> list[str]:
         tries.append(("offload_checkpoints", None))
     if kwargs["tile_tokens"] != 16384 and kwargs["batch"] * kwargs["seq"] > 16384:
         tries.append(("tile_tokens", 16384))
+    if not kwargs["lean_activations"]:
+        tries.append(("lean_activations", True))
     if kwargs["activation_budget"] < 0.95:
         tries.append(("activation_budget", 0.95))
     if kwargs["pinned_budget_bytes"] > (512 << 20):

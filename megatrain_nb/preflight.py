@@ -100,7 +100,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     settings = dict(device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."), pin_store=pin, cast_on_device=cast,
                     weight_slots=cfg.weight_slots, micro_batch_size=cfg.micro_batch_size,
                     checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=cfg.pinned_budget_bytes,
-                    loss_chunk_tokens=cfg.loss_chunk_tokens, batch=batch, seq=seq)
+                    loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq)
     return {"store": store, "host": host, "device": dev, "fits_host": fits_host, "fits_device": fits_device,
             "fits": fits_host and fits_device, "settings": settings}
 
@@ -172,7 +172,7 @@ def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
     H, V = arch.embed.weight.shape[1], arch.embed.weight.shape[0]
     boundary = T * H * d  # one layer's input, kept by a recompute block
     try:
-        act = T * _act_bytes_per_token(model_shape(arch.config), d)
+        act = T * _act_bytes_per_token(model_shape(arch.config), d, lean=cfg.lean_activations)
     except (ValueError, KeyError, TypeError):
         act = 8 * boundary  # config fields the planner does not know: a rough SwiGLU layer
     K = cfg.checkpoint_every
@@ -237,6 +237,9 @@ def _device_advice_settings(st: dict) -> list[str]:
     """The activation settings (shared by the host message on "cpu" and the device advice)."""
     out = []
     B, mbs = st["batch"], st["micro_batch_size"]
+    if st.get("lean_activations") is False:
+        out.append("lean_activations=True (norms and MLP keep about half: 8*hidden + 2*d*intermediate fewer "
+                   "bytes per token and layer)")
     if B is not None and (mbs or B) > 1:
         out.append(f"micro_batch_size={max(1, (mbs or B) // 2)} (now {mbs}: smaller logits and per-layer temporaries)")
     if st["checkpoint_every"] != 1:
@@ -254,7 +257,8 @@ def _device_advice(cfg, batch, seq, dev: dict | None) -> list[str]:
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     dtype = str(get("dtype")).removeprefix("torch.")
     st = dict(batch=batch, seq=seq, micro_batch_size=get("micro_batch_size"),
-              checkpoint_every=get("checkpoint_every"), loss_chunk_tokens=get("loss_chunk_tokens"))
+              checkpoint_every=get("checkpoint_every"), loss_chunk_tokens=get("loss_chunk_tokens"),
+              lean_activations=get("lean_activations"))
     out = _device_advice_settings(st)
     if get("weight_slots") > 2:
         each = f"; each {gib(dev['weight_slots'] / get('weight_slots'))}" if dev else ""

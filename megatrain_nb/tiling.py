@@ -44,13 +44,16 @@ class Tiled(torch.autograd.Function):
 
     Saves ``x`` and ``params`` only (Note: [Tiled recompute]). Weight gradients of low-precision
     params are summed over tiles in fp32 and cast once, so a tiled bf16 step rounds them once as the
-    untiled matmul does.
+    untiled matmul does. ``rows >= x.shape[0]``: one tile, ``x`` of any shape, gradients as autograd
+    makes them (``lean.py``'s norms: save the input, recompute the forward in the backward).
     """
 
     @staticmethod
     def forward(ctx, fn, rows: int, x: torch.Tensor, *params: torch.Tensor):  # x: (n, H)
         ctx.fn, ctx.rows = fn, rows
         ctx.save_for_backward(x, *params)
+        if rows >= x.shape[0]:
+            return fn(x, params)  # one tile (lean.py's norms): no output buffer, x keeps its shape
         out = None
         for a, b in chunks(x.shape[0], rows):
             y = fn(x[a:b], params)
@@ -64,10 +67,16 @@ class Tiled(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         need_x, need_p = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
         gx = torch.empty_like(x) if need_x else None
+        ps = [p.detach().requires_grad_(need) for p, need in zip(params, need_p)]
+        if ctx.rows >= x.shape[0]:  # one tile (lean.py's norms): autograd's own gradients, nothing summed or copied
+            xc = x.detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                y = ctx.fn(xc, ps)
+            got = iter(torch.autograd.grad(y, [t for t in (xc, *ps) if t.requires_grad], gy))
+            return None, None, next(got) if need_x else None, *(next(got) if need else None for need in need_p)
         low = (torch.bfloat16, torch.float16)
         acc = [torch.zeros(p.shape, device=p.device, dtype=torch.float32 if p.dtype in low else p.dtype)
                if need else None for p, need in zip(params, need_p)]
-        ps = [p.detach().requires_grad_(need) for p, need in zip(params, need_p)]
         for a, b in chunks(x.shape[0], ctx.rows):
             xc = x[a:b].detach().requires_grad_(need_x)
             with torch.enable_grad():
@@ -88,8 +97,10 @@ class _TiledForward:
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.plain = type(module).forward.__get__(module)  # HF's own forward, params already bound by the caller
+        # below the tile size: a forward installed before (lean.py's), else HF's own; params bound by the caller
+        self.plain = module.__dict__.get("forward") or type(module).forward.__get__(module)
         self.twin = copy.deepcopy(module)  # weightless (meta) twin: called with explicit params, also in backward
+        self.twin.__dict__.pop("forward", None)  # the twin runs HF's own forward
         self.names = [n for n, _ in module.named_parameters()]
         self.get = [operator.attrgetter(n) for n in self.names]
         self.rows = 0  # 0: plain; set per step by SequenceTiling.prepare
@@ -156,14 +167,17 @@ class SequenceTiling:
             backend in torch's order, as the plain HF model runs. ``backend`` names the one chosen.
         device: the engine's device.
         dtype_bytes: compute dtype size.
+        lean: ``EngineConfig.lean_activations`` — the templates carry ``lean.py``'s forwards, so an untiled
+            layer keeps less (the planner's estimate with lean) and tiling starts later.
     Example:
         >>> tiler = SequenceTiling(arch, tile_tokens=None, attention_backend=None, device="cuda")  # doctest: +SKIP
         >>> tiler.prepare(mbs); with tiler.attention(): ...                                       # doctest: +SKIP
     """
 
-    def __init__(self, arch, *, tile_tokens: int | None, attention_backend: str | None, device, dtype_bytes: int = 2):
+    def __init__(self, arch, *, tile_tokens: int | None, attention_backend: str | None, device, dtype_bytes: int = 2,
+                 lean: bool = False):
         self.arch, self.tile_tokens, self.backend_setting = arch, tile_tokens, attention_backend
-        self.device, self.d = torch.device(device), dtype_bytes
+        self.device, self.d, self.lean = torch.device(device), dtype_bytes, lean
         for t in arch.templates:
             tile_layer(t)
         self.wrapped = [c.forward for t in arch.templates for c in t.children()
@@ -209,7 +223,7 @@ class SequenceTiling:
         else:
             import psutil
             total = psutil.virtual_memory().total
-        return AUTO_ROWS if auto_tiles(self.arch.config, tokens, total, self.d) else 0
+        return AUTO_ROWS if auto_tiles(self.arch.config, tokens, total, self.d, lean=self.lean) else 0
 
     def attention(self):
         """Context for a step's compute: the fused SDPA backends at long context, nothing at short context."""
@@ -295,19 +309,20 @@ def _max_T(per_square: int) -> int:
     return int((MASK_LIMIT_BYTES / per_square) ** 0.5)
 
 
-def auto_tiles(config, tokens: int, total_bytes: int, dtype_bytes: int = 2) -> bool:
+def auto_tiles(config, tokens: int, total_bytes: int, dtype_bytes: int = 2, *, lean: bool = True) -> bool:
     """tile_tokens=None's rule: one untiled layer's activations (planner's estimate) above ``AUTO_FRACTION``.
 
     Args:
         config: a transformers config, or a ``planner.model_shape`` dict.
         tokens: tokens per micro-batch.
         total_bytes: device memory (host RAM on "cpu").
+        lean: the layers run ``lean.py``'s forwards (``EngineConfig.lean_activations``).
     """
     from .planner import _act_bytes_per_token, model_shape
 
     try:
         shape = config if isinstance(config, dict) and "params_per_layer" in config else model_shape(config)
-        per_token = _act_bytes_per_token(shape, dtype_bytes)
+        per_token = _act_bytes_per_token(shape, dtype_bytes, lean=lean)
     except (ValueError, KeyError, TypeError):
         return False
     return tokens > AUTO_ROWS and tokens * per_token > AUTO_FRACTION * total_bytes

@@ -113,8 +113,9 @@ def test_checkpointing():
     fours = plan(QWEN25_3B, batch=4, seq=4096, checkpoint_every=4)  # blocks of 4 layers, as the engine runs them
     assert fours.recomputed_layers == 36 and fours.device_bytes["checkpoints"] == 9 * boundary
     assert fours.device_bytes["recompute_workspace"] == 4 * every.device_bytes["recompute_workspace"]
-    big = plan(QWEN25_7B, batch=16, seq=4096)  # auto keeps the first layers while the budget allows
+    big = plan(QWEN25_7B, batch=16, seq=4096, lean_activations=False)  # auto keeps the first layers while the budget allows
     assert big.keep == [True] * 6 + [False] * 22 and big.fits_device
+    assert plan(QWEN25_7B, batch=16, seq=4096).keep == [True] * 12 + [False] * 16  # lean: smaller layers, more kept
 
 
 def test_grad_clip_serialises_the_optimizer():
@@ -388,9 +389,11 @@ def test_plan_is_part_of_the_package_api():
 def test_auto_placement_chooses_as_the_engine_search_does():
     """7B at 2 x 4096 (H200): activations first keeps every layer and leaves room for half the units;
     residency first recomputes layers to make nearly all resident, and is faster: 'auto' takes it
-    (measured in one run: 0.990 s a step, 28 layers resident; bench/planner_placement.py)."""
-    a = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto")
-    first = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto", _search=False)  # no search
+    (measured in one run: 0.990 s a step, 28 layers resident; bench/planner_placement.py; before lean
+    activations, so planned with lean_activations=False)."""
+    a = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto", lean_activations=False)
+    first = plan(QWEN25_7B, batch=2, seq=4096, cast_on_device=True, placement="auto", _search=False,
+                 lean_activations=False)  # no search
     n = lambda p: sum(v == "resident" for v in p.placement.values())  # noqa: E731
     assert n(a) > n(first) and a.recomputed_layers > first.recomputed_layers == 0
     assert a.steady_step_ms < 0.97 * first.steady_step_ms and a.settings["placement"] == "auto"
