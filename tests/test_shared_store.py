@@ -279,3 +279,43 @@ def test_share_host_store_false_keeps_a_store_per_rank_and_one_process_shares_no
     assert EngineConfig().share_host_store is None
     assert EngineConfig(share_host_store=False).share_host_store is False
     assert attach(None, cuda=False) is None and attach(True, cuda=False) is None  # no process group
+
+
+# ---- host bytes ----------------------------------------------------------------------------------
+BIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4)  # 17.5M params: 280 MB store
+
+
+def _bytes_rank(rank: int, world: int, tmp: Path, d: Path, share: bool) -> None:
+    """This rank's proportional set size (PSS: shared pages split among their mappers) grown by a Session."""
+    from megatrain_nb import Session
+
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before: its code is not the store
+
+    torch.set_num_threads(1)
+    _join(rank, world, tmp)
+    before = _pss()
+    s = Session.from_pretrained(d, **BASE, placement="host", share_host_store=share,
+                                pinned_budget_bytes=4 << 20, transfer_chunk_bytes=1 << 20)  # staging: 4 MiB
+    b = _batches(world)
+    for k in range(2):
+        s.step(_shard(b[k], rank, world))
+    s.engine.drain()
+    (tmp / f"bytes{rank}.txt").write_text(f"{_pss() - before} {s.store.bytes_report()['total']}")
+    s.close()
+
+
+def _machine_bytes(world: int, tmp: Path, d: Path, share: bool) -> tuple[int, int]:
+    tmp.mkdir()
+    assert _spawn(_bytes_rank, world, tmp, d, share) == [0] * world
+    got = [tuple(map(int, (tmp / f"bytes{r}.txt").read_text().split())) for r in range(world)]
+    return sum(g[0] for g in got), got[0][1]
+
+
+def test_two_ranks_sharing_take_about_one_stores_host_bytes_not_two(hf_dir, tmp_path):
+    d = hf_dir("llama", **BIG)
+    one, store = _machine_bytes(1, tmp_path / "one", d, True)
+    two, _ = _machine_bytes(2, tmp_path / "two", d, True)
+    assert one > 0.9 * store, (one, store)  # the store is what one process adds
+    assert two < 1.3 * one, f"2 ranks sharing added {two / 2**20:.0f} MiB, one process {one / 2**20:.0f} MiB"
+    private, _ = _machine_bytes(2, tmp_path / "private", d, False)
+    assert private > 1.8 * one, f"share_host_store=False: {private / 2**20:.0f} MiB, one process {one / 2**20:.0f}"
