@@ -319,3 +319,24 @@ def test_two_ranks_sharing_take_about_one_stores_host_bytes_not_two(hf_dir, tmp_
     assert two < 1.3 * one, f"2 ranks sharing added {two / 2**20:.0f} MiB, one process {one / 2**20:.0f} MiB"
     private, _ = _machine_bytes(2, tmp_path / "private", d, False)
     assert private > 1.8 * one, f"share_host_store=False: {private / 2**20:.0f} MiB, one process {one / 2**20:.0f}"
+
+
+# ---- CUDA: the segment pinned with cudaHostRegister (one GPU is enough) ----------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_segment_is_pinned_on_cuda_and_dmas_both_ways():
+    from megatrain_nb.shared_store import SharedHost
+
+    sh = SharedHost(rank=0, local=[0], node=0, tag=f"gpu{os.getpid()}", cuda=True, pids=[os.getpid()])
+    slabs = sh.alloc({(0, "master"): (1 << 20, torch.float32), (0, "grad"): (1 << 20, torch.bfloat16)}, [0])
+    m, g = slabs[0, "master"], slabs[0, "grad"]
+    assert m.is_pinned() and g.is_pinned(), "cudaHostRegister'ed memory reads as pinned: transfers DMA from it"
+    m.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    d = torch.empty(1 << 20, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        d.copy_(m, non_blocking=True)
+        g.copy_((d * 2).bfloat16(), non_blocking=True)
+    s.synchronize()
+    assert torch.equal(d.cpu(), m) and torch.equal(g, (m * 2).bfloat16())
+    assert _segments() == []
