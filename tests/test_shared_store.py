@@ -282,7 +282,7 @@ def test_share_host_store_false_keeps_a_store_per_rank_and_one_process_shares_no
 
 
 # ---- host bytes ----------------------------------------------------------------------------------
-BIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4)  # 17.5M params: 280 MB store
+BIG = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=4)  # 41M params: 660 MB store
 
 
 def _bytes_rank(rank: int, world: int, tmp: Path, d: Path, share: bool) -> None:
