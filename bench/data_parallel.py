@@ -7,7 +7,10 @@ On the CPU (gloo; label the rows CPU):
     python bench/data_parallel.py --device cpu --worlds 1 2 --shape tiny --seq 128 --batch 4 --steps 4
 Without ``--worlds`` under torchrun it is one rank of one run. With ``--worlds`` it starts
 ``torchrun --standalone --nproc-per-node N`` for each N and prints each run's row (rank 0 writes it).
-``batch`` is rows per rank: N ranks train N * batch rows per step. The last step's trace of every
+``batch`` is rows per rank: N ranks train N * batch rows per step. Host bytes: ``host_pss_gib_machine``
+sums the ranks' PSS (a page shared by n ranks counts 1/n in each: the machine's bytes, which RSS
+overcounts), ``host_pss_added_gib_machine`` what the Sessions added to it; ``--private-store`` gives
+each rank its own host store (``share_host_store=False``) for comparison. The last step's trace of every
 rank is merged into one Chrome trace, one process per rank (``--trace-dir``/dp_<N>.json.gz).
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rows import emit, rss_bytes  # noqa: E402
+from rows import emit, pss_bytes, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 
@@ -59,9 +62,10 @@ def one_rank(a) -> None:
     rank, size = distributed.world()
     if a.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the cores
-    cfg = qwen_config(a.shape, seq=a.seq)
+    cfg = qwen_config(a.shape, seq=a.seq, layers=a.layers)
+    pss0 = pss_bytes()  # before the Session: what the store and the step add is the difference
     s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, placement=a.placement,
-                            checkpoint_every=a.checkpoint_every)
+                            checkpoint_every=a.checkpoint_every, share_host_store=not a.private_store)
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own rows
     times, losses = [], []
     for k in range(a.warmup + a.steps):
@@ -74,10 +78,13 @@ def one_rank(a) -> None:
             print(f"  world {size} step {k}: {r.seconds:.3f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
     t = statistics.median(times)
     t = max(distributed.DataParallel(s.engine.dev).agree(t, "max"), t) if size > 1 else t  # the slowest rank's
-    rss = [rss_bytes()]
+    s.engine.drain()
+    mine = pss_bytes()
+    rss, pss = [rss_bytes()], [(mine, mine - pss0)]
     if size > 1:
-        rss = [None] * size
+        rss, pss = [None] * size, [None] * size
         dist.all_gather_object(rss, rss_bytes())
+        dist.all_gather_object(pss, (mine, mine - pss0))
     if a.trace_dir and s.trace is not None and len(s.trace.spans):
         os.makedirs(a.trace_dir, exist_ok=True)
         part = os.path.join(a.trace_dir, f"dp_{size}_rank{rank}.json.gz")
@@ -87,6 +94,7 @@ def one_rank(a) -> None:
             merge_chrome_traces([os.path.join(a.trace_dir, f"dp_{size}_rank{r}.json.gz") for r in range(size)],
                                 os.path.join(a.trace_dir, f"dp_{size}.json.gz"))
     rep = s.memory_report()
+    s_store, s_shared = s.store.bytes_report()["total"], s.store.shared is not None
     s.close()
     if rank == 0:
         tokens = size * a.batch * a.seq
@@ -95,7 +103,10 @@ def one_rank(a) -> None:
                   tokens_per_step=tokens, step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
                   tokens_per_s=round(tokens / t), loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                   host_rss_gib_per_rank=[round(x / 2**30, 2) for x in rss],
-                  host_rss_gib_machine=round(sum(rss) / 2**30, 2), placement=a.placement,
+                  host_rss_gib_machine=round(sum(rss) / 2**30, 2),
+                  host_pss_gib_machine=round(sum(p for p, _ in pss) / 2**30, 3),  # shared pages once
+                  host_pss_added_gib_machine=round(sum(d for _, d in pss) / 2**30, 3),  # by the Sessions
+                  store_gib=round(s_store / 2**30, 3), shared_store=s_shared, placement=a.placement,
                   device=torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)",
                   backend="nccl" if cuda else "gloo", torch=torch.__version__), a.out)
     distributed.destroy()
@@ -105,6 +116,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=None, help="launch one torchrun run per world size")
     ap.add_argument("--shape", default="7b")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has (CPU rows)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8, help="rows per rank")
     ap.add_argument("--steps", type=int, default=4, help="timed steps")
@@ -112,6 +124,7 @@ def main(argv=None) -> None:
     ap.add_argument("--placement", default="auto")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--private-store", action="store_true", help="share_host_store=False: a host store per rank")
     ap.add_argument("--trace-dir", default=None, help="merged Chrome trace of each run: <dir>/dp_<N>.json.gz")
     ap.add_argument("--out", default=None, help="append JSON rows here")
     a = ap.parse_args(argv)

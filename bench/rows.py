@@ -18,3 +18,16 @@ def rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size (Linux /proc): shared pages count 1/n in each of their n
+    mappers, so the sum over a machine's processes is the machine's bytes (RSS counts them n times)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

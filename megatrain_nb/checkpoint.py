@@ -70,6 +70,8 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
 
     path = Path(path)
     session.engine.drain()  # host wait: every finished step's updates are in the masters
+    if getattr(session.store, "shared", None) is not None:  # the owners' step counts of "device" units too
+        barrier(f"saving checkpoint {str(path)!r} (the shared host store's owners write back)")
     if world()[0] != 0:  # data parallel: every rank holds the same state; rank 0 writes it
         barrier(f"saving checkpoint {str(path)!r} (rank 0 writes it)")
         return path

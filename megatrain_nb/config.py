@@ -132,6 +132,10 @@ class EngineConfig:
     nothing kept on the device), "stream" (a share of the layers stream their fp32 state through the
     device for their update; nothing kept), or a dict {unit: "host" | "device" | "resident"} (-1
     embedding, 0..L-1 layers, L head). ``Session.placement`` shows the choice and why."""
+    share_host_store: bool | None = None
+    """Under data parallel, the ranks of a machine share one host store (masters, moments, gradients) and
+    split its AdamW (shared_store.py). False: each rank holds its own copy. None: env
+    ``MEGATRAIN_SHARE_HOST_STORE`` ("0" off), else on when a machine runs more than one rank."""
 
     def __post_init__(self):
         try:

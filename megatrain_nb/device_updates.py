@@ -225,8 +225,8 @@ class DeviceUpdates:
         """
         out = []
         for k, op in enumerate(ops):
-            if op.kind != "bwd" or op.layer not in self.opt.streamed:
-                continue
+            if op.kind != "bwd" or op.layer not in self.opt.streamed or not self.store.owns(op.layer):
+                continue  # a shared store's other rank updates (and writes back) what it owns
 
             def submit(i=op.layer):
                 j = self._next_slot()

@@ -8,8 +8,8 @@ of placement measurements, so that every rank takes the same decisions. Its erro
 failed and that the last checkpoint is intact.
 Does not own: the step (engine.py calls ``DataParallel`` at the points named in its Note: [Data
 parallel]), launching processes (torchrun, or ``torch.multiprocessing``), sharding the data (each
-caller passes its own rows; ``strided`` is the helper), nor the host store: each rank holds its own
-copy and applies the same update (docs/distributed.md, "One host store per machine").
+caller passes its own rows; ``strided`` is the helper), nor the host store: the ranks of a machine
+share one and split its updates (shared_store.py); machines apply the same update to their own.
 
 Note: [Data parallel] the loss of a step divides by the *global* count of supervised tokens, so
 the sum over ranks of each rank's gradient is the gradient of the global loss: one all-reduce

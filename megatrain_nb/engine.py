@@ -79,7 +79,7 @@ class Engine:
         self.slot_box = [Box(ready=True) for _ in self.slots]  # event of each slot's latest use
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
-        self.adam = AdamWorker(store.order, self._update, self.abort)
+        self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
@@ -123,10 +123,13 @@ class Engine:
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
         if unit in self.dev_opt.streamed:  # the device updated it; its master came back before it landed
-            self.store.refresh_shadow(unit)  # a pinned bf16 shadow (pin_store) is what the next load reads
+            if self.store.owns(unit):  # under a shared host store its owner's GPU did (Note: [Shared host store])
+                self.store.refresh_shadow(unit)  # a pinned bf16 shadow (pin_store) is what the next load reads
             return
         if unit in self.dev_opt.of:
             return  # resident: the device updated it, the host copy is written back when read
+        if not self.store.owns(unit):
+            return  # another rank of this machine updates the shared store (Note: [Shared host store])
         self.io.delay("host-adam")
         t0 = time.perf_counter()
         with self.rec.span("host-adam", "adam", unit, "optim", self.store.units[unit].layout.numel * 16):
@@ -548,7 +551,8 @@ class Engine:
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        self.head_gbox, _ = self.io.grads(L, gslot, segs if res is None else [], done, "loss")  # resident: norm only
+        segs = self.store.copies_out(L, segs) if res is None else []  # resident: norm only; shared: the owner's
+        self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")
         self.device_updates.landed(L, self.ocfg.lr_at(self.steps_done), done)
         return grads
 
@@ -609,8 +613,8 @@ class Engine:
                                                                            *plan["state"][k])
                     gi ^= 1
                 else:
-                    self.gslot_box[gi], _ = self.io.grads(i, g, [(0, layout.numel, self.store.units[i].grad)],
-                                                          done, "bwd")
+                    segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
+                    self.gslot_box[gi], _ = self.io.grads(i, g, segs, done, "bwd")
                     gi ^= 1
                 del params, xs, outs
             else:
@@ -661,8 +665,7 @@ class Engine:
     def set_steps_done(self, n: int) -> None:
         """Resume: the store already holds the state after ``n`` steps (call before any step)."""
         self.steps_done = n
-        with self.adam.cond:
-            self.adam.version = dict.fromkeys(self.adam.order, n)
+        self.adam.set_version(n)
 
     def settle(self) -> None:
         """Block until every update of every finished step is applied, on the host and on the device."""

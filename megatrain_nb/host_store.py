@@ -80,7 +80,8 @@ class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
     def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32,
-                 shadow_dtype: torch.dtype | None = None, pin_master: bool = False, pin_moments: bool = False):
+                 shadow_dtype: torch.dtype | None = None, pin_master: bool = False, pin_moments: bool = False,
+                 shared=None):
         """
         Args:
             grad_dtype: dtype of the layer and head gradient slabs (the compute dtype).
@@ -90,6 +91,8 @@ class HostStore:
             pin_master: pin the fp32 master and gradient slabs instead (the device casts; no extra bytes).
             pin_moments: pin the Adam moments too, so that units placed "device" (placement.py) move
                 their whole optimizer state over PCIe by DMA (no extra bytes).
+            shared: a ``shared_store.SharedHost``: every slab but the embedding's gradient lives in the
+                machine's one shared segment (pinned as a whole on CUDA); None: this process's own memory.
         """
         self.arch = arch
         self.num_layers = arch.num_layers
@@ -103,7 +106,15 @@ class HostStore:
             if shadow_dtype is not None:
                 want[u, "shadow"] = (layout.numel, shadow_dtype, True)
             want[u, "exp_avg"] = want[u, "exp_avg_sq"] = (layout.numel, torch.float32, pin_moments)
-        slabs = self._alloc_all(want)
+        self.shared = shared
+        if shared is None:
+            slabs = self._alloc_all(want)
+            self.steps = torch.zeros(len(self.order))  # (units,) fp32: each unit's AdamW step count
+        else:  # one store per machine (Note: [Shared host store]); each rank scatters its own embedding rows
+            mine = {k: v for k, v in want.items() if k == (-1, "grad")}
+            slabs = {**self._alloc_all(mine), **shared.alloc({k: (n, dt) for k, (n, dt, _) in want.items()
+                                                             if k not in mine}, self.order)}
+            self.steps = shared.steps
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix, master=slabs[u, "master"],
@@ -141,6 +152,21 @@ class HostStore:
             unit = self.units[k]
             if unit.shadow is not None:
                 unit.shadow.copy_(unit.master)
+
+    def owns(self, u: int) -> bool:
+        """Whether this process applies unit ``u``'s host updates (always, unless a shared store's other rank does)."""
+        return self.shared is None or self.shared.owns(u)
+
+    def copies_out(self, u: int, segments: list) -> list:
+        """Of gradient copy-out ``segments`` [(offset, numel, host slab)] of unit ``u``, those this process
+        writes: all, unless another local rank owns ``u``; then only those into its own (private) slabs."""
+        if self.owns(u):
+            return segments
+        return [s for s in segments if not self.shared.holds(s[2])]
+
+    def step_count(self, u: int) -> torch.Tensor:
+        """0-dim fp32: unit ``u``'s AdamW step count (a view of ``steps``; shared with a shared store)."""
+        return self.steps[self.order.index(u)]
 
     @property
     def order(self) -> list[int]:

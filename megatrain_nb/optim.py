@@ -55,7 +55,7 @@ class HostAdamW:
             p = unit.master
             opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                     weight_decay=cfg.weight_decay, fused=True)
-            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": unit.exp_avg, "exp_avg_sq": unit.exp_avg_sq}
+            opt.state[p] = {"step": store.step_count(u), "exp_avg": unit.exp_avg, "exp_avg_sq": unit.exp_avg_sq}
             self.opts[u] = opt
 
     def steps_done(self, u: int) -> int:
@@ -176,7 +176,9 @@ class DeviceAdamW:
         self.streamed[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
 
     def stream_remove(self, u: int) -> None:
-        self.host.set_steps_done(u, int(self.streamed.pop(u).item()))  # .item(): host sync (placement change)
+        n = int(self.streamed.pop(u).item())  # .item(): host sync (placement change)
+        if self.store.owns(u):  # a shared store's other ranks skip u's updates: their count is stale
+            self.host.set_steps_done(u, n)
 
     def update_streamed(self, u: int, state: torch.Tensor, grad: torch.Tensor, lr: float,
                         found_inf: torch.Tensor | None) -> None:
@@ -199,7 +201,8 @@ class DeviceAdamW:
         """
         if units is None:
             for u, step in self.streamed.items():  # "device" units: their state is on the host already
-                self.host.set_steps_done(u, int(step.item()))
+                if self.store.owns(u):  # only the owner updated it (Note: [Shared host store])
+                    self.host.set_steps_done(u, int(step.item()))
         for key in list(self.groups) if units is None else [units]:
             r = self.groups[key]
             for u, a, b in r.segs:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, OptimConfig
+from . import shared_store
 from .distributed import local_device
 from .engine import Engine
 from .hf import load_architecture
@@ -73,10 +74,11 @@ class Session:
         from .packing import install
 
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
+        shared = shared_store.attach(resolved.share_host_store, cuda=torch.device(resolved.device).type == "cuda")
         self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
-                               pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement))
-        _init(self.store)
-        self.store.refresh_shadow()
+                               pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement),
+                               shared=shared)  # data parallel: one store per machine (shared_store.py)
+        shared_store.fill(self.store, _init)  # _init and the shadow's refresh, once per machine
         self.optim = HostAdamW(self.store, self.optim_cfg)
         self.recorder = Recorder(enabled=self.engine_cfg.trace, device=self.engine_cfg.device)
         self.engine = Engine(self.arch, self.store, self.optim, resolved, self.optim_cfg, self.recorder)

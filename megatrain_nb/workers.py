@@ -99,7 +99,8 @@ class AdamWorker:
     the global norm needs every gradient.
     """
 
-    def __init__(self, order: list[int], update: Callable[[int, float, float], None], abort: threading.Event):
+    def __init__(self, order: list[int], update: Callable[[int, float, float], None], abort: threading.Event,
+                 shared=None):
         self.order = order  # forward order of units
         self.update = update  # update(unit, lr, grad_scale)
         self.abort = abort
@@ -111,6 +112,13 @@ class AdamWorker:
         self.error: BaseException | None = None
         self.stats: dict = {}
         self.closed = False
+        self.shared = shared  # shared_store.SharedHost: another local rank updates the units it owns
+        self.target: dict[int, int] = {}  # unit owned elsewhere -> updates processed here (its owner's to come)
+        self.follower = None
+        if shared is not None:
+            from .shared_store import Follower
+
+            self.follower = Follower(shared, self)  # version[u] of those units: what their owners published
         self.thread = threading.Thread(target=self._run, name="megatrain-host-adam", daemon=True)
         self.thread.start()
 
@@ -144,11 +152,32 @@ class AdamWorker:
         for u in self.order:
             self.wait_version(u, version)
 
+    def set_version(self, version: int) -> None:
+        """Resume: every unit has processed ``version`` updates (before any step); a shared store's owners publish it."""
+        with self.cond:
+            self.version = dict.fromkeys(self.order, version)
+            self.target = {}
+            for u in self.order:
+                if self.shared is not None and self.shared.owns(u):
+                    self.shared.publish(u, version)
+
+    def _processed(self, u: int) -> None:
+        """Under ``cond``: unit ``u``'s update of the oldest open step is applied or skipped here."""
+        if self.shared is None or self.shared.owns(u):
+            self.version[u] += 1
+            if self.shared is not None:
+                self.shared.publish(u, self.version[u])  # after the update's writes (Note: [Shared host store])
+        else:
+            self.target[u] = self.target.get(u, self.version[u]) + 1  # the follower raises version[u] to it
+        self.cond.notify_all()
+
     def close(self) -> None:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
         self.thread.join(timeout=5)
+        if self.follower is not None:
+            self.follower.close()
 
     def _next(self, done: set) -> int | None:
         todo = [u for u in self.arrivals if u not in done]
@@ -209,8 +238,7 @@ class AdamWorker:
                 applied += 1
             done.add(u)
             with self.cond:
-                self.version[u] += 1
-                self.cond.notify_all()
+                self._processed(u)
         if not cfg["gate"]:
             total = math.sqrt(sum(n * n for n in self.landed.values()))
         with self.cond:

@@ -1,6 +1,8 @@
 """Data parallel (distributed.py): N ranks with b rows each train as one process with N*b rows.
 
-CPU, gloo, fp32, 2 ranks started with ``torch.multiprocessing`` (spawn) on a FileStore. One spawn
+CPU, gloo, fp32, 2 ranks started with ``torch.multiprocessing`` (spawn) on a FileStore; on this one
+machine they share one host store (shared_store.py; tests/test_shared_store.py), except the
+scenario with ``share_host_store=False``. One spawn
 runs every scenario (dense and MoE, the placements, a checkpoint and its resume) and saves what
 each rank saw; the tests compare it with single-process Sessions. Tolerance 1e-6 relative (the
 batch is split across ranks, so the matmuls group their sums differently); a resume on the same
@@ -28,6 +30,7 @@ SCENARIOS = {  # name -> (family, settings)
     "llama_mixed": ("llama", dict(placement={0: "resident", 1: "device"})),
     "mixtral_stream": ("mixtral", dict(placement="stream")),
     "tied_resident": ("llama_tied", dict(placement={-1: "resident", 0: "resident", 2: "resident"})),
+    "llama_private": ("llama", dict(placement="host", share_host_store=False)),  # a store per rank, as before
 }
 
 
@@ -76,6 +79,7 @@ def _scenario_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
         assert s.engine.dp is not None and s.engine.dp.size == world
         out[name] = _train(s, _batches(), rank, world, save=tmp / "ckpt" if name == "llama_host" else None)
         out[name]["placement"] = list(s.placement.placement)
+        out[name]["shared"] = s.store.shared is not None  # one host store per machine (shared_store.py)
         s.close()
     s = resume(tmp / "ckpt")
     out["resumed"] = _train(s, _batches()[SAVE_AT:], rank, world)
@@ -144,6 +148,7 @@ def test_two_ranks_equal_one_process_with_all_rows(ran, name):
         assert max(want["norms"]) > settings["grad_clip"], "the clip never acted: the test would not see it"
     if isinstance(settings["placement"], dict):
         assert "resident" in ranks[0][name]["placement"]
+    assert ranks[0][name]["shared"] == settings.get("share_host_store", True)  # on by default: one machine
 
 
 def test_checkpoint_resumes_bit_exactly_on_same_ranks_and_to_tolerance_on_one(ran):
