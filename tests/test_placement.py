@@ -304,7 +304,8 @@ def test_search_takes_a_at_once_when_the_step_hides_the_host():
     assert (s.phase, s.winner, s.candidate) == ("done", "A", "A")  # long context: no trial steps
 
 
-def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losing_the_step(hf_dir):
+@pytest.mark.parametrize("where", ["_forward", "_loss"])
+def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losing_the_step(hf_dir, where):
     """An OOM before any update of a B trial step: the same batch runs again as activations first."""
     d = hf_dir("llama")
     batches = make_batches(VOCAB, 3)
@@ -318,7 +319,7 @@ def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losi
         train_session(s, batches[:1])
         L_ = s.engine.L
         s.engine.device_updates.search = placing.Search(phase="B1", free={"A": 0, "B": 0}, keep={"A": [True] * L_})
-        real, calls = s.engine._loss, []
+        real, calls = getattr(s.engine, where), []
 
         def oom_once(*a, **k):
             calls.append(1)
@@ -326,9 +327,11 @@ def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losi
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             return real(*a, **k)
 
-        s.engine._loss = oom_once
+        setattr(s.engine, where, oom_once)
         got = train_session(s, batches[1:])
+        # in the forward, B1 has no activation policy yet: the retry must not start the search over
         assert len(calls) == 3 and s.engine.device_updates.search.winner == "A" and s.engine.device_updates.search.phase == "done"
+        assert s.engine.keep == [True] * L_
         assert "ran out of device memory" in s.placement.reason.iloc[0]
     finally:
         s.close()

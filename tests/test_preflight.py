@@ -204,7 +204,8 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     e = s.engine
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     est = check(s, batch=2, seq=12)
-    assert est["store"] == s.memory_report() and est["store"]["shadow"] == 0  # auto on CUDA: the master is pinned
+    host = lambda r: {k: v for k, v in r.items() if k != "device_resident"}  # noqa: E731  (a device figure)
+    assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] == 0  # auto on CUDA: the master is pinned
     assert s.store.units[0].master.is_pinned() and est["settings"]["cast_on_device"] is True
     assert est["host"]["staging"] == nbytes(e.io.staging + e.io.gstaging) and all(t.is_pinned() for t in e.io.staging)
     dev = est["device"]
@@ -215,10 +216,10 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     s.close()
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=False)
     est = estimate(s)
-    assert est["store"] == s.memory_report() and est["store"]["shadow"] > 0  # pin_store: auto without the cast
+    assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] > 0  # pin_store: auto without the cast
     s.close()
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=True)
     est = estimate(s)
-    assert est["store"] == s.memory_report() and est["store"]["shadow"] == 0
+    assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] == 0
     assert est["device"]["cast_stage"] == nbytes(s.engine.io.dev_stage) > 0
     s.close()
