@@ -45,7 +45,9 @@ def main(argv=None) -> None:
                          "bf16 copy; none: pack from pageable memory")
     ap.add_argument("--no-pin-store", action="store_true", help="same as --pinning none")
     ap.add_argument("--offload-checkpoints", action="store_true", help="park recompute-block inputs in host memory")
-    ap.add_argument("--no-lean", action="store_true", help="lean_activations=False: Hugging Face's own forwards")
+    ap.add_argument("--lean", choices=("auto", "on", "off"), default="auto",
+                    help="lean_activations None (auto, the default) / True / False (Hugging Face's own forwards)")
+    ap.add_argument("--no-lean", action="store_true", help="same as --lean off")
     ap.add_argument("--cast-on-device", action="store_true", help="same as --pinning cast")
     ap.add_argument("--save-trace", default=None, help="directory: save the last step's trace per batch")
     ap.add_argument("--out", default=None, help="append JSON lines here")
@@ -65,7 +67,7 @@ def main(argv=None) -> None:
                             pinned_budget_bytes=int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
                             offload_checkpoints=a.offload_checkpoints, placement=a.placement,
-                            lean_activations=not a.no_lean)
+                            lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])
     init_s = time.perf_counter() - t0
     rep = s.memory_report()
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
@@ -107,7 +109,7 @@ def main(argv=None) -> None:
                    loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                    checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
                    offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
-                   lean_activations=not a.no_lean,
+                   lean_activations=s.engine.lean, lean_reason=s.engine.lean_reason,
                    resident_units=int((s.placement.placement == "resident").sum()),
                    resident_gib=round(float(s.placement.device_GiB.sum()), 2),
                    streamed_units=int((s.placement.placement == "device").sum()), placement_search=s.engine.device_updates.search.summary(),

@@ -109,8 +109,11 @@ class EngineConfig:
     ones after it) or "math". None: at long context (T x T scores above 1 GiB) the fused kernels in
     torch's order, never math; at short context torch's own choice. The chosen one is named in
     ``Session.engine.tiler.backend``."""
-    lean_activations: bool = True
-    """Keep fewer activations per layer (``lean.py``): each RMSNorm keeps only its input (not HF's fp32
+    lean_activations: bool | None = None
+    """None (auto): on CUDA, lean for a batch size where it keeps enough layers from recompute to pay
+    for itself, or where layers are long-context large (``lean.choose``, Note: [Lean auto]); off on
+    the CPU (activations live in host RAM). True: always.
+    Keep fewer activations per layer (``lean.py``): each RMSNorm keeps only its input (not HF's fp32
     copy and cast) and a dense gated MLP keeps gate and up (not also act(gate) and the product), saving
     8*hidden + 2*dtype_bytes*intermediate bytes per token and layer (Qwen2.5-7B shape in bf16: 225 -> 121
     KB, ``bench/lean_bytes.py``). Costs one elementwise recompute of the norms and of act(gate)*up in
@@ -177,8 +180,9 @@ class EngineConfig:
         if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
             raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
                              "{unit: 'host' | 'device' | 'resident'}")
-        if not isinstance(self.lean_activations, bool):
-            raise ValueError(f"lean_activations={self.lean_activations!r}: use True (keep fewer activations, "
-                             "recompute the norms and the MLP's activation in the backward) or False (HF's own forward)")
+        if self.lean_activations is not None and not isinstance(self.lean_activations, bool):
+            raise ValueError(f"lean_activations={self.lean_activations!r}: use None (auto), True (keep fewer "
+                             "activations, recompute the norms and the MLP's activation in the backward) or False "
+                             "(HF's own forward)")
         if not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")

@@ -88,9 +88,12 @@ class Engine:
                                             dtype=self.dtype, dp=self.dp)  # placement: state on the device, its updates
         self.dev_opt = self.device_updates.opt  # resident units' buffers, read by the compute below
         self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
-        lean.prepare(arch, ecfg.lean_activations)  # the templates' norms and MLP keep less (lean.py), then tiling wraps
+        self.lean = bool(ecfg.lean_activations)  # None (auto): decided per batch size (_place_checkpoints)
+        self.lean_reason = "lean_activations=" + repr(ecfg.lean_activations)
+        lean.prepare(arch, self.lean)  # the templates' norms and MLP keep less (lean.py), then tiling wraps
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
-                                    device=dev.device, dtype_bytes=self.dtype.itemsize, lean=ecfg.lean_activations)
+                                    device=dev.device, dtype_bytes=self.dtype.itemsize,
+                                    lean=ecfg.lean_activations is not False)
         self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
                                  offload_checkpoints=ecfg.offload_checkpoints)
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
@@ -441,9 +444,34 @@ class Engine:
             s = model_shape(self.arch.config)
         except (ValueError, KeyError, TypeError):
             s = None  # a shape the planner cannot read: nothing predicted, no cap
-        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.cfg.lean_activations))
+        if self.cfg.lean_activations is None and s:
+            self._choose_lean(s, n, d)
+        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.lean))
         self._dE_need = pinned_bytes(lb["boundary"] * 4 // d) if lb else 0  # the pinned dE buffer to come
         self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
+
+    def _choose_lean(self, s: dict, n: int, d: int) -> None:
+        """lean_activations=None: lean for this batch size or not (Note: [Lean auto] in lean.py)."""
+        from .planner import _act_bytes_per_token
+        from .tiling import auto_tiles
+
+        if not self.dev.cuda:
+            on, why = False, "device 'cpu': activations live in host RAM"
+        else:
+            total = torch.cuda.get_device_properties(self.dev.device).total_memory
+            used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
+            if self.device_updates.mode == "auto":
+                used -= self.dev_opt.nbytes  # residents leave for the measuring step of a new batch size
+
+            def kept(lean_on):  # as _keep_now decides, layer after layer
+                act = n * _act_bytes_per_token(s, d, lean=lean_on)
+                return min(self.L, max(0, int((self.cfg.activation_budget * total - used - (4 << 30)) // act) - 1))
+
+            on, why = lean.choose(self.L, kept(False), kept(True), large=bool(self.tiler.rows) or auto_tiles(
+                self.arch.config, n, total, d, lean=False))
+        if on != self.lean:
+            lean.prepare(self.arch, on)
+        self.lean, self.lean_reason = on, "lean_activations=None (auto): " + ("on: " if on else "off: ") + why
 
     def _memory(self) -> tuple[float, float, float]:
         """(device bytes in use, the planner's device budget, host bytes the step still allocates)."""

@@ -211,6 +211,37 @@ def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
     return sorted(out)
 
 
+# Note: [Lean auto] lean costs every layer a little backward time and spares recompute only where the
+# activations do not all fit. Measured on the H200 (3B shape, bench/results_h200_2026-12-01_s2.jsonl):
+# lean's backward took 11% longer at 4 x 4096 (8% of a layer's forward + backward) and 3B x 1 ran 236
+# instead of 284 TFLOPS with nothing to spare; a recomputed layer costs its forward again, about a
+# third of its forward + backward. So lean pays when the layers it keeps from recompute outweigh its
+# cost on all of them, or where an untiled layer is large enough that sequence tiling would take over
+# (long context: there the lean estimate is what keeps tiling off, and tiled parts ignore lean).
+LEAN_COST = 0.08  # lean's backward time, as a share of a layer's forward + backward (H200, 3B x 4)
+RECOMPUTE_COST = 1 / 3  # a recomputed layer: its forward again
+
+
+def choose(layers: int, kept_plain: int, kept_lean: int, *, large: bool = False) -> tuple[bool, str]:
+    """``lean_activations=None`` (auto): lean for this batch size, and why (Note: [Lean auto]).
+
+    Args:
+        layers: decoder layers.
+        kept_plain, kept_lean: layers the activation policy would keep without and with lean.
+        large: one untiled layer without lean is as large as sequence tiling's threshold.
+    Example:
+        >>> choose(36, kept_plain=26, kept_lean=36)[0], choose(36, kept_plain=36, kept_lean=36)[0]
+        (True, False)
+    """
+    spared = max(0, kept_lean - kept_plain)
+    if large:
+        return True, "an untiled layer without lean is as large as sequence tiling's threshold"
+    if spared * RECOMPUTE_COST > layers * LEAN_COST:
+        return True, f"keeps {spared} more of {layers} layers from recompute"
+    return False, (f"spares {spared} of {layers} layers from recompute: less than its cost on every layer"
+                   if spared else "every layer that fits is kept without it")
+
+
 def prepare(arch, on: bool) -> list[list[str]]:
     """The engine's one call: every template of ``arch`` lean (``on``) or Hugging Face's own.
 

@@ -374,7 +374,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
-         offload_checkpoints: bool | None = None, lean_activations: bool = True, _advise: bool = True,
+         offload_checkpoints: bool | None = None, lean_activations: bool | None = None, _advise: bool = True,
          _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
@@ -430,7 +430,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             in host memory, False none, None lets `longcontext.place_checkpoints` choose the block length
             and how many to park from both budgets, as the engine does (Note: [Long-context memory]).
         lean_activations: as `EngineConfig.lean_activations`: untiled layers keep the lean per-token bytes
-            of Note: [Activation estimate]. Lean's recompute in the backward (one elementwise pass of
+            of Note: [Activation estimate]; None (auto) decides as the engine does (Note: [Lean auto]). Lean's recompute in the backward (one elementwise pass of
             the norms and of the MLP's activation product per layer) is not timed.
 
     Returns:
@@ -455,8 +455,23 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     if not 0 < activation_budget <= 1:
         raise ValueError(f"activation_budget must be a fraction in (0, 1], got {activation_budget!r}.")
-    if not isinstance(lean_activations, bool):
-        raise ValueError(f"lean_activations must be True or False, got {lean_activations!r}.")
+    if lean_activations is not None and not isinstance(lean_activations, bool):
+        raise ValueError(f"lean_activations must be None (auto), True or False, got {lean_activations!r}.")
+    if lean_activations is None:  # auto, as the engine decides (lean.choose, Note: [Lean auto])
+        from . import lean as _lean
+        from .tiling import auto_tiles
+
+        kw = dict(batch=batch, seq=seq, hardware=hardware, dtype_bytes=dtype_bytes, checkpoint_every=None,
+                  weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes, transfer_chunk_bytes=transfer_chunk_bytes,
+                  loss_chunk_tokens=loss_chunk_tokens, activation_budget=activation_budget, pin_store=pin_store,
+                  cast_on_device=cast_on_device, tile_tokens=tile_tokens, offload_checkpoints=offload_checkpoints,
+                  _advise=False, _search=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kept = {on: plan(config, lean_activations=on, **kw).kept_layers for on in (False, True)}
+        shape = model_shape(config)
+        large = auto_tiles(shape, batch * seq, hardware.device_mem_bytes, dtype_bytes, lean=False)
+        lean_activations = _lean.choose(shape["layers"], kept[False], kept[True], large=large)[0]
     if pin_store and cast_on_device:
         raise ValueError("pin_store=True and cast_on_device=True both pin the store (as in EngineConfig); "
                          "set one of them to False.")

@@ -250,11 +250,31 @@ def test_bad_setting_is_refused_with_its_name():
         EngineConfig(lean_activations="yes")
     with pytest.raises(ValueError, match="lean_activations=1"):
         Session.from_config(make_config("llama"), seed=0, lean_activations=1)
-    with pytest.raises(ValueError, match="lean_activations must be True or False"):
+    with pytest.raises(ValueError, match="lean_activations must be None.*True or False"):
         plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  vocab_size=100), batch=1, seq=16, lean_activations=None)
+                  vocab_size=100), batch=1, seq=16, lean_activations="yes")
     with pytest.raises(ValueError, match="lean_activations=None"):
         lean.prepare(load_architecture(make_config("llama")), None)
+
+
+QWEN_3B_SHAPE = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+
+
+def test_auto_is_lean_only_where_it_spares_recompute():
+    """lean_activations=None: off on the CPU; with a device budget, on where the plain layers would be
+    recomputed and lean keeps enough of them (Note: [Lean auto]); the planner decides alike."""
+    s = Session.from_config(make_config("llama"), seed=0, lr=1e-3)
+    try:
+        s.step(make_batches(s.arch.config.vocab_size, 1)[0])
+        assert s.engine.lean is False and "cpu" in s.engine.lean_reason
+    finally:
+        s.close()
+    assert lean.choose(36, 26, 36) == (True, "keeps 10 more of 36 layers from recompute")
+    assert not lean.choose(28, 6, 12)[0], "6 layers spared of 28: 2.0 layer-forwards against 2.24 of lean's cost"
+    assert lean.choose(28, 28, 28, large=True)[0]
+    assert plan(QWEN_3B_SHAPE, batch=4, seq=4096).settings["lean_activations"] is False  # every layer fits without it
+    assert plan(QWEN_3B_SHAPE, batch=8, seq=4096).settings["lean_activations"] is True  # 10 layers spared
 
 
 # ---- GPU ------------------------------------------------------------------------------------
