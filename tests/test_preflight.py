@@ -3,9 +3,11 @@ fit fails before anything is allocated, naming GiB needed vs available and the s
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 
 import pytest
+
 import torch
 
 from conftest import FAMILIES, make_config
@@ -223,3 +225,15 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] == 0
     assert est["device"]["cast_stage"] == nbytes(s.engine.io.dev_stage) > 0
     s.close()
+
+
+def test_cuda_allocator_grows_segments_unless_the_user_chose(monkeypatch):
+    """Note: [Allocator]: expandable segments before CUDA starts; a user's own setting is kept."""
+    from megatrain_nb.preflight import ALLOCATOR, cuda_allocator
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert cuda_allocator() == "set" and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOCATOR
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert cuda_allocator() == "user's setting" and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
