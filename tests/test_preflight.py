@@ -7,7 +7,6 @@ import os
 import types
 
 import pytest
-
 import torch
 
 from conftest import FAMILIES, make_config
