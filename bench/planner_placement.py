@@ -34,9 +34,12 @@ def main(argv=None) -> None:
         if "placement" not in r:
             continue
         cfg = qwen_config(r["shape"], layers=r["layers"], seq=r["seq"])
+        placement = r["placement"]
+        if placement == "stream" and r.get("streamed_units") is not None:  # the share the engine measured its way to
+            placement = dict.fromkeys(range(r["streamed_units"]), "device")
         p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=H200, weight_slots=r.get("slots", 2),
                  cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
-                 placement=r["placement"])
+                 placement=placement, lean_activations=bool(r.get("lean_activations", False)))
         got, want = p.steady_step_ms / 1e3, r["step_s"]
         err = got / want - 1
         errors.append(abs(err))

@@ -116,7 +116,7 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
-    bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 3.6),
+    bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 4.1),  # bwd: 4.13-4.19 ms a layer at 3B x 1, auto (3 traces)
     loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
@@ -430,8 +430,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             in host memory, False none, None lets `longcontext.place_checkpoints` choose the block length
             and how many to park from both budgets, as the engine does (Note: [Long-context memory]).
         lean_activations: as `EngineConfig.lean_activations`: untiled layers keep the lean per-token bytes
-            of Note: [Activation estimate]; None (auto) decides as the engine does (Note: [Lean auto]). Lean's recompute in the backward (one elementwise pass of
-            the norms and of the MLP's activation product per layer) is not timed.
+            of Note: [Activation estimate]; None (auto) decides as the engine does (Note: [Lean auto]).
 
     Returns:
         Plan.
@@ -568,6 +567,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     elementwise = T * (h + inter) * hw.elementwise_s_per_token_dim * 1e3
     fwd = flops / rate + far + elementwise / 3
     bwd = 2 * flops / rate + 2.5 * far + mlp + 2 * elementwise / 3
+    if lean_activations and not rows:  # lean.py's elementwise recompute in the backward (Note: [Lean auto])
+        from .lean import LEAN_COST
+
+        bwd += LEAN_COST * (fwd + bwd)
     fwd, bwd = max(fwd, hw.layer_launch_ms[0]), max(bwd, hw.layer_launch_ms[1])
     t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
