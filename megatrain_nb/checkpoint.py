@@ -62,7 +62,7 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
         OSError: the disk refused a write; ``path`` is then untouched.
     Example:
         >>> save_checkpoint(s, "ckpt/run1")            # doctest: +SKIP
-        >>> s = resume("ckpt/run1")                      # doctest: +SKIP
+        >>> s = Session.resume("ckpt/run1")              # doctest: +SKIP
     """
     if max_shard_bytes < (1 << 20):
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: use at least 1 MiB")
@@ -94,7 +94,7 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     return path
 
 
-def resume(path: str | os.PathLike, **overrides):
+def resume(path: str | os.PathLike, *, make, **overrides):
     """Rebuild a Session from a checkpoint so that its next steps equal an uninterrupted run's.
 
     Restores the masters and Adam moments, each unit's AdamW step count, the engine's step count
@@ -103,6 +103,7 @@ def resume(path: str | os.PathLike, **overrides):
 
     Args:
         path: a directory written by ``save_checkpoint``.
+        make: the Session class (``Session.resume`` passes itself: this module imports no session).
         **overrides: any Session setting (OptimConfig or EngineConfig field) to change, e.g.
             ``device="cpu"``, ``micro_batch_size=1``, ``lr=1e-4``. Any field may be overridden; an
             optimizer override (lr, schedule, betas, ...) changes the run from here on, so the resumed
@@ -116,13 +117,11 @@ def resume(path: str | os.PathLike, **overrides):
             file (the message names it).
         TypeError: an unknown setting in ``overrides``.
     """
-    from .session import Session
-
     path = _locate(Path(path))
     state = _read_state(path)
     config = _config(state)
     settings = {**_settings(state["optim_cfg"]), **_settings(state["engine_cfg"]), **overrides}
-    session = Session(config, _init=lambda store: _load_slabs(store, path, state), **settings)
+    session = make(config, _init=lambda store: _load_slabs(store, path, state), **settings)
     for u in session.store.order:
         session.optim.set_steps_done(u, state["unit_steps"][str(u)])
     _set_engine_steps(session.engine, state["steps_done"])
@@ -203,7 +202,7 @@ def _config(state: dict):
 
 
 def _history(rows: list[dict]) -> list:
-    from .session import StepResult
+    from .results import StepResult
 
     names = [f.name for f in dataclasses.fields(StepResult)]
     return [StepResult(**{n: r.get(n) for n in names}) for r in rows]

@@ -437,7 +437,7 @@ class Engine:
     def _place_checkpoints(self, mbs) -> None:
         """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
         where block inputs wait is decided at the forward's first recompute block (``_parked``)."""
-        from .planner import _act_bytes_per_token, model_shape
+        from .shape import _act_bytes_per_token, model_shape
 
         n, d = sum(mb["input_ids"].numel() for mb in mbs), self.dtype.itemsize
         try:
@@ -452,7 +452,7 @@ class Engine:
 
     def _choose_lean(self, s: dict, n: int, d: int) -> None:
         """lean_activations=None: lean for this batch size or not (Note: [Lean auto] in lean.py)."""
-        from .planner import _act_bytes_per_token
+        from .shape import _act_bytes_per_token
         from .tiling import auto_tiles
 
         if not self.dev.cuda:

@@ -199,7 +199,7 @@ def _layer_cache(config):
 # ---- running a pass on the session's driver thread -----------------------------------------------
 def _run(session, fn):
     """Run ``fn`` as a pass between steps (Note: [Eval between steps]) on the session's driver thread."""
-    from .session import _run_uninterrupted
+    from .workers import run_uninterrupted as _run_uninterrupted
 
     engine = session.engine
     if engine.closed:

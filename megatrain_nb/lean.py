@@ -5,7 +5,7 @@ MLP (Note: [Lean activations]), the autograd function of the MLP's second half (
 switching them on and off for an architecture's templates (``prepare``: the engine's one call).
 Does not own: the one-tile recompute of a norm (``tiling.Tiled``, shared with sequence tiling), the
 detection of norms and dense MLPs (``tiling._is_norm`` / ``_is_dense_mlp``), the memory arithmetic
-(``planner._act_bytes_per_token``), or any weights (they arrive as the views ``binding.call`` binds;
+(``shape._act_bytes_per_token``), or any weights (they arrive as the views ``binding.call`` binds;
 saved weights go through whatever saved-tensor hooks are active, e.g. ``binding.SlotRefs``).
 
 Note: [Lean activations] per token of one layer (d = compute dtype bytes, h = hidden, I = intermediate),
@@ -16,7 +16,7 @@ A lean norm is ``tiling.Tiled`` with one tile: it keeps its input (d*h) and weig
 forward again inside its backward (elementwise), differentiated by autograd. A lean MLP runs gate_proj
 and up_proj as HF does (they keep their shared input x) and ``GatedDown`` for down_proj(act(gate) * up):
 it keeps gate, up and W_down (2*d*I) and recomputes act(gate) * up (elementwise) in its backward.
-Saved: 4h per norm (8h per layer) and 2*d*I per MLP; the planner's Note: [Activation estimate] has
+Saved: 4h per norm (8h per layer) and 2*d*I per MLP; shape.py's Note: [Activation estimate] has
 the formula. Cost: one elementwise forward of the norms and of act(gate) * up per layer in the
 backward, no matmul; and host time: each norm's backward is a nested autograd call (~90 us on a
 2-core CPU), which ``GatedDown`` avoids for silu and gelu by running the same aten backward kernels

@@ -11,7 +11,7 @@ or time (``planner.py``).
 
 Note: [Long-context memory] per token of one layer, d = compute dtype bytes, q = heads*head_dim,
 kv = kv_heads*head_dim, h = hidden, I = intermediate:
-  saved, untiled: the planner's Note [Activation estimate] (norms' fp32 copies, q/k/v/output, 4*d*I of MLP)
+  saved, untiled: shape.py's Note [Activation estimate] (norms' fp32 copies, q/k/v/output, 4*d*I of MLP)
   saved, tiled:   d*(3h + 3q + 2kv) — the two norm outputs and the mid-layer residual (3h), q after
                   rotary, the attention output and o_proj's input (3q), k and v (2kv); the norms and
                   the MLP keep only their inputs (tiling.py, Note [Tiled recompute]).
@@ -114,7 +114,7 @@ def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reser
 def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int) -> dict:
     """Device bytes of one layer at ``tokens`` tokens: ``act`` (saved for its backward, tiled when
     ``rows``), ``boundary`` (its input: a recompute block's checkpoint) and ``transient`` (the backward's
-    working set beyond the saved set). ``per_token_untiled``: the planner's Note [Activation estimate]."""
+    working set beyond the saved set). ``per_token_untiled``: shape.py's Note [Activation estimate]."""
     per_token = tiled_bytes_per_token(s, d) if rows else per_token_untiled
     return {"act": tokens * per_token, "boundary": tokens * s["hidden"] * d,
             "transient": backward_transient_bytes(s, tokens, d, rows)}

@@ -166,7 +166,7 @@ def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
     checkpoint_every=None on CUDA keeps layers while ``activation_budget`` allows, so only its floor
     counts: every layer recomputed, one at a time.
     """
-    from .planner import _act_bytes_per_token, model_shape
+    from .shape import _act_bytes_per_token, model_shape
 
     L, T = arch.num_layers, batch * seq
     H, V = arch.embed.weight.shape[1], arch.embed.weight.shape[0]

@@ -21,25 +21,12 @@ from .engine import Engine
 from .hf import load_architecture
 from .host_store import HostStore
 from .optim import HostAdamW
+from .workers import run_uninterrupted as _run_uninterrupted
+from .results import StepResult  # noqa: F401  (public here too: megatrain_nb.session.StepResult)
 from .trace import Recorder
 
 _OPTIM = {f.name for f in dataclasses.fields(OptimConfig)}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What one ``Session.step`` did."""
-
-    step: int  # 1-based index of this step
-    loss: float  # HF's loss: mean cross-entropy over supervised tokens
-    tokens: int  # tokens in the batch (B*T)
-    seconds: float  # wall time of the step call
-    lr: float  # learning rate this step's update uses
-    tflops: float  # model TFLOPS: 6 * params * tokens / seconds / 1e12
-    recomputed_layers: int
-    grad_norm: float = float("nan")  # global L2 norm of the gradients (before clipping)
-    skipped: bool = False  # a non-finite loss or gradient: this step's update was skipped
 
 
 class Session:
@@ -373,7 +360,7 @@ class Session:
         """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses)."""
         from .checkpoint import resume
 
-        return resume(path, **overrides)
+        return resume(path, make=cls, **overrides)
 
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
         """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates)."""
@@ -404,31 +391,6 @@ class Session:
         return (f"Session({type(self.arch.model).__name__}, {n / 1e6:.1f}M params, {self.arch.num_layers} layers, "
                 f"device={self.engine_cfg.device}, dtype={str(self.engine_cfg.dtype).replace('torch.', '')}, "
                 f"steps={self.engine.steps_done})")
-
-
-def _run_uninterrupted(fn, driver):
-    """Run one step on the session's driver thread; a KeyboardInterrupt (Jupyter's Stop) waits for it.
-
-    Note: [Interrupts] a step is applied to all layers or to none: an interrupt never lands inside
-    one. The caller re-raises it once the step is done. Returns (result, interrupted).
-    Note: [Driver thread] one long-lived thread per session, not one per step: every new thread
-    that touches torch leaves per-thread state behind (OpenMP pools, CUDA contexts' thread state);
-    a thread per step grew host RSS by ~2 MB/step on the H200 (bench/soak_probe.py).
-    """
-    import warnings
-
-    future = driver.submit(fn)
-    interrupted = False
-    while True:
-        try:
-            if concurrent.futures.wait([future], timeout=0.1).done:
-                break
-        except KeyboardInterrupt:
-            if not interrupted:
-                warnings.warn("interrupt received: finishing the current step first so that no layer is "
-                              "left without its update", stacklevel=3)
-            interrupted = True
-    return future.result(), interrupted  # re-raises the step's own error here, in the caller's thread
 
 
 def _streams_state(placement) -> bool:

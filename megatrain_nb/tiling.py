@@ -313,12 +313,12 @@ def auto_tiles(config, tokens: int, total_bytes: int, dtype_bytes: int = 2, *, l
     """tile_tokens=None's rule: one untiled layer's activations (planner's estimate) above ``AUTO_FRACTION``.
 
     Args:
-        config: a transformers config, or a ``planner.model_shape`` dict.
+        config: a transformers config, or a ``shape.model_shape`` dict.
         tokens: tokens per micro-batch.
         total_bytes: device memory (host RAM on "cpu").
         lean: the layers run ``lean.py``'s forwards (``EngineConfig.lean_activations``).
     """
-    from .planner import _act_bytes_per_token, model_shape
+    from .shape import _act_bytes_per_token, model_shape
 
     try:
         shape = config if isinstance(config, dict) and "params_per_layer" in config else model_shape(config)

@@ -12,7 +12,9 @@ import torch
 from conftest import make_batches, make_config
 from megatrain_nb import Session
 from megatrain_nb import checkpoint as ckpt
-from megatrain_nb.checkpoint import resume, save_checkpoint
+from megatrain_nb import Session as _Session
+resume = _Session.resume
+from megatrain_nb.checkpoint import save_checkpoint
 
 STEPS, CUT = 6, 3
 

@@ -70,7 +70,8 @@ def _train(s, batches, rank=0, world=1, *, save: Path | None = None) -> dict:
 def _scenario_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
     """One rank: every scenario, then a resume of the first one's checkpoint; results to rank<r>.pt."""
     from megatrain_nb import Session
-    from megatrain_nb.checkpoint import resume
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
 
     _join(rank, world, tmp)
     out = {}
@@ -152,7 +153,8 @@ def test_two_ranks_equal_one_process_with_all_rows(ran, name):
 
 
 def test_checkpoint_resumes_bit_exactly_on_same_ranks_and_to_tolerance_on_one(ran):
-    from megatrain_nb.checkpoint import resume
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
 
     tmp, dirs, ranks = ran
     for r in range(WORLD):  # same N: the uninterrupted run's last steps, bit for bit
@@ -197,7 +199,8 @@ def _failing_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
 
 
 def test_a_failing_rank_ends_the_others_with_a_clear_error_and_the_checkpoint_stays(hf_dir, tmp_path):
-    from megatrain_nb.checkpoint import resume
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
 
     codes = _spawn(_failing_rank, tmp_path, hf_dir("llama"), timeout_s=90)
     assert codes[0] == 0, f"rank 0 exited with {codes[0]}"

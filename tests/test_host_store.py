@@ -106,7 +106,9 @@ def test_a_session_on_carved_slabs_trains_checkpoints_resumes_and_exports(monkey
 
     from conftest import make_batches
     from megatrain_nb import Session
-    from megatrain_nb.checkpoint import resume, save_checkpoint
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
+    from megatrain_nb.checkpoint import save_checkpoint
 
     made, alloc = _blocks()
     monkeypatch.setattr(HostStore, "_pinned_block", staticmethod(alloc))

@@ -69,7 +69,8 @@ def _three_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
     import torch.distributed as dist
 
     from megatrain_nb import Session
-    from megatrain_nb.checkpoint import resume
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
 
     torch.set_num_threads(1)
     _join(rank, world, tmp)
@@ -150,7 +151,8 @@ def test_the_store_is_one_copy_in_one_deleted_dev_shm_file(three):
 
 
 def test_a_shared_checkpoint_resumes_bitwise_on_three_and_to_tolerance_on_two_and_one(three):
-    from megatrain_nb.checkpoint import resume
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
 
     tmp, dirs, ranks = three
     for r in range(3):
@@ -171,7 +173,8 @@ def test_a_shared_checkpoint_resumes_bitwise_on_three_and_to_tolerance_on_two_an
 
 
 def _resume_rank(rank: int, world: int, tmp: Path) -> None:
-    from megatrain_nb.checkpoint import resume
+    from megatrain_nb import Session as _Session
+    resume = _Session.resume
 
     torch.set_num_threads(1)
     (tmp / "r2").mkdir(exist_ok=True)

@@ -1,0 +1,95 @@
+"""What the planner and the memory rules read of a model config: sizes, parameter counts
+(``model_shape``) and the bytes one decoder layer keeps per token for its backward
+(``_act_bytes_per_token``, Note: [Activation estimate]). A leaf module: no package imports, so that
+tiling.py, lean.py, preflight.py, the engine and the planner share it without an import circle.
+"""
+from __future__ import annotations
+
+_MISSING = object()
+
+
+def _get(config, name: str, default=_MISSING):
+    """Field `name` of a config object or dict; ValueError naming it when missing and no default."""
+    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+    if value is _MISSING or (value is None and default is _MISSING):
+        raise ValueError(f"config lacks '{name}', which the planner needs; pass a decoder config "
+                         f"(transformers PretrainedConfig or dict) that sets it.")
+    return value
+
+
+def model_shape(config) -> dict:
+    """Sizes and parameter counts of a decoder-only transformer.
+
+    Counts: attention q/k/v/o (+ q/k/v bias when `attention_bias` or Qwen2, + q/k norms for Qwen3),
+    SwiGLU MLP (3 matrices) or MoE experts + router (+ shared expert), two RMSNorms per layer,
+    embedding, final norm, and lm_head unless tied. All layers are taken to be alike.
+
+    Args:
+        config: a transformers config (its text config is used for multimodal ones) or a dict
+            with the same field names.
+
+    Returns:
+        dict: hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied, experts,
+        experts_per_tok, params_per_layer, active_params_per_layer (per token, for FLOPs),
+        embed_params, head_params (lm_head unless tied, plus final norm), n_params.
+
+    Raises:
+        ValueError: a required field is missing (the message names it).
+
+    Example:
+        >>> s = model_shape(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, vocab_size=100, tie_word_embeddings=True))
+        >>> s["params_per_layer"], s["n_params"]
+        (41088, 88640)
+    """
+    if not isinstance(config, dict) and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    model_type = str(_get(config, "model_type", ""))
+    h = int(_get(config, "hidden_size"))
+    layers = int(_get(config, "num_hidden_layers"))
+    heads = int(_get(config, "num_attention_heads"))
+    kv = int(_get(config, "num_key_value_heads", None) or heads)
+    hd = int(_get(config, "head_dim", None) or h // heads)
+    vocab = int(_get(config, "vocab_size"))
+    tied = bool(_get(config, "tie_word_embeddings", False))
+    experts = int(_get(config, "num_experts", None) or _get(config, "num_local_experts", None) or 0)
+    bias = _get(config, "attention_bias", None)
+    bias = model_type in ("qwen2", "qwen2_moe") if bias is None else bool(bias)
+    attn = h * heads * hd * 2 + h * kv * hd * 2 + (heads * hd + 2 * kv * hd if bias else 0)
+    attn += 2 * hd if model_type.startswith("qwen3") else 0
+    if experts:
+        inter = int(_get(config, "moe_intermediate_size", None) or _get(config, "intermediate_size"))
+        top_k = int(_get(config, "num_experts_per_tok"))
+        shared = int(_get(config, "shared_expert_intermediate_size", None) or 0)
+        shared_p = 3 * h * shared + (h if shared else 0)
+        mlp, active_mlp = experts * 3 * h * inter + h * experts + shared_p, top_k * 3 * h * inter + h * experts + shared_p
+    else:
+        inter, top_k = int(_get(config, "intermediate_size")), 0
+        mlp = active_mlp = 3 * h * inter
+    per_layer, embed = attn + mlp + 2 * h, vocab * h
+    head = (0 if tied else vocab * h) + h
+    return dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
+                vocab=vocab, tied=tied, experts=experts, experts_per_tok=top_k,
+                params_per_layer=per_layer, active_params_per_layer=attn + active_mlp + 2 * h,
+                embed_params=embed, head_params=head, n_params=layers * per_layer + embed + head)
+
+
+# Note: [Activation estimate]
+# Bytes autograd keeps per token for one HF-style decoder layer (d = dtype_bytes, q = heads*head_dim,
+# kv = kv_heads*head_dim, I = intermediate, or experts_per_tok * moe size):
+#   2 RMSNorms (HF eager keeps an fp32 copy of the input, the cast and the scaled output): 2*(4+2d)*hidden
+#   attention (flash SDPA keeps q, k, v after rotary and its output; o_proj keeps a copy): d*(3q + 2kv)
+#   SwiGLU MLP (gate, silu(gate), up, product):                                             4*d*I
+# With lean activations (lean.py, EngineConfig.lean_activations) a norm keeps only its input and the
+# next matmul its output, 2*2d*hidden for the two, and a dense gated MLP keeps gate and up, 2*d*I (MoE
+# experts are left as they are: 4*d*I). Lean saves 8*hidden + 2*d*I per token (dense), 8*hidden (MoE).
+# A recompute block keeps only its input, d*hidden per token. A loss chunk holds its logits in compute
+# dtype plus fp32 logits and their fp32 gradient: (d + 8)*vocab per token of the chunk.
+
+
+def _act_bytes_per_token(s: dict, d: int, lean: bool = True) -> int:
+    """Per-token activation bytes of one layer, with lean activations or HF's; see Note: [Activation estimate]."""
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    inter = s["intermediate"] * (s["experts_per_tok"] or 1)
+    norms = 2 * (2 * d if lean else 4 + 2 * d) * s["hidden"]
+    return norms + d * (3 * q + 2 * kv) + (2 if lean and not s["experts"] else 4) * d * inter
