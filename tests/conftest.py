@@ -232,3 +232,25 @@ def hf_dir(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+def spawn_ranks(fn, world: int, tmp, *args, timeout_s: float = 300) -> list[int]:
+    """Start ``world`` processes of fn(rank, world, tmp, *args) (spawn: a fresh interpreter each); join
+    them by a shared deadline, ending any still alive after it; returns their exit codes."""
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(r, world, tmp, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(1, deadline - time.monotonic()))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.terminate()  # our own child, by its handle
+            p.join()
+        codes.append(p.exitcode)
+    return codes

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import VOCAB, make_batches, rel, rel_scalar
+from conftest import VOCAB, make_batches, rel, rel_scalar, spawn_ranks
 
 WORLD, ROWS, STEPS, SAVE_AT = 2, 2, 3, 2  # ranks, rows per rank, steps, checkpoint after this step
 TOL = 1e-6
@@ -90,20 +89,7 @@ def _scenario_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
 
 def _spawn(fn, tmp: Path, *args, timeout_s: float = 240) -> list[int]:
     """Start WORLD processes of fn(rank, WORLD, tmp, *args); join them; returns their exit codes."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=fn, args=(r, WORLD, tmp, *args)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(1, deadline - time.monotonic()))
-    codes = []
-    for p in procs:
-        if p.is_alive():
-            p.terminate()  # our own child, by its handle
-            p.join()
-        codes.append(p.exitcode)
-    return codes
+    return spawn_ranks(fn, WORLD, tmp, *args, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")

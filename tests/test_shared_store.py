@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import VOCAB, make_batches
-from test_distributed import BASE, SAVE_AT, SCENARIOS, _assert_close, _join, _shard, _single, _train
+from conftest import VOCAB, make_batches, spawn_ranks
+from test_distributed import BASE, SAVE_AT, SCENARIOS, _assert_close, _join, _shard, _train
 
 THREE = ("llama_host", "mixtral_auto_clip", "llama_mixed")  # dense, MoE with clipping, resident + "device"
 
@@ -47,21 +46,7 @@ def _pss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
 
 
-def _spawn(fn, world: int, tmp: Path, *args, timeout_s: float = 300) -> list[int]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=fn, args=(r, world, tmp, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(1, deadline - time.monotonic()))
-    codes = []
-    for p in procs:
-        if p.is_alive():
-            p.terminate()  # our own child, by its handle
-            p.join()
-        codes.append(p.exitcode)
-    return codes
+_spawn = spawn_ranks  # conftest: fn(rank, world, tmp, *args) in spawned processes, exit codes back
 
 
 def _three_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
