@@ -103,7 +103,7 @@ class EngineConfig:
     """Rows (tokens) per tile of a layer's norms and dense MLP (``tiling.py``): their whole-sequence
     intermediates then exist one tile at a time, for one more MLP forward per layer in the backward.
     0: never tile. None: tile in 16384-row tiles once one untiled layer's activations would exceed 1/8
-    of device memory (the 7B shape: above ~147K tokens per micro-batch with lean_activations, ~81K without)."""
+    of device memory (the 7B shape: above ~81K tokens per micro-batch; ~147K with lean_activations=True)."""
     attention_backend: str | None = None
     """SDPA kernel of the layers' attention: "flash", "cudnn", "efficient" (tried first, the other fused
     ones after it) or "math". None: at long context (T x T scores above 1 GiB) the fused kernels in

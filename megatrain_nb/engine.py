@@ -93,7 +93,7 @@ class Engine:
         lean.prepare(arch, self.lean)  # the templates' norms and MLP keep less (lean.py), then tiling wraps
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
                                     device=dev.device, dtype_bytes=self.dtype.itemsize,
-                                    lean=ecfg.lean_activations is not False)
+                                    lean=ecfg.lean_activations is True)  # auto: tiling's threshold without lean
         self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
                                  offload_checkpoints=ecfg.offload_checkpoints)
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs

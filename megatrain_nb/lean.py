@@ -216,8 +216,9 @@ def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
 # lean's backward took 11% longer at 4 x 4096 (8% of a layer's forward + backward) and 3B x 1 ran 236
 # instead of 284 TFLOPS with nothing to spare; a recomputed layer costs its forward again, about a
 # third of its forward + backward. So lean pays when the layers it keeps from recompute outweigh its
-# cost on all of them, or where an untiled layer is large enough that sequence tiling would take over
-# (long context: there the lean estimate is what keeps tiling off, and tiled parts ignore lean).
+# cost on all of them. Where an untiled layer without lean is large enough for sequence tiling (long
+# context), tiling takes the norms and the MLP instead (they keep only their inputs, fewer bytes than
+# lean's): under auto the tiling threshold is the one without lean, and lean stays off.
 LEAN_COST = 0.08  # lean's backward time, as a share of a layer's forward + backward (H200, 3B x 4)
 RECOMPUTE_COST = 1 / 3  # a recomputed layer: its forward again
 
@@ -228,14 +229,14 @@ def choose(layers: int, kept_plain: int, kept_lean: int, *, large: bool = False)
     Args:
         layers: decoder layers.
         kept_plain, kept_lean: layers the activation policy would keep without and with lean.
-        large: one untiled layer without lean is as large as sequence tiling's threshold.
+        large: one untiled layer without lean is as large as sequence tiling's threshold (tiling runs).
     Example:
         >>> choose(36, kept_plain=26, kept_lean=36)[0], choose(36, kept_plain=36, kept_lean=36)[0]
         (True, False)
     """
     spared = max(0, kept_lean - kept_plain)
     if large:
-        return True, "an untiled layer without lean is as large as sequence tiling's threshold"
+        return False, "sequence tiling takes the norms and the MLP (long context)"
     if spared * RECOMPUTE_COST > layers * LEAN_COST:
         return True, f"keeps {spared} more of {layers} layers from recompute"
     return False, (f"spares {spared} of {layers} layers from recompute: less than its cost on every layer"

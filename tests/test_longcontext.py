@@ -42,8 +42,9 @@ def _plan(seq, **kw):
 
 
 def test_tiling_turns_on_with_the_context():
-    assert _plan(32768).tile_rows == 0 and _plan(131072).tile_rows == 0 and _plan(262144).tile_rows == 16384
-    assert _plan(131072, lean_activations=False).tile_rows == 16384  # a larger untiled layer: tiled sooner
+    assert _plan(32768).tile_rows == 0 and _plan(131072).tile_rows == 16384 and _plan(262144).tile_rows == 16384
+    assert _plan(131072, lean_activations=True).tile_rows == 0  # lean: a smaller untiled layer, tiled later
+    assert _plan(131072).settings["lean_activations"] is False  # auto: tiling takes the long-context layer
     assert _plan(131072, tile_tokens=0).tile_rows == 0
     tiled, plain = _plan(262144), _plan(262144, tile_tokens=0)
     per_layer = lambda p: p.device_bytes["recompute_workspace"] / p.block  # noqa: E731
