@@ -250,20 +250,35 @@ def run_uninterrupted(fn, driver):
     """Run one step on the session's driver thread; a KeyboardInterrupt (Jupyter's Stop) waits for it.
 
     Note: [Interrupts] a step is applied to all layers or to none: an interrupt never lands inside
-    one. The caller re-raises it once the step is done. Returns (result, interrupted).
+    one. The caller re-raises it once the step is done. Returns (result, interrupted). The step starts
+    only once this thread is inside its interrupt-catching wait (``go``): an interrupt that came while
+    the job was being submitted used to escape at once, the step running on unwatched (seen under
+    load in CI). An interrupt before the step starts cancels it and is raised as it came.
     Note: [Driver thread] one long-lived thread per session, not one per step: every new thread
     that touches torch leaves per-thread state behind (OpenMP pools, CUDA contexts' thread state);
     a thread per step grew host RSS by ~2 MB/step on the H200 (bench/soak_probe.py).
     """
     import warnings
 
-    future = driver.submit(fn)
-    interrupted = False
+    go, cancelled = threading.Event(), threading.Event()
+
+    def job():
+        go.wait()
+        return None if cancelled.is_set() else fn()
+
+    future, interrupted = None, False
     while True:
         try:
+            if future is None:
+                future = driver.submit(job)
+            go.set()
             if concurrent.futures.wait([future], timeout=0.1).done:
                 break
         except KeyboardInterrupt:
+            if not go.is_set():  # the step has not started: submitted or not, none of it runs
+                cancelled.set()
+                go.set()
+                raise
             if not interrupted:
                 warnings.warn("interrupt received: finishing the current step first so that no layer is "
                               "left without its update", stacklevel=3)
