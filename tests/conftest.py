@@ -254,3 +254,16 @@ def spawn_ranks(fn, world: int, tmp, *args, timeout_s: float = 300) -> list[int]
             p.join()
         codes.append(p.exitcode)
     return codes
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in the main thread during the test, as in Jupyter and a terminal.
+
+    A launcher that starts Python in the background (``cmd &`` in a non-interactive shell) leaves
+    SIGINT ignored, and Python then installs no handler: interrupts would never arrive."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

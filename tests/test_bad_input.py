@@ -297,7 +297,7 @@ def test_step_failing_in_backward_never_hangs(llama_dir, monkeypatch):
     assert closed, "close() hung"
 
 
-def test_ctrl_c_during_a_step_finishes_it_then_raises(llama_dir, twin_losses, monkeypatch):
+def test_ctrl_c_during_a_step_finishes_it_then_raises(llama_dir, twin_losses, monkeypatch, sigint_raises):
     """Jupyter's Stop (KeyboardInterrupt in the calling thread) mid-step: the step completes, is
     recorded, and only then is the interrupt raised; training goes on exactly as the twin's."""
     import _thread

@@ -70,7 +70,7 @@ def test_interrupt_from_the_data_stops_cleanly_and_training_continues(session, c
     assert len(train(session, batches(seed=3), steps=2, dashboard=False)) == 6
 
 
-def test_interrupt_during_a_step_finishes_that_step_first(session, capsys):
+def test_interrupt_during_a_step_finishes_that_step_first(session, capsys, sigint_raises):
     """SIGINT lands while the engine runs step 3 (in the driver thread): Session.step finishes the step,
     re-raises, and train returns with 3 steps done instead of propagating."""
     engine_step, calls = session.engine.step, []
