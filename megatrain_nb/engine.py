@@ -452,23 +452,14 @@ class Engine:
 
     def _choose_lean(self, s: dict, n: int, d: int) -> None:
         """lean_activations=None: lean for this batch size or not (Note: [Lean auto] in lean.py)."""
-        from .shape import _act_bytes_per_token
-        from .tiling import auto_tiles
-
-        if not self.dev.cuda:
-            on, why = False, "device 'cpu': activations live in host RAM"
-        else:
+        room = None
+        if self.dev.cuda:
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
             used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
             if self.device_updates.mode == "auto":
                 used -= self.dev_opt.nbytes  # residents leave for the measuring step of a new batch size
-
-            def kept(lean_on):  # as _keep_now decides, layer after layer
-                act = n * _act_bytes_per_token(s, d, lean=lean_on)
-                return min(self.L, max(0, int((self.cfg.activation_budget * total - used - (4 << 30)) // act) - 1))
-
-            on, why = lean.choose(self.L, kept(False), kept(True), large=bool(self.tiler.rows) or auto_tiles(
-                self.arch.config, n, total, d, lean=False))
+            room = (self.cfg.activation_budget * total - used, total)
+        on, why = lean.auto(s, tokens=n, dtype_bytes=d, room=room, tiled=bool(self.tiler.rows))
         if on != self.lean:
             lean.prepare(self.arch, on)
         self.lean, self.lean_reason = on, "lean_activations=None (auto): " + ("on: " if on else "off: ") + why

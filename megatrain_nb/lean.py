@@ -243,6 +243,33 @@ def choose(layers: int, kept_plain: int, kept_lean: int, *, large: bool = False)
                    if spared else "every layer that fits is kept without it")
 
 
+def auto(shape: dict, *, tokens: int, dtype_bytes: int, room, tiled: bool = False) -> tuple[bool, str]:
+    """The engine's ``lean_activations=None`` for one batch size: ``choose`` from the layers each way keeps.
+
+    Args:
+        shape: ``shape.model_shape`` of the model.
+        tokens: tokens of the whole batch (every micro-batch's activations are kept).
+        dtype_bytes: compute dtype bytes.
+        room: (device bytes the activation budget leaves, the device's total bytes), or None on the CPU.
+        tiled: sequence tiling runs this batch.
+    Returns:
+        (on, why), as ``choose``.
+    """
+    from .shape import _act_bytes_per_token
+    from .tiling import auto_tiles
+
+    if room is None:
+        return False, "device 'cpu': activations live in host RAM"
+    free, total = room
+
+    def kept(on):  # as Engine._keep_now decides, layer after layer (4 GiB of headroom, two layers ahead)
+        act = tokens * _act_bytes_per_token(shape, dtype_bytes, lean=on)
+        return min(shape["layers"], max(0, int((free - (4 << 30)) // act) - 1))
+
+    return choose(shape["layers"], kept(False), kept(True),
+                  large=tiled or auto_tiles(shape, tokens, total, dtype_bytes, lean=False))
+
+
 def prepare(arch, on: bool) -> list[list[str]]:
     """The engine's one call: every template of ``arch`` lean (``on``) or Hugging Face's own.
 

@@ -273,6 +273,12 @@ def test_auto_is_lean_only_where_it_spares_recompute():
     assert lean.choose(36, 26, 36) == (True, "keeps 10 more of 36 layers from recompute")
     assert not lean.choose(28, 6, 12)[0], "6 layers spared of 28: 2.0 layer-forwards against 2.24 of lean's cost"
     assert not lean.choose(28, 0, 20, large=True)[0], "long context: sequence tiling takes the norms and the MLP"
+    shape, G = model_shape(QWEN_3B_SHAPE), 2**30
+    room = (0.85 * 139.8 * G - 10 * G, 139.8 * G)  # the H200's activation budget less what the step holds
+    assert lean.auto(shape, tokens=4 * 4096, dtype_bytes=2, room=room)[0] is False
+    assert lean.auto(shape, tokens=8 * 4096, dtype_bytes=2, room=room)[0] is True
+    assert lean.auto(shape, tokens=8 * 4096, dtype_bytes=2, room=room, tiled=True)[0] is False
+    assert lean.auto(shape, tokens=8 * 4096, dtype_bytes=2, room=None)[0] is False
     assert plan(QWEN_3B_SHAPE, batch=4, seq=4096).settings["lean_activations"] is False  # every layer fits without it
     assert plan(QWEN_3B_SHAPE, batch=8, seq=4096).settings["lean_activations"] is True  # 10 layers spared
 
