@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending since 2026-12-01). Writes under $OUT.
+# What is still to measure on the H200 (pending after 2026-12-01's second session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh [tests|placement|long|peers]   (about 8-10 minutes each)
-# tests:     the GPU tests first — device_updates.py (the device side of placement moved out of the
-#            engine) and the auto search's out-of-memory fallback came after the last GPU run.
-# placement: 7B x 8 with the auto search (its residency-first trial ran out of memory on 2026-12-01,
-#            before the fallback existed), 3B x 8 again; host rows beside them in the same run.
+# tests:     the GPU tests first — the allocator default (expandable segments), lean auto's long-context
+#            rule, lean.auto, the interrupt fix came after the last GPU run (modules needing plotly skip).
+# placement: 7B x 8 at today's defaults (lean auto turns lean on there; its residency-first trial ran out of
+#            memory before the allocator default), 3B x 8 through the Session's own allocator setting;
+#            host rows beside them in the same run.
 # long:      issue 11's rows: 32K tiled vs untiled (bf16 noise), 256K; 512K runs on its own, detached
 #            (see bench/long_context.py's docstring for the 512K command and its settings).
 # peers:     issue 12's core sweep (carry .whl, built by bench/peers_wheels.sh; see bench/peers.py).
@@ -19,7 +20,8 @@ placement)
     . bench/h200_lib.sh
     bench 7b auto 8
     bench 3b auto 8
-    bench 3b host 8 ;;
+    bench 3b host 8
+    bench 7b host 8 ;;
 long)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 bench/long_context.py --mode compare --seq 32k \
         --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400
