@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--placement", default="auto", help="'auto', 'host', 'stream' (EngineConfig.placement)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
-    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=None, help="weight_slots (default: the engine's choice)")
     ap.add_argument("--pinned-gb", type=float, default=2.0)
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--no-trace", action="store_true")
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                    loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
-                   checkpoint_every=a.checkpoint_every, slots=a.slots, pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
+                   checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
                    offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
                    lean_activations=s.engine.lean, lean_reason=s.engine.lean_reason,
                    resident_units=int((s.placement.placement == "resident").sum()),

@@ -77,8 +77,10 @@ class EngineConfig:
     loaded once for all of them). None: the whole batch at once."""
     loss_chunk_tokens: int = 1024
     """Sequence positions per chunk of final norm + lm_head + cross-entropy: the full logits never exist."""
-    weight_slots: int = 2
-    """Device buffers for streamed layer weights (>= 2: one computes while the next loads)."""
+    weight_slots: int | None = None
+    """Device buffers for streamed layer weights (>= 2: one computes while the next loads). None: 2, or
+    one per layer under placement="stream" where they take at most a tenth of device memory (the
+    backward then reuses the forward's weights: ``placement.weight_slots``)."""
     pinned_budget_bytes: int = 2 << 30
     """Host pinned staging for transfers (CUDA only), split into ``transfer_chunk_bytes`` buffers."""
     transfer_chunk_bytes: int = 64 << 20
@@ -159,7 +161,7 @@ class EngineConfig:
             raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: must be >= 1 or None")
         if self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r}: must be >= 1")
-        if self.weight_slots < 2:
+        if self.weight_slots is not None and (not isinstance(self.weight_slots, int) or self.weight_slots < 2):
             raise ValueError(f"weight_slots={self.weight_slots!r}: need at least 2 (one computing, one loading)")
         if self.transfer_chunk_bytes < (1 << 20):
             raise ValueError(f"transfer_chunk_bytes={self.transfer_chunk_bytes!r}: use at least 1 MiB")

@@ -285,7 +285,7 @@ class Plan:
 
 
 def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
-         checkpoint_every: int | None = None, weight_slots: int = 2, pinned_budget_bytes: int = 2 << 30,
+         checkpoint_every: int | None = None, weight_slots: int | None = None, pinned_budget_bytes: int = 2 << 30,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
@@ -311,7 +311,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         dtype_bytes: compute dtype size (2 for bf16).
         checkpoint_every: as `EngineConfig.checkpoint_every`: k >= 1 recomputes every layer in blocks
             of k, 0 keeps all, None keeps layers from the first while `activation_budget` allows.
-        weight_slots: device weight slots (>= 2).
+        weight_slots: device weight slots (>= 2); None as `EngineConfig.weight_slots` (`placement.weight_slots`).
         pinned_budget_bytes: pinned staging pool; below two chunks means pageable copies of everything,
             pin_store / cast_on_device included (what-if: the engine always pins at least 4 chunks).
         transfer_chunk_bytes: size of one staging chunk.
@@ -361,6 +361,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         >>> round(p.host_bytes_per_param, 3), p.layer_ms["pack"], list(p.simulate().columns)[:3]
         (14.135, 0.0, ['step', 'lane', 'op'])
     """
+    if weight_slots is None:
+        shape0 = model_shape(config)
+        weight_slots = placing.weight_slots(None, placement, shape0["layers"], shape0["params_per_layer"] * dtype_bytes,
+                                            hardware.device_mem_bytes)
     for name, value, low in (("batch", batch, 1), ("seq", seq, 1), ("dtype_bytes", dtype_bytes, 1),
                              ("weight_slots", weight_slots, 2), ("pinned_budget_bytes", pinned_budget_bytes, 0),
                              ("checkpoint_every", 0 if checkpoint_every is None else checkpoint_every, 0),
@@ -453,7 +457,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = activation_budget * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
-    share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9)
+    share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9, weight_bytes=4 if weight_slots >= L else 8)
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
                             share=share)
     streamed = {u for u, c in choice.items() if c.placement == "device"}

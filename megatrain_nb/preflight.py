@@ -82,7 +82,8 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
     staging = max(4, cfg.pinned_budget_bytes // cfg.transfer_chunk_bytes) * chunk * d
     head = Layout.build(arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else []))
-    dev = {"weight_slots": cfg.weight_slots * n_layer * d, "grad_slots": 2 * n_layer * d,
+    slots = resolve_weight_slots(cfg, arch)
+    dev = {"weight_slots": slots * n_layer * d, "grad_slots": 2 * n_layer * d,
            "head_slots": 2 * head.numel * d,
            "cast_stage": 2 * chunk * 4 if cast else 0,  # fp32 landing buffers
            "embedding_rows": 0, "activations": 0, "logits": 0,
@@ -98,7 +99,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     fits_host = host["needed"] <= host["available"]
     fits_device = dev["available"] is None or dev["needed"] <= dev["available"]
     settings = dict(device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."), pin_store=pin, cast_on_device=cast,
-                    weight_slots=cfg.weight_slots, micro_batch_size=cfg.micro_batch_size,
+                    weight_slots=slots, micro_batch_size=cfg.micro_batch_size,
                     checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=cfg.pinned_budget_bytes,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq)
     return {"store": store, "host": host, "device": dev, "fits_host": fits_host, "fits_device": fits_device,
@@ -260,7 +261,7 @@ def _device_advice(cfg, batch, seq, dev: dict | None) -> list[str]:
               checkpoint_every=get("checkpoint_every"), loss_chunk_tokens=get("loss_chunk_tokens"),
               lean_activations=get("lean_activations"))
     out = _device_advice_settings(st)
-    if get("weight_slots") > 2:
+    if (get("weight_slots") or 2) > 2:
         each = f"; each {gib(dev['weight_slots'] / get('weight_slots'))}" if dev else ""
         out.append(f"weight_slots=2 (now {get('weight_slots')}{each})")
     if dtype == "float32":
@@ -304,6 +305,20 @@ def cuda_allocator() -> str:
                 fn(ALLOCATOR)
             return "switched at run time"
     return "unavailable"
+
+
+def resolve_weight_slots(cfg: EngineConfig, arch) -> int:
+    """EngineConfig.weight_slots for this model and device (``placement.weight_slots``: None is 2, or
+    one slot per layer under placement "stream" where they fit in a tenth of device memory)."""
+    from .placement import weight_slots
+
+    if cfg.weight_slots is not None or cfg.placement != "stream":
+        return weight_slots(cfg.weight_slots, cfg.placement, arch.num_layers, 0, None)
+    cuda = torch.device(cfg.device).type == "cuda" and torch.cuda.is_available()
+    layer = max(lay.numel for u, (lay, _) in unit_layouts(arch).items() if 0 <= u < arch.num_layers)
+    total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory if cuda else None
+    return weight_slots(None, cfg.placement, arch.num_layers, layer * torch.tensor([], dtype=cfg.dtype).element_size(),
+                        total)
 
 
 def resolve_pinning(cfg: EngineConfig, arch) -> tuple[bool, bool]:

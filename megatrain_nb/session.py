@@ -47,13 +47,14 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
-        from .preflight import check, cuda_allocator, resolve_pinning
+        from .preflight import check, cuda_allocator, resolve_pinning, resolve_weight_slots
 
         if torch.device(self.engine_cfg.device).type == "cuda":
             cuda_allocator()  # Note: [Allocator] in preflight.py: fragmentation made the auto search's trials fail
         check(self.arch, self.engine_cfg)  # before allocating: refuse with the numbers and the setting to change
         pin, cast = resolve_pinning(self.engine_cfg, self.arch)
         resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast,  # engine_cfg keeps "auto"
+                                       weight_slots=resolve_weight_slots(self.engine_cfg, self.arch),
                                        device=local_device(self.engine_cfg.device))  # data parallel: this rank's GPU
         if torch.device(resolved.device).type == "cuda" and not cast and _streams_state(resolved.placement):
             raise ValueError(f"placement={resolved.placement!r} streams fp32 masters and moments over PCIe, which needs "

@@ -101,6 +101,33 @@ def test_resident_with_clip_decay_schedule_and_recompute(hf_dir, family, tmp_pat
             ({} if family != "llama_tied" else {}) | {_head(hf_dir(family)): "resident"})
 
 
+@pytest.mark.parametrize("family", families("llama", "mixtral"))
+def test_a_weight_slot_per_layer_reuses_the_forwards_weights_and_trains_equal(hf_dir, family, tmp_path):
+    """What placement "stream" resolves weight_slots=None to on a GPU with room (placement.weight_slots):
+    every layer keeps its slot from the forward to the backward, so the backward loads no weights."""
+    d = hf_dir(family)
+    L_ = _head(d)
+    compare(d, family, tmp_path, placement={0: "device", L_ - 1: "device"}, weight_slots=L_)
+    s = Session.from_pretrained(d, lr=LR, weight_slots=L_, placement={0: "device"})
+    try:
+        s.step(make_batches(VOCAB, 1)[0])
+        df = s.trace.to_dataframe()
+        loads = df[(df.lane == "h2d") & (df.op == "h2d") & df.layer.between(0, L_ - 1)]  # decoder layers' weights
+        assert sorted(loads.layer) == list(range(L_)) and set(loads.phase) == {"fwd"}, loads[["layer", "phase"]]
+    finally:
+        s.close()
+
+
+def test_stream_gets_a_slot_per_layer_where_they_fit():
+    G = 2**30
+    assert placing.weight_slots(None, "stream", 36, 154 << 20, 140 * G) == 36  # 3B on the H200: 5.4 GiB
+    assert placing.weight_slots(None, "stream", 80, 1712 << 20, 140 * G) == 2  # 70B layers: 134 GiB, no
+    assert placing.weight_slots(None, "stream", 36, 154 << 20, None) == 2  # no device figure (the CPU)
+    assert placing.weight_slots(None, "auto", 36, 154 << 20, 140 * G) == 2
+    assert placing.weight_slots(5, "stream", 36, 154 << 20, 140 * G) == 5
+    assert placing.stream_share(2.1e9, 49e9, weight_bytes=4) > placing.stream_share(2.1e9, 49e9)
+
+
 def _head(d) -> int:
     import json
     return json.loads((d / "config.json").read_text())["num_hidden_layers"]
