@@ -5,7 +5,7 @@
 #            rule, lean.auto, the interrupt fix came after the last GPU run (modules needing plotly skip).
 # placement: 7B x 8 at today's defaults (lean auto turns lean on there; its residency-first trial ran out of
 #            memory before the allocator default), 3B x 8 through the Session's own allocator setting;
-#            host rows beside them in the same run.
+#            host rows beside them in the same run; stream 3B 1/4 with its weight slot per layer.
 # long:      issue 11's rows: 32K tiled vs untiled (bf16 noise), 256K; 512K runs on its own, detached
 #            (see bench/long_context.py's docstring for the 512K command and its settings).
 # peers:     issue 12's core sweep (carry .whl, built by bench/peers_wheels.sh; see bench/peers.py).
@@ -21,7 +21,8 @@ placement)
     bench 7b auto 8
     bench 3b auto 8
     bench 3b host 8
-    bench 7b host 8 ;;
+    bench 7b host 8
+    bench 3b stream 1 4 ;;
 long)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 bench/long_context.py --mode compare --seq 32k \
         --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400
