@@ -131,7 +131,8 @@ class Session:
         except torch.OutOfMemoryError as e:
             from .preflight import oom_advice
 
-            raise torch.OutOfMemoryError(oom_advice(e, self.engine_cfg, tuple(mbs[0]["input_ids"].shape))) from e
+            cfg = dataclasses.replace(self.engine_cfg, weight_slots=self.engine.cfg.weight_slots)  # as resolved
+            raise torch.OutOfMemoryError(oom_advice(e, cfg, tuple(mbs[0]["input_ids"].shape))) from e
         dt = time.perf_counter() - t0
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
                        tflops=6 * self.store.num_params() * tokens / dt / 1e12,
