@@ -133,11 +133,10 @@ class DeviceUpdates:
             adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
             tokens = sum(mb["input_ids"].numel() for mb in mbs)
             elapsed = self.agree(time.perf_counter() - self.t_start, "max")
-            rate = self.agree(params / seconds if seconds else 3e9, "min")
-            a = self.choose(free)
-            head = [(sum(placing.resident_bytes(u, self.store.units[u].layout.numel, size, self.arch.tied) for u in g),
-                     sum(self.store.units[u].layout.numel for u in g) / rate)
-                    for g in placing.groups(self.L, self.arch.tied) if a[g[0]].placement == "host"]
+            numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
+            head = placing.head_groups(numel, {u for u, c in self.choose(free).items() if c.placement == "resident"},
+                                       dtype_bytes=size, tied=self.arch.tied,
+                                       adam_params_per_s=self.agree(params / seconds if seconds else 3e9, "min"))
             self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
                                  host_bound=elapsed < 3 * self.agree(adam_s, "max"), head=head,
                                  checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)

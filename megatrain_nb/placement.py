@@ -193,6 +193,15 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
     return out
 
 
+def head_groups(numel: dict[int, int], resident, *, dtype_bytes: int, tied: bool,
+                adam_params_per_s: float) -> list[tuple[int, float]]:
+    """(device bytes resident, host AdamW seconds) of each group not in ``resident``, in the order the
+    forward needs them: what candidate C may make resident (``head_budget``, Note: [Auto search])."""
+    L = max(numel)
+    return [(sum(resident_bytes(u, numel[u], dtype_bytes, tied) for u in g), sum(numel[u] for u in g) / adam_params_per_s)
+            for g in groups(L, tied) if not set(g) & set(resident)]
+
+
 def head_budget(free_a: int, free_b: int, head: list, wait: float, step: float) -> int | None:
     """Candidate C's device bytes for residents (Note: [Auto search]), or None when C is not worth a trial.
 

@@ -132,7 +132,7 @@ CPU_LAPTOP = Hardware(
 
 # model_shape and the per-token activation estimate live in shape.py (a leaf: tiling, lean and the
 # engine read them without importing the planner); re-exported here, where callers found them first.
-from .shape import _act_bytes_per_token, _get, model_shape  # noqa: E402,F401
+from .shape import _act_bytes_per_token, model_shape  # noqa: E402,F401
 
 
 @dataclass(kw_only=True)
@@ -375,27 +375,19 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         raise ValueError(f"activation_budget must be a fraction in (0, 1], got {activation_budget!r}.")
     if lean_activations is not None and not isinstance(lean_activations, bool):
         raise ValueError(f"lean_activations must be None (auto), True or False, got {lean_activations!r}.")
-    if lean_activations is None:  # auto, as the engine decides (lean.choose, Note: [Lean auto])
-        from . import lean as _lean
-        from .tiling import auto_tiles
-
-        kw = dict(batch=batch, seq=seq, hardware=hardware, dtype_bytes=dtype_bytes, checkpoint_every=None,
-                  weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes, transfer_chunk_bytes=transfer_chunk_bytes,
-                  loss_chunk_tokens=loss_chunk_tokens, activation_budget=activation_budget, pin_store=pin_store,
-                  cast_on_device=cast_on_device, tile_tokens=tile_tokens, offload_checkpoints=offload_checkpoints,
-                  _advise=False, _search=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            kept = {on: plan(config, lean_activations=on, **kw).kept_layers for on in (False, True)}
-        shape = model_shape(config)
-        large = auto_tiles(shape, batch * seq, hardware.device_mem_bytes, dtype_bytes, lean=False)
-        lean_activations = _lean.choose(shape["layers"], kept[False], kept[True], large=large)[0]
     if pin_store and cast_on_device:
         raise ValueError("pin_store=True and cast_on_device=True both pin the store (as in EngineConfig); "
                          "set one of them to False.")
     s, hw = model_shape(config), hardware
     L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
                            s["params_per_layer"], s["n_params"])
+    if lean_activations is None:  # auto: the engine's rule (lean.auto, Note: [Lean auto]) on the buffers it holds then
+        from . import lean as _lean
+
+        held = (weight_slots + GRAD_SLOTS) * P * d + 2 * (V * h + h) * d
+        lean_activations = _lean.auto(s, tokens=T, dtype_bytes=d, tiled=bool(tile_tokens and T > tile_tokens),
+                                      room=(activation_budget * hardware.device_mem_bytes - held,
+                                            hardware.device_mem_bytes))[0]
     settings = dict(batch=batch, seq=seq, tokens=T, dtype_bytes=d, checkpoint_every=checkpoint_every,
                     weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
@@ -539,8 +531,6 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     if mode == "auto" and _search and _advise and checkpoint_every is None and sum(keep) and len(resident) < len(numel) \
             and p.steady_step_ms < 3e3 * N / hw.host_adam_params_per_s:  # placement.Search, Note: [Auto search]
         free_b = free + sum(keep) * (act - boundary) - act
-        b = {u for u, c in placing.choose(numel, mode="auto", free_bytes=int(free_b), dtype_bytes=d, tied=s["tied"],
-                                          cuda=True).items() if c.placement == "resident"}
         kwargs = {k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes", "placement")}
 
         def trial(free_bytes):
@@ -552,9 +542,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         tried = [trial(free_b)]  # B, residency first
         df = p.simulate_steady()
         wait_s = float(df.loc[df.op == "wait-update", "dur_ms"].sum()) / 1e3
-        head = [(sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in g),
-                 sum(numel[u] for u in g) / hw.host_adam_params_per_s)
-                for g in placing.groups(L, s["tied"]) if not set(g) & resident]
+        head = placing.head_groups(numel, resident, dtype_bytes=d, tied=s["tied"],
+                                   adam_params_per_s=hw.host_adam_params_per_s)
         free_c = placing.head_budget(int(free), int(free_b), head, wait_s, p.steady_step_ms / 1e3)
         if free_c is not None:
             tried.append(trial(free_c))  # C, the forward's head resident
