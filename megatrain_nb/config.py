@@ -113,8 +113,8 @@ class EngineConfig:
     ``Session.engine.tiler.backend``."""
     lean_activations: bool | None = None
     """None (auto): on CUDA, lean for a batch size where it keeps enough layers from recompute to pay
-    for itself, or where layers are long-context large (``lean.choose``, Note: [Lean auto]); off on
-    the CPU (activations live in host RAM). True: always.
+    for itself (``lean.auto``, Note: [Lean auto]); off where sequence tiling takes long-context layers,
+    and on the CPU (activations live in host RAM). True: always.
     Keep fewer activations per layer (``lean.py``): each RMSNorm keeps only its input (not HF's fp32
     copy and cast) and a dense gated MLP keeps gate and up (not also act(gate) and the product), saving
     8*hidden + 2*dtype_bytes*intermediate bytes per token and layer (Qwen2.5-7B shape in bf16: 225 -> 121

@@ -296,10 +296,6 @@ class Search:
         else:
             self.phase = "A1"
 
-    def _c_budget(self) -> int | None:
-        return head_budget(self.free["A"], self.free["B"], self.head, self.waited.get("A", 0.0),
-                           self.seconds.get("A", 0.0))
-
     def stepped(self, seconds: float, keep: list, waited: float = 0.0) -> None:
         """After a step of a candidate: time it (the second of two) and move on. ``waited``: seconds the
         step's forward waited for host updates (the packer's wait)."""
@@ -311,7 +307,8 @@ class Search:
         if self.phase in self.ORDER[:-1]:
             self.phase = self.ORDER[self.ORDER.index(self.phase) + 1]
         if self.phase == "C1":
-            free = self._c_budget()
+            free = head_budget(self.free["A"], self.free["B"], self.head, self.waited.get("A", 0.0),
+                               self.seconds.get("A", 0.0))
             if free is None:
                 self.phase = "B1"
             else:

@@ -252,8 +252,8 @@ def run_uninterrupted(fn, driver):
     Note: [Interrupts] a step is applied to all layers or to none: an interrupt never lands inside
     one. The caller re-raises it once the step is done. Returns (result, interrupted). The step starts
     only once this thread is inside its interrupt-catching wait (``go``): an interrupt that came while
-    the job was being submitted used to escape at once, the step running on unwatched (seen under
-    load in CI). An interrupt before the step starts cancels it and is raised as it came.
+    the job was being submitted would escape at once, the step running on unwatched. An interrupt
+    before the step starts cancels it and is raised as it came.
     Note: [Driver thread] one long-lived thread per session, not one per step: every new thread
     that touches torch leaves per-thread state behind (OpenMP pools, CUDA contexts' thread state);
     a thread per step grew host RSS by ~2 MB/step on the H200 (bench/soak_probe.py).
