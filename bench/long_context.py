@@ -83,17 +83,18 @@ def run_rows(a, cfg) -> None:
     N, L, d = s.store.num_params(), cfg.num_hidden_layers, cfg.hidden_size
     cuda = a.device.startswith("cuda")
     g = torch.Generator().manual_seed(0)
-    for T in a.seq:
+    steps = a.steps + a.steps[-1:] * (len(a.seq) - len(a.steps))  # one count per context, the last repeated
+    for T, n_steps in zip(a.seq, steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for k in range(a.steps):
+        for k in range(n_steps):
             r = s.step({"input_ids": torch.randint(0, cfg.vocab_size, (1, T), generator=g)})
             times.append(r.seconds)
             print(f"  seq {T} step {k}: {r.seconds:.2f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
         t = min(times)
         e = s.engine
-        row = dict(shape=a.shape, seq=T, batch=1, params=N, layers=L, steps=a.steps, step_s=round(t, 3),
+        row = dict(shape=a.shape, seq=T, batch=1, params=N, layers=L, steps=n_steps, step_s=round(t, 3),
                    step_s_all=[round(x, 3) for x in times],
                    paper_tflops=round((6 * N * T + 12 * L * d * T * T) / t / 1e12, 1),
                    model_tflops=round(6 * N * T / t / 1e12, 1), loss=round(r.loss, 4),
@@ -174,7 +175,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", choices=["rows", "compare", "attention", "plan"], default="rows")
     ap.add_argument("--shape", choices=[*SHAPES, "tiny"], default="7b")
     ap.add_argument("--seq", type=tokens, nargs="+", default=[tokens("32k")], help="contexts: 32k 128k 256k 512k")
-    ap.add_argument("--steps", type=int, default=1, help="steps per context; the row reports the fastest")
+    ap.add_argument("--steps", type=int, nargs="+", default=[1],
+                    help="steps per context (one count, or one per --seq, the last repeated); the row reports the fastest")
     ap.add_argument("--tile-tokens", type=int, default=None, help="EngineConfig.tile_tokens (None: auto, 0: off)")
     ap.add_argument("--attention", default=None, help="EngineConfig.attention_backend: flash, cudnn, efficient")
     ap.add_argument("--offload", choices=["auto", "all", "none"], default="auto", help="EngineConfig.offload_checkpoints")
