@@ -1,12 +1,12 @@
 """Long context on one GPU: Qwen2.5-7B shape, batch 1, one JSON row per context, the planner's prediction beside.
 
 Rows (default mode), e.g. on the H200, each row appended to --out as soon as its context is done:
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/long_context.py --seq 32k 128k 256k --steps 2 \
+    python bench/long_context.py --seq 32k 128k 256k --steps 3 2 1 \
         --out bench/results_long_context.jsonl
-A 512K step (~9 min) detached; with the defaults the planner finds no place for its checkpoints (see
---mode plan --seq 512k), with a 0.95 device share and a 0.5 GB pinned pool it does:
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True nohup python bench/long_context.py --seq 512k --steps 1 \
-        --activation-budget 0.95 --pinned-gb 0.5 --out bench/results_long_context.jsonl > long_512k.log 2>&1 &
+A 512K step (~9 min) runs detached, with the defaults (recompute-block inputs then reach 0.95 of device
+memory, Note: [Device share] in longcontext.py):
+    setsid nohup python bench/long_context.py --seq 256k 512k --steps 1 --out bench/results_long_context.jsonl \
+        > long_512k.log 2>&1 < /dev/null &
 Each row: step_s, paper_tflops = (6*N*T + 12*L*d*T^2) / step (MegaTrain's count), model_tflops = 6*N*T / step,
 peak_gpu_gib, host_rss_gib, what the engine chose (tile rows, attention kernel, block length, parked inputs,
 kept layers, resident units: main's placement, "auto" by default) and plan_* — planner.plan's step time, device and host GiB for the same settings.
@@ -183,7 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--placement", choices=["auto", "host"], default="auto",
                     help="EngineConfig.placement (auto: resident units where the activations leave room)")
-    ap.add_argument("--activation-budget", type=float, default=0.85)
+    ap.add_argument("--activation-budget", type=float, default=None,
+                    help="EngineConfig.activation_budget (None: 0.85, up to 0.95 for recompute-block inputs)")
     ap.add_argument("--pinned-gb", type=float, default=2.0)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default="cuda")

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .longcontext import keep_share
+
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -121,8 +123,11 @@ class EngineConfig:
     KB, ``bench/lean_bytes.py``). Costs one elementwise recompute of the norms and of act(gate)*up in
     each layer's backward; no matmul. Where sequence tiling runs (``tile_tokens``) tiling wins; MoE
     experts and attention stay as they are. False: Hugging Face's own forward, exactly as before."""
-    activation_budget: float = 0.85
-    """With checkpoint_every=None on CUDA: fraction of device memory activations may fill."""
+    activation_budget: float | None = None
+    """With checkpoint_every=None on CUDA: fraction of device memory activations may fill. None: 0.85
+    for kept activations and resident units; recompute-block inputs at long context (with the backward's
+    working set) may reach 0.95 where they fit nowhere at 0.85 (``longcontext``, Note: [Device share]).
+    A float fixes one share for both."""
     overlap_optimizer: bool = True
     """Run host AdamW in a worker as each layer's gradients land (False: after the whole backward)."""
     nonfinite: str = "skip"
@@ -186,5 +191,10 @@ class EngineConfig:
             raise ValueError(f"lean_activations={self.lean_activations!r}: use None (auto), True (keep fewer "
                              "activations, recompute the norms and the MLP's activation in the backward) or False "
                              "(HF's own forward)")
-        if not 0 < self.activation_budget <= 1:
-            raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1]")
+        if self.activation_budget is not None and not 0 < self.activation_budget <= 1:
+            raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1], or None (auto)")
+
+    @property
+    def keep_share(self) -> float:
+        """The device share kept activations and resident units may fill (``activation_budget`` resolved)."""
+        return keep_share(self.activation_budget)

@@ -125,7 +125,7 @@ class DeviceUpdates:
         """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""
         if self.measuring:
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
-            free = int(self.agree(self.ecfg.activation_budget * total - torch.cuda.max_memory_allocated(self.dev.device),
+            free = int(self.agree(self.ecfg.keep_share * total - torch.cuda.max_memory_allocated(self.dev.device),
                                   "min"))
             size = torch.tensor([], dtype=self.dtype).element_size()
             all_in = all(c.placement == "resident" for c in self.choose(free).values())

@@ -95,7 +95,7 @@ class Engine:
                                     device=dev.device, dtype_bytes=self.dtype.itemsize,
                                     lean=ecfg.lean_activations is True)  # auto: tiling's threshold without lean
         self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
-                                 offload_checkpoints=ecfg.offload_checkpoints)
+                                 offload_checkpoints=ecfg.offload_checkpoints, activation_budget=ecfg.activation_budget)
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
@@ -432,7 +432,7 @@ class Engine:
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
         used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
         act = self._act_bytes or self.ckpts.act  # measured once a layer was kept, else predicted
-        return i < self.ckpts.cap and used + 2 * act + (4 << 30) < self.cfg.activation_budget * total
+        return i < self.ckpts.cap and used + 2 * act + (4 << 30) < self.cfg.keep_share * total
 
     def _place_checkpoints(self, mbs) -> None:
         """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
@@ -448,6 +448,9 @@ class Engine:
             self._choose_lean(s, n, d)
         lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.lean))
         self._dE_need = pinned_bytes(lb["boundary"] * 4 // d) if lb else 0  # the pinned dE buffer to come
+        self.offload.release()  # the last placement's parked buffers: their host RAM is free for this one
+        if self._dE_host is not None and self._dE_host.numel() * 4 < self._dE_need:
+            self._dE_host = None  # too small for these tokens: a new one comes at the first backward
         self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
 
     def _choose_lean(self, s: dict, n: int, d: int) -> None:
@@ -458,18 +461,18 @@ class Engine:
             used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
             if self.device_updates.mode == "auto":
                 used -= self.dev_opt.nbytes  # residents leave for the measuring step of a new batch size
-            room = (self.cfg.activation_budget * total - used, total)
+            room = (self.cfg.keep_share * total - used, total)
         on, why = lean.auto(s, tokens=n, dtype_bytes=d, room=room, tiled=bool(self.tiler.rows))
         if on != self.lean:
             lean.prepare(self.arch, on)
         self.lean, self.lean_reason = on, "lean_activations=None (auto): " + ("on: " if on else "off: ") + why
 
     def _memory(self) -> tuple[float, float, float]:
-        """(device bytes in use, the planner's device budget, host bytes the step still allocates)."""
+        """(device bytes in use, device bytes in all, host bytes the step still allocates)."""
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
         have = 0 if self._dE_host is None else self._dE_host.numel() * 4
         return (torch.cuda.memory_allocated(self.dev.device),  # allocator bookkeeping: no sync
-                self.cfg.activation_budget * total - (2 << 30), max(0, self._dE_need - have))
+                total, max(0, self._dE_need - have))
 
     def _parked(self, i: int, hs: list) -> bool:
         """Whether the input of the recompute block starting at layer i waits in host memory."""
@@ -658,7 +661,8 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():
-                    self._dE_host = dev.host_buffer(dE.numel(), torch.float32)  # pinned: one DMA
+                    self._dE_host = None  # its host RAM goes back before the larger one is made
+                    self._dE_host = dev.exact_buffer(dE.numel(), torch.float32)  # pinned: one DMA
                 host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]

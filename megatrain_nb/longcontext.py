@@ -21,6 +21,18 @@ kv = kv_heads*head_dim, h = hidden, I = intermediate:
   one MLP tile's gate, up, product and their gradients (6*d*I per row of the tile).
 A recompute block of K layers holds K layers' saved sets at once during its backward; it needs one
 checkpoint instead of K. Estimates, to be held against measured peaks (bench/long_context.py).
+
+Note: [Device share] ``activation_budget=None`` (the default) lets kept activations and resident units
+fill ``KEEP_SHARE`` of device memory (what short contexts were tuned with: room for the allocator's
+slack and the streams' buffers), and lets recompute-block inputs with the backward's working set reach
+``LONG_SHARE`` where they fit nowhere at ``KEEP_SHARE``: at 512K tokens of the 7B shape one input is
+3.5 GiB, the host has ~12 GiB to spare beside the 7B state, and the 10% between the two shares holds
+four more inputs. A float fixes one share for both. ``Checkpoints`` and ``planner.plan`` take the
+first share at which the inputs fit (``first_share``).
+
+Parked inputs and the embedding-row gradient buffer are page-locked at their exact size
+(``transfers.pinned_exact``): torch's pinned allocator rounds a 3.5 GiB request up to 4 GiB and keeps
+a freed block cached, so a longer context would find the shorter one's buffers still in host RAM.
 """
 from __future__ import annotations
 
@@ -29,6 +41,27 @@ import math
 _GIB = 1 << 30
 MAX_BLOCK = 4  # longest recompute block place_checkpoints tries
 HOST_MARGIN = 4 * _GIB  # host RAM left to the OS, the process's libraries and the allocator
+DEVICE_RESERVE = 2 * _GIB  # device memory left to the CUDA context, cuBLAS / attention workspaces, allocator slack
+KEEP_SHARE = 0.85  # activation_budget=None: device share for kept activations and residents (Note: [Device share])
+LONG_SHARE = 0.95  # activation_budget=None: device share recompute-block inputs may reach where nothing else fits
+PAGE = 4096
+
+
+def shares(activation_budget: float | None) -> tuple:
+    """Device shares to try for recompute-block inputs, in order (Note: [Device share])."""
+    return (activation_budget,) if activation_budget is not None else (KEEP_SHARE, LONG_SHARE)
+
+
+def keep_share(activation_budget: float | None) -> float:
+    """Device share kept activations and resident units may fill."""
+    return KEEP_SHARE if activation_budget is None else activation_budget
+
+
+def first_share(activation_budget: float | None, fits) -> float:
+    """The first of ``shares(activation_budget)`` at which ``fits(share)`` holds; the last when none does
+    (the placement there raises the error that says what is short)."""
+    tried = shares(activation_budget)
+    return next((x for x in tried if fits(x)), tried[-1])
 
 
 class PlacementError(MemoryError, ValueError):
@@ -55,8 +88,9 @@ def backward_transient_bytes(s: dict, tokens: int, d: int, rows: int) -> int:
 
 
 def pinned_bytes(n: int) -> int:
-    """Host bytes a pinned buffer of ``n`` bytes takes: torch's pinned allocator rounds up to a power of two."""
-    return 1 << max(0, (int(n) - 1).bit_length())
+    """Host bytes a buffer of ``n`` bytes takes page-locked at its exact size (``transfers.pinned_exact``):
+    whole pages."""
+    return -(-int(n) // PAGE) * PAGE
 
 
 def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reserve, host_free: float,
@@ -92,7 +126,7 @@ def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reser
         on_device = max(0, min(n, int(room // ckpt_bytes))) if room > 0 else 0
         parked = n - on_device
         tried.append((K, n, parked, room))
-        if room < 0 or parked * host_each > host_free:
+        if room < 0 or (parked and parked * host_each > host_free):  # nothing parked needs no host RAM
             continue
         if best is None or parked * host_each < best[1] * host_each:
             best = (K, parked)
@@ -160,6 +194,7 @@ class Checkpoints:
         layers: decoder layers of the model.
         checkpoint_every: ``EngineConfig.checkpoint_every`` (k >= 1 fixes the block length).
         offload_checkpoints: ``EngineConfig.offload_checkpoints`` (True / False fix where inputs wait).
+        activation_budget: ``EngineConfig.activation_budget`` (None: the shares of Note: [Device share]).
 
     Example:
         >>> c = Checkpoints(4, checkpoint_every=1, offload_checkpoints=True)
@@ -167,25 +202,45 @@ class Checkpoints:
         (True, {0: True, 1: True, 2: True, 3: True}, 1)
     """
 
-    def __init__(self, layers: int, *, checkpoint_every: int | None, offload_checkpoints: bool | None):
+    def __init__(self, layers: int, *, checkpoint_every: int | None, offload_checkpoints: bool | None,
+                 activation_budget: float | None = None):
         self.L, self.fixed, self.setting = layers, checkpoint_every or None, offload_checkpoints
+        self.budget_setting = activation_budget
         self.block = checkpoint_every or 1
         self.park: dict | None = None  # recompute-block start -> its input waits in host memory
         self.act, self.transient, self.cap = 0, 0, layers
+        self.share = keep_share(activation_budget)  # the device share the inputs were placed in
+
+    def _fit(self, *, layers: int, ckpt_bytes: int, used: float, total: float, host_free: float) -> float:
+        """The first device share at which ``layers`` recomputed layers' inputs fit (Note: [Device share])."""
+        act, transient = self.act, self.transient
+
+        def fits(share: float) -> bool:
+            try:
+                place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=share * total - DEVICE_RESERVE - used,
+                                  reserve=lambda k: k * act + transient, host_free=host_free,
+                                  host_each=pinned_bytes(ckpt_bytes), block=self.fixed)
+                return True
+            except PlacementError:
+                return False
+        return first_share(self.budget_setting, fits)
 
     def reset(self, lb: dict | None, memory=None) -> None:
         """A new keep policy: ``lb`` is ``layer_bytes`` at its tokens (None: unknown shape, nothing
-        predicted); ``memory`` (None off CUDA) returns (device bytes in use, device budget, host bytes
-        the step will still allocate). The cap applies only when both settings are automatic."""
-        self.park, self.cap = None, self.L
+        predicted); ``memory`` (None off CUDA) returns (device bytes in use, device bytes in all, host
+        bytes the step will still allocate). The cap applies only when both settings are automatic."""
+        self.park, self.cap, self.share = None, self.L, keep_share(self.budget_setting)
         self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
         if lb is None or memory is None or self.fixed is not None or self.setting is not None:
             return
-        used, budget, to_come = memory()
-        self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"],
-                            used=used + 2 * lb["boundary"], budget=budget,  # + the embedding rows
+        used, total, to_come = memory()
+        used += 2 * lb["boundary"]  # + the embedding rows
+        host_free = host_free_bytes(to_come)
+        self.share = self._fit(layers=self.L, ckpt_bytes=lb["boundary"], used=used, total=total, host_free=host_free)
+        self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"], used=used,
+                            budget=self.share * total - DEVICE_RESERVE,
                             reserve=lambda k: k * lb["act"] + lb["transient"],
-                            host_free=host_free_bytes(to_come), host_each=pinned_bytes(lb["boundary"]))
+                            host_free=host_free, host_each=pinned_bytes(lb["boundary"]))
 
     def parked(self, i: int, nbytes: int, memory=None) -> bool:
         """Whether the input (``nbytes`` on the device) of the recompute block starting at layer ``i``
@@ -199,10 +254,12 @@ class Checkpoints:
         if self.setting is not None or memory is None:
             self.block = self.fixed or 1
             return dict.fromkeys(range(i0, self.L, self.block), bool(self.setting))
-        used, budget, to_come = memory()
-        act, transient = self.act, self.transient
+        used, total, to_come = memory()
+        used -= nbytes  # the input is one of them
+        act, transient, host_free = self.act, self.transient, host_free_bytes(to_come)
+        self.share = self._fit(layers=self.L - i0, ckpt_bytes=nbytes, used=used, total=total, host_free=host_free)
         self.block, parked = place_checkpoints(
-            layers=self.L - i0, ckpt_bytes=nbytes, device_free=budget - (used - nbytes),  # the input is one of them
-            reserve=lambda k: k * act + transient, host_free=host_free_bytes(to_come),
-            host_each=pinned_bytes(nbytes), block=self.fixed)
+            layers=self.L - i0, ckpt_bytes=nbytes, device_free=self.share * total - DEVICE_RESERVE - used,
+            reserve=lambda k: k * act + transient, host_free=host_free, host_each=pinned_bytes(nbytes),
+            block=self.fixed)
         return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

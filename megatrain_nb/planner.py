@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
-from .longcontext import HOST_MARGIN, PlacementError, keep_cap, layer_bytes, pinned_bytes, place_checkpoints
+from .longcontext import (HOST_MARGIN, PlacementError, first_share, keep_cap, keep_share, layer_bytes, pinned_bytes,
+                          place_checkpoints)
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -286,7 +287,7 @@ class Plan:
 
 def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
          checkpoint_every: int | None = None, weight_slots: int | None = None, pinned_budget_bytes: int = 2 << 30,
-         transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float = 0.85,
+         transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float | None = None,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
          offload_checkpoints: bool | None = None, lean_activations: bool | None = None, _advise: bool = True,
@@ -316,7 +317,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             pin_store / cast_on_device included (what-if: the engine always pins at least 4 chunks).
         transfer_chunk_bytes: size of one staging chunk.
         loss_chunk_tokens: sequence positions per lm_head + cross-entropy chunk.
-        activation_budget: with checkpoint_every=None, fraction of device memory allocations may fill.
+        activation_budget: with checkpoint_every=None, fraction of device memory allocations may fill; None:
+            0.85, and up to 0.95 for recompute-block inputs that fit nowhere else (as `EngineConfig`).
         overlap_optimizer: run AdamW on each unit as its grads land.
         grad_clip: clip by global norm (AdamW then waits for every grad).
         pin_store: as `EngineConfig.pin_store`: loads read a pinned compute-dtype copy (no packing),
@@ -371,8 +373,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                              ("transfer_chunk_bytes", transfer_chunk_bytes, 1), ("loss_chunk_tokens", loss_chunk_tokens, 1)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-    if not 0 < activation_budget <= 1:
-        raise ValueError(f"activation_budget must be a fraction in (0, 1], got {activation_budget!r}.")
+    if activation_budget is not None and not 0 < activation_budget <= 1:
+        raise ValueError(f"activation_budget must be a fraction in (0, 1] or None (auto), got {activation_budget!r}.")
+    keep_frac = keep_share(activation_budget)  # kept activations and residents; inputs: Note: [Device share]
     if lean_activations is not None and not isinstance(lean_activations, bool):
         raise ValueError(f"lean_activations must be None (auto), True or False, got {lean_activations!r}.")
     if pin_store and cast_on_device:
@@ -386,7 +389,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
 
         held = (weight_slots + GRAD_SLOTS) * P * d + 2 * (V * h + h) * d
         lean_activations = _lean.auto(s, tokens=T, dtype_bytes=d, tiled=bool(tile_tokens and T > tile_tokens),
-                                      room=(activation_budget * hardware.device_mem_bytes - held,
+                                      room=(keep_frac * hardware.device_mem_bytes - held,
                                             hardware.device_mem_bytes))[0]
     settings = dict(batch=batch, seq=seq, tokens=T, dtype_bytes=d, checkpoint_every=checkpoint_every,
                     weight_slots=weight_slots, pinned_budget_bytes=pinned_budget_bytes,
@@ -409,7 +412,6 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
     lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations))
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
-    budget, host_free = activation_budget * hw.device_mem_bytes - _DEVICE_RESERVE, None
     device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
     if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
         largest = max(P, E, s["head_params"])
@@ -421,13 +423,25 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     mode = placing.validate(placement, L, s["tied"])
     placed = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u, v in mode.items()
                  if v == "resident") if isinstance(mode, dict) else 0  # residents set ahead: their memory goes first
+    used0 = sum(device.values()) + placed
+
+    def fits(share: float) -> bool:  # longcontext.Checkpoints._fit on the profile's memory
+        try:
+            place_checkpoints(layers=L, ckpt_bytes=boundary, device_free=share * hw.device_mem_bytes - _DEVICE_RESERVE - used0,
+                              reserve=reserve, host_free=host_free, host_each=pinned_bytes(boundary),
+                              block=checkpoint_every or None)
+            return True
+        except PlacementError:
+            return False
+    share = first_share(activation_budget, fits) if checkpoint_every is None and offload_checkpoints is None else keep_frac
+    budget = share * hw.device_mem_bytes - _DEVICE_RESERVE
     if checkpoint_every is None:
         cap = L if offload_checkpoints is not None else keep_cap(
             layers=L, act=act, boundary=boundary, used=sum(device.values()) + placed, budget=budget, reserve=reserve,
             host_free=host_free, host_each=pinned_bytes(boundary))
         keep, used = [], sum(device.values()) + placed
         for i in range(L):
-            keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < activation_budget * hw.device_mem_bytes)
+            keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < keep_frac * hw.device_mem_bytes)
             used += act if keep[-1] else boundary
     else:
         keep = [checkpoint_every == 0] * L
@@ -448,7 +462,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
-    free = activation_budget * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
+    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9, weight_bytes=4 if weight_slots >= L else 8)
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
                             share=share)
@@ -575,7 +589,7 @@ def _advice(p: Plan, ckpt_error: str | None, kwargs: dict) -> list[str]:
         tries.append(("tile_tokens", 16384))
     if not kwargs["lean_activations"]:
         tries.append(("lean_activations", True))
-    if kwargs["activation_budget"] < 0.95:
+    if kwargs["activation_budget"] is not None and kwargs["activation_budget"] < 0.95:
         tries.append(("activation_budget", 0.95))
     if kwargs["pinned_budget_bytes"] > (512 << 20):
         tries.append(("pinned_budget_bytes", 512 << 20))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 
 import torch
 
@@ -52,6 +53,35 @@ class Streams:
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+
+    def exact_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer page-locked at its exact size on CUDA (``pinned_exact``), plain on the CPU."""
+        return pinned_exact(shape, dtype) if self.cuda else torch.empty(shape, dtype=dtype)
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the CUDA context may be gone, and the memory with it
+        pass
+
+
+def pinned_exact(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Host memory page-locked at its exact size (``cudaHostRegister``), unregistered when the tensor is
+    collected. torch's pinned allocator rounds a request up to a power of two (a 3.5 GiB parked input
+    takes 4 GiB) and keeps a freed block cached, so a longer context would still find a shorter one's
+    buffers in host RAM (longcontext.py, Note: [Device share]). Falls back to that allocator where
+    registration fails. Callers free such a buffer only when no copy of it is in flight."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        torch.cuda.cudart().cudaGetLastError()  # clear it: the next CUDA call must not report it
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(t, _unregister, t.data_ptr())
+    return t
 
 
 def chunks(n: int, size: int):
@@ -255,7 +285,7 @@ class Offload:
     def _buffer(self, layer: int, m: int, like: torch.Tensor) -> torch.Tensor:
         buf = self.host.get((layer, m))
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self.host[(layer, m)] = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.dev.cuda)
+            buf = self.host[(layer, m)] = self.dev.exact_buffer(like.shape, like.dtype)
         return buf
 
     def park(self, layer: int, hs: list) -> None:
@@ -302,3 +332,9 @@ class Offload:
     def reset(self) -> None:
         """After a failed step: forget what it parked or fetched (host buffers stay for reuse)."""
         self.parked.clear(), self.fetched.clear()
+
+    def release(self) -> None:
+        """Between steps, when the checkpoints are placed again (more tokens): the host buffers go back to
+        the OS, so that the new placement finds that RAM free (each is made again on its first park)."""
+        self.reset()
+        self.host.clear()

@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from megatrain_nb.longcontext import PlacementError, keep_cap, pinned_bytes, place_checkpoints
+from megatrain_nb.longcontext import (DEVICE_RESERVE, Checkpoints, PlacementError, keep_cap, pinned_bytes,
+                                      place_checkpoints, shares)
 from megatrain_nb.planner import H200, plan
 from test_planner import QWEN25_7B
 
@@ -31,8 +32,41 @@ def test_keep_cap_leaves_room_for_the_later_checkpoints():
     place_checkpoints(layers=28 - cap, ckpt_bytes=1, device_free=60 - cap * 5, reserve=r, host_free=0, host_each=1)
 
 
-def test_pinned_bytes_round_up_to_a_power_of_two():
-    assert [pinned_bytes(n) for n in (1, 4096, 4097, 3 << 30)] == [1, 4096, 8192, 4 << 30]
+def test_nothing_parked_needs_no_host_ram():
+    """On the H200 at 256K after 128K (2026-12-01, third session) host RAM had -0.5 GiB to spare and every
+    input fitted on the device: blocks of 1, none parked, is a placement, not an error."""
+    r = lambda k: 10 * k  # noqa: E731
+    assert place_checkpoints(layers=28, ckpt_bytes=1, device_free=40, reserve=r, host_free=-5, host_each=1) == (1, 0)
+    with pytest.raises(PlacementError):
+        place_checkpoints(layers=28, ckpt_bytes=1, device_free=30, reserve=r, host_free=-5, host_each=1)
+
+
+def test_pinned_bytes_are_whole_pages_not_powers_of_two():
+    assert [pinned_bytes(n) for n in (1, 4096, 4097, 7 << 29)] == [4096, 4096, 8192, 7 << 29]  # 3.5 GiB stays 3.5
+
+
+def test_inputs_may_reach_the_long_share_only_where_they_fit_nowhere_else(monkeypatch):
+    """Note: [Device share]: activation_budget=None places at 0.85 while that fits, then at 0.95; a float fixes it."""
+    G = 1 << 30
+    assert shares(None) == (0.85, 0.95) and shares(0.7) == (0.7,)
+    lb = {"act": 22 * G, "boundary": 7 * G // 2, "transient": 33 * G}  # the 7B shape at 512K, tiled
+    memory = lambda: (10 * G, 140 * G, 0)  # noqa: E731  in use, in all, host to come
+
+    def placed(budget, host_free):
+        monkeypatch.setattr("megatrain_nb.longcontext.host_free_bytes", lambda to_come=0: host_free)
+        c = Checkpoints(28, checkpoint_every=None, offload_checkpoints=None, activation_budget=budget)
+        c.reset(lb, memory)
+        c.parked(0, lb["boundary"], memory)
+        return c.share, c.block, sum(c.park.values())
+
+    # 0.85: 117 GiB - 10 in use leaves 107 for inputs and the backward; 12 GiB of host takes 3 inputs: too few
+    share, block, parked = placed(None, 12 * G)
+    assert share == 0.95 and parked * lb["boundary"] <= 12 * G
+    in_use = 10 * G - lb["boundary"]  # at the first block its input is in use, and one of the inputs placed
+    assert 0.95 * 140 * G - DEVICE_RESERVE - in_use >= (14 - parked) * lb["boundary"] + block * lb["act"] + lb["transient"]
+    assert placed(None, 200 * G)[0] == 0.85  # a host with room: the keep share suffices
+    with pytest.raises(PlacementError):
+        placed(0.85, 12 * G)  # fixed by the user: no second share
 
 
 def _plan(seq, **kw):
@@ -51,17 +85,20 @@ def test_tiling_turns_on_with_the_context():
     assert per_layer(tiled) < per_layer(plain) / 2  # 6.3 vs 17.9 hidden-sizes of bytes per token (lean; 32 without)
 
 
-def test_256k_fits_the_h200_and_512k_says_what_would():
+def test_256k_and_512k_fit_the_h200_with_defaults_and_a_fixed_share_says_what_would():
     p = _plan(262144)
     assert p.fits_device and p.fits_host and p.recomputed_layers >= 20
     assert sum(p.device_bytes.values()) <= H200.device_mem_bytes
     big = _plan(524288)
-    assert not big.fits_device and big.advice and big.advice[0].startswith("Device: needs")
-    assert big.advice[-1].startswith("Fits with")
+    assert big.fits_device and big.fits_host and big.parked > 0 and not big.advice  # inputs at 0.95 (Note: [Device share])
+    assert sum(big.device_bytes.values()) > 0.85 * H200.device_mem_bytes
+    fixed = _plan(524288, activation_budget=0.85)
+    assert not fixed.fits_device and fixed.advice and fixed.advice[0].startswith("Device: needs")
+    assert fixed.advice[-1].startswith("Fits with") and "activation_budget=0.95" in fixed.advice[-1]
     gh200 = dataclasses.replace(H200, host_mem_bytes=480 << 30, name="H200 with the paper's 480 GB host")
     roomy = plan(QWEN25_7B, batch=1, seq=524288, cast_on_device=True, hardware=gh200)
     assert roomy.fits_device and roomy.fits_host and roomy.parked > 0  # the host takes the checkpoints
-    assert roomy.host_bytes["parked_checkpoints"] == roomy.parked * (4 << 30)  # 3.5 GiB each, pinned: 4 GiB
+    assert roomy.host_bytes["parked_checkpoints"] == roomy.parked * (7 << 29)  # 3.5 GiB each, pinned at that size
 
 
 def test_attention_makes_step_time_grow_with_the_square_of_the_context():
@@ -89,3 +126,33 @@ def test_attention_is_counted_once_and_fits_the_rows_measured_before_tiling():
     for seq, measured in ((32768, 5.06), (131072, 42.7)):
         old = plan(QWEN25_7B, batch=1, seq=seq, tile_tokens=0, offload_checkpoints=False, lean_activations=False)
         assert old.step_ms / 1e3 == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_exact_pinned_buffers_are_page_locked_copy_asynchronously_and_go_back():
+    """transfers.pinned_exact: registered at its size, non_blocking copies both ways, freed with the tensor."""
+    import gc
+
+    import psutil
+    import torch
+
+    from megatrain_nb.transfers import pinned_exact
+
+    n = (3 << 27) + 5  # 1.5 GiB + 20 bytes of fp32: torch's pinned allocator would take 2 GiB
+    before = psutil.Process().memory_info().rss
+    buf = pinned_exact(n, torch.float32)
+    assert buf.is_pinned() and buf.numel() == n
+    grown = psutil.Process().memory_info().rss - before
+    assert (3 << 29) <= grown < (3 << 29) + (256 << 20)  # the pages are locked in, no more than them
+    src = torch.arange(n, device="cuda", dtype=torch.float32)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        s.wait_stream(torch.cuda.current_stream())
+        buf.copy_(src, non_blocking=True)
+        back = torch.empty_like(src).copy_(buf, non_blocking=True)
+    s.synchronize()
+    assert torch.equal(back, src) and buf[-1].item() == n - 1
+    del buf
+    gc.collect()
+    assert psutil.Process().memory_info().rss - before < (256 << 20)  # unregistered and back to the OS
