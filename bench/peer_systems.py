@@ -367,6 +367,8 @@ def child_main(spec: dict) -> int:
     from shapes import count_params, qwen_config
 
     device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device and FSDP2's mesh want an index
+        device = torch.device("cuda", torch.cuda.current_device())
     cfg = qwen_config(spec["shape"], layers=spec["layers"], seq=spec["seq"], width=spec["width"])
     base = dict(system=spec["system"], sweep=spec["sweep"], shape=spec["shape"], layers=cfg.num_hidden_layers,
                 hidden=cfg.hidden_size, params=count_params(cfg), width=spec["width"], seq=spec["seq"],

@@ -202,9 +202,10 @@ class DataParallel:
         """Current stream: every rank's embedding-row gradients, in rank order.
 
         Args:
-            dE: (tokens * H,) fp32 on the device: this rank's rows.
+            dE: (tokens * H,) on the device (compute dtype; fp32 where the device updates the embedding):
+                this rank's rows.
         Returns:
-            (sum(tokens) * H,) fp32: the rows of ``self.ids``' tokens.
+            (sum(tokens) * H,) of that dtype: the rows of ``self.ids``' tokens.
         """
         H = dE.numel() // self.tokens[self.rank]
         most = max(self.tokens) * H

@@ -40,7 +40,7 @@ from .optim import HostAdamW, grad_norm
 from . import distributed
 from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
-from .longcontext import Checkpoints, layer_bytes, pinned_bytes
+from .longcontext import Checkpoints, host_free_bytes, layer_bytes, pinned_bytes
 from .tiling import SequenceTiling
 from . import lean
 from .transfers import Offload, Streams, Transfers, chunks
@@ -101,7 +101,7 @@ class Engine:
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
         self.closed = False
-        self._dE_host: torch.Tensor | None = None  # (tokens*H,) fp32, pinned on CUDA: embedding-row grads
+        self._dE_host: torch.Tensor | None = None  # (tokens*H,) compute dtype, pinned on CUDA: embedding-row grads
         self._proc = None  # psutil.Process of this process, made once (memory counters)
         self._pending: tuple | None = None  # last step's raw records and slot uses, until `trace` is read
         self._trace = None
@@ -447,9 +447,9 @@ class Engine:
         if self.cfg.lean_activations is None and s:
             self._choose_lean(s, n, d)
         lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.lean))
-        self._dE_need = pinned_bytes(lb["boundary"] * 4 // d) if lb else 0  # the pinned dE buffer to come
+        self._dE_need = pinned_bytes(lb["boundary"]) if lb else 0  # the pinned dE buffer to come (compute dtype)
         self.offload.release()  # the last placement's parked buffers: their host RAM is free for this one
-        if self._dE_host is not None and self._dE_host.numel() * 4 < self._dE_need:
+        if self._dE_host is not None and self._dE_host.numel() * self._dE_host.element_size() < self._dE_need:
             self._dE_host = None  # too small for these tokens: a new one comes at the first backward
         self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
 
@@ -468,11 +468,11 @@ class Engine:
         self.lean, self.lean_reason = on, "lean_activations=None (auto): " + ("on: " if on else "off: ") + why
 
     def _memory(self) -> tuple[float, float, float]:
-        """(device bytes in use, device bytes in all, host bytes the step still allocates)."""
+        """(device bytes in use, device bytes in all, host bytes free for parked inputs)."""
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
-        have = 0 if self._dE_host is None else self._dE_host.numel() * 4
+        have = 0 if self._dE_host is None else self._dE_host.numel() * self._dE_host.element_size()
         return (torch.cuda.memory_allocated(self.dev.device),  # allocator bookkeeping: no sync
-                total, max(0, self._dE_need - have))
+                total, host_free_bytes(max(0, self._dE_need - have), reusable=self.offload.pool.idle_bytes))
 
     def _parked(self, i: int, hs: list) -> bool:
         """Whether the input of the recompute block starting at layer i waits in host memory."""
@@ -647,11 +647,12 @@ class Engine:
                 for m, h0 in enumerate(st["h0"]):
                     torch.autograd.backward(h0, gs[m])
                     dE.append(st["E"][m].grad.flatten())
-                dE = (torch.cat(dE) if len(dE) > 1 else dE[0]).float()  # the device casts: the host only adds
+                dE = torch.cat(dE) if len(dE) > 1 else dE[0]  # compute dtype: the host casts rows as it adds them
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
                 if self.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
                     dE, ids = self.dp.rows(dE), self.dp.ids
                 if -1 in self.dev_opt.of:
+                    dE = dE.float()
                     self.device_updates.embed_grads(ids, dE)
                     rec.cuda_end(tok, dev.compute)
                     done = dev.record(dev.compute)
@@ -662,7 +663,7 @@ class Engine:
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():
                     self._dE_host = None  # its host RAM goes back before the larger one is made
-                    self._dE_host = dev.exact_buffer(dE.numel(), torch.float32)  # pinned: one DMA
+                    self._dE_host = dev.exact_buffer(dE.numel(), dE.dtype)  # pinned: one DMA
                 host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
                                           host_fn=lambda: self._embed_grads(ids, host, dE))[1]
@@ -680,7 +681,8 @@ class Engine:
             pad = self.arch.embed.padding_idx
             if pad is not None:
                 rows[ids == pad] = 0  # nn.Embedding gives padding_idx no gradient
-            grad.index_add_(0, ids, rows)
+            for a, b in chunks(rows.shape[0], 1 << 16):  # fp32 rows a slice at a time (512K x H would be 7 GiB)
+                grad.index_add_(0, ids[a:b], rows[a:b].float())
             if self.arch.tied:  # the head's gradient landed here, whole: every row counts
                 return float(grad_norm(unit.grad))
             self._embed_rows = touched = torch.unique(ids)

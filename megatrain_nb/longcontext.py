@@ -30,9 +30,10 @@ slack and the streams' buffers), and lets recompute-block inputs with the backwa
 four more inputs. A float fixes one share for both. ``Checkpoints`` and ``planner.plan`` take the
 first share at which the inputs fit (``first_share``).
 
-Parked inputs and the embedding-row gradient buffer are page-locked at their exact size
+Parked inputs live in page-locked 64 MiB chunks that a longer context reuses (``transfers.HostChunks``,
+Note: [Parked chunks]); the embedding-row gradient buffer is page-locked at its size
 (``transfers.pinned_exact``): torch's pinned allocator rounds a 3.5 GiB request up to 4 GiB and keeps
-a freed block cached, so a longer context would find the shorter one's buffers still in host RAM.
+a freed block cached.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ DEVICE_RESERVE = 2 * _GIB  # device memory left to the CUDA context, cuBLAS / at
 KEEP_SHARE = 0.85  # activation_budget=None: device share for kept activations and residents (Note: [Device share])
 LONG_SHARE = 0.95  # activation_budget=None: device share recompute-block inputs may reach where nothing else fits
 PAGE = 4096
+PARK_CHUNK = 64 << 20  # bytes per chunk of parked-input host memory (transfers.HostChunks)
 
 
 def shares(activation_budget: float | None) -> tuple:
@@ -91,6 +93,11 @@ def pinned_bytes(n: int) -> int:
     """Host bytes a buffer of ``n`` bytes takes page-locked at its exact size (``transfers.pinned_exact``):
     whole pages."""
     return -(-int(n) // PAGE) * PAGE
+
+
+def parked_bytes(n: int) -> int:
+    """Host bytes one parked input of ``n`` bytes holds: whole ``PARK_CHUNK`` chunks (``transfers.HostChunks``)."""
+    return -(-int(n) // PARK_CHUNK) * PARK_CHUNK
 
 
 def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reserve, host_free: float,
@@ -175,12 +182,13 @@ def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: flo
     return 0
 
 
-def host_free_bytes(to_come: int = 0) -> float:
-    """Host bytes free for parked block inputs: ``psutil``'s available RAM less ``HOST_MARGIN`` and
-    ``to_come`` (host buffers the step will still allocate, e.g. the pinned embedding-grad rows)."""
+def host_free_bytes(to_come: int = 0, reusable: int = 0) -> float:
+    """Host bytes free for parked block inputs: ``psutil``'s available RAM plus ``reusable`` (page-locked
+    chunks no input holds, ``transfers.HostChunks``) less ``HOST_MARGIN`` and ``to_come`` (host buffers
+    the step will still allocate, e.g. the pinned embedding-grad rows)."""
     import psutil
 
-    return psutil.virtual_memory().available - HOST_MARGIN - to_come
+    return psutil.virtual_memory().available + reusable - HOST_MARGIN - to_come
 
 
 class Checkpoints:
@@ -219,7 +227,7 @@ class Checkpoints:
             try:
                 place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=share * total - DEVICE_RESERVE - used,
                                   reserve=lambda k: k * act + transient, host_free=host_free,
-                                  host_each=pinned_bytes(ckpt_bytes), block=self.fixed)
+                                  host_each=parked_bytes(ckpt_bytes), block=self.fixed)
                 return True
             except PlacementError:
                 return False
@@ -228,19 +236,18 @@ class Checkpoints:
     def reset(self, lb: dict | None, memory=None) -> None:
         """A new keep policy: ``lb`` is ``layer_bytes`` at its tokens (None: unknown shape, nothing
         predicted); ``memory`` (None off CUDA) returns (device bytes in use, device bytes in all, host
-        bytes the step will still allocate). The cap applies only when both settings are automatic."""
+        bytes free for parked inputs). The cap applies only when both settings are automatic."""
         self.park, self.cap, self.share = None, self.L, keep_share(self.budget_setting)
         self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
         if lb is None or memory is None or self.fixed is not None or self.setting is not None:
             return
-        used, total, to_come = memory()
+        used, total, host_free = memory()
         used += 2 * lb["boundary"]  # + the embedding rows
-        host_free = host_free_bytes(to_come)
         self.share = self._fit(layers=self.L, ckpt_bytes=lb["boundary"], used=used, total=total, host_free=host_free)
         self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"], used=used,
                             budget=self.share * total - DEVICE_RESERVE,
                             reserve=lambda k: k * lb["act"] + lb["transient"],
-                            host_free=host_free, host_each=pinned_bytes(lb["boundary"]))
+                            host_free=host_free, host_each=parked_bytes(lb["boundary"]))
 
     def parked(self, i: int, nbytes: int, memory=None) -> bool:
         """Whether the input (``nbytes`` on the device) of the recompute block starting at layer ``i``
@@ -254,12 +261,12 @@ class Checkpoints:
         if self.setting is not None or memory is None:
             self.block = self.fixed or 1
             return dict.fromkeys(range(i0, self.L, self.block), bool(self.setting))
-        used, total, to_come = memory()
+        used, total, host_free = memory()
         used -= nbytes  # the input is one of them
-        act, transient, host_free = self.act, self.transient, host_free_bytes(to_come)
+        act, transient = self.act, self.transient
         self.share = self._fit(layers=self.L - i0, ckpt_bytes=nbytes, used=used, total=total, host_free=host_free)
         self.block, parked = place_checkpoints(
             layers=self.L - i0, ckpt_bytes=nbytes, device_free=self.share * total - DEVICE_RESERVE - used,
-            reserve=lambda k: k * act + transient, host_free=host_free, host_each=pinned_bytes(nbytes),
+            reserve=lambda k: k * act + transient, host_free=host_free, host_each=parked_bytes(nbytes),
             block=self.fixed)
         return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

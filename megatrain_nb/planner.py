@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
-from .longcontext import (HOST_MARGIN, PlacementError, first_share, keep_cap, keep_share, layer_bytes, pinned_bytes,
-                          place_checkpoints)
+from .longcontext import (HOST_MARGIN, PlacementError, first_share, keep_cap, keep_share, layer_bytes, parked_bytes,
+                          pinned_bytes, place_checkpoints)
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -403,7 +403,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     if pin_store:
         host["pinned_copy"] = d * N
     store = sum(v for k, v in host.items() if k != "pinned_pool")
-    host["embedding_grad_rows"] = pinned_bytes(T * h * 4)  # the engine's pinned fp32 dE buffer
+    host["embedding_grad_rows"] = pinned_bytes(T * h * d)  # the engine's pinned dE buffer (compute dtype)
 
     # device memory; keep[] mirrors Engine._keep_now, the checkpoints' placement longcontext.Checkpoints
     from .tiling import AUTO_ROWS, auto_tiles
@@ -428,7 +428,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     def fits(share: float) -> bool:  # longcontext.Checkpoints._fit on the profile's memory
         try:
             place_checkpoints(layers=L, ckpt_bytes=boundary, device_free=share * hw.device_mem_bytes - _DEVICE_RESERVE - used0,
-                              reserve=reserve, host_free=host_free, host_each=pinned_bytes(boundary),
+                              reserve=reserve, host_free=host_free, host_each=parked_bytes(boundary),
                               block=checkpoint_every or None)
             return True
         except PlacementError:
@@ -438,7 +438,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     if checkpoint_every is None:
         cap = L if offload_checkpoints is not None else keep_cap(
             layers=L, act=act, boundary=boundary, used=sum(device.values()) + placed, budget=budget, reserve=reserve,
-            host_free=host_free, host_each=pinned_bytes(boundary))
+            host_free=host_free, host_each=parked_bytes(boundary))
         keep, used = [], sum(device.values()) + placed
         for i in range(L):
             keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < keep_frac * hw.device_mem_bytes)
@@ -451,13 +451,13 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         try:
             block, parked = place_checkpoints(layers=recomputed, ckpt_bytes=boundary, device_free=free,
                                               reserve=reserve, host_free=host_free,
-                                              host_each=pinned_bytes(boundary), block=checkpoint_every or None)
+                                              host_each=parked_bytes(boundary), block=checkpoint_every or None)
         except PlacementError as e:
             ckpt_error = str(e)
     blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
     parked = len(blocks) if offload_checkpoints else parked
     if parked:
-        host["parked_checkpoints"] = parked * pinned_bytes(boundary)
+        host["parked_checkpoints"] = parked * parked_bytes(boundary)
     device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)

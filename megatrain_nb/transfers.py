@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from .config import EngineConfig
+from .longcontext import PARK_CHUNK
 from .host_store import HostStore
 from .workers import AdamWorker, Box, Worker
 
@@ -263,6 +264,38 @@ class Transfers:
         self.packer.close(), self.unpacker.close()
 
 
+class HostChunks:
+    """Page-locked host memory for parked recompute-block inputs, in ``PARK_CHUNK`` chunks kept for reuse.
+
+    Note: [Parked chunks] a parked input is split across whole chunks (a 3.5 GiB input at 512K takes 56,
+    torch's pinned allocator would take 4 GiB). Chunks are made once (``Streams.exact_buffer``) and
+    handed back, not freed, when the placement is chosen again: a longer context reuses the shorter
+    one's chunks, and the host RAM they hold counts as free for it (``idle_bytes``), whether or not
+    the OS would have got a freed page-locked buffer back in time (on the H200, 512K after 256K found
+    the 256K buffers still counted in use).
+    """
+
+    def __init__(self, dev: Streams, chunk_bytes: int = PARK_CHUNK):  # >= 16 MB: full PCIe bandwidth per copy
+        self.dev, self.chunk_bytes = dev, chunk_bytes
+        self.idle: list = []  # chunks no parked input holds
+        self.made = 0
+
+    @property
+    def idle_bytes(self) -> int:
+        return len(self.idle) * self.chunk_bytes
+
+    def take(self, nbytes: int) -> list:
+        n = -(-nbytes // self.chunk_bytes)
+        got, self.idle = self.idle[:n], self.idle[n:]
+        while len(got) < n:
+            got.append(self.dev.exact_buffer(self.chunk_bytes, torch.uint8))
+            self.made += 1
+        return got
+
+    def give(self, chunks: list) -> None:
+        self.idle.extend(chunks)
+
+
 class Offload:
     """Recompute-block inputs parked in host memory (pinned on CUDA) between the forward and the backward.
 
@@ -273,20 +306,24 @@ class Offload:
              from reuse until that copy is done, so the driver may drop it at once;
       fetch: h2d waits for compute (the fresh buffer's previous users are done) and for the park, copies
              it back; ``take`` makes compute wait for that copy. The backward fetches one block ahead.
-    Host buffers persist across steps; a step's fetches finish before it ends, so the next park may reuse them.
+    Each input lands in whole host chunks (``HostChunks``, Note: [Parked chunks]). A (layer, micro-batch)
+    keeps its chunks across steps; a step's fetches finish before it ends, so the next park may reuse them.
     """
 
     def __init__(self, dev: Streams, rec):
         self.dev, self.rec = dev, rec
-        self.host: dict = {}  # (layer, micro-batch) -> host buffer
+        self.pool = HostChunks(dev)
+        self.host: dict = {}  # (layer, micro-batch) -> (chunks, shape, dtype) of its parked input
         self.parked: dict = {}  # layer -> (d2h event after its copies, number of micro-batches)
         self.fetched: dict = {}  # layer -> (device tensors, h2d event)
 
-    def _buffer(self, layer: int, m: int, like: torch.Tensor) -> torch.Tensor:
-        buf = self.host.get((layer, m))
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self.host[(layer, m)] = self.dev.exact_buffer(like.shape, like.dtype)
-        return buf
+    def _chunks(self, layer: int, m: int, like: torch.Tensor) -> list:
+        nbytes = like.numel() * like.element_size()
+        have = self.host.get((layer, m), ([], None, None))[0]
+        if len(have) * self.pool.chunk_bytes < nbytes:
+            have = have + self.pool.take(nbytes - len(have) * self.pool.chunk_bytes)
+        self.host[(layer, m)] = (have, like.shape, like.dtype)
+        return have
 
     def park(self, layer: int, hs: list) -> None:
         """Driver: copy layer ``layer``'s input (one tensor per micro-batch) to the host, asynchronously."""
@@ -296,7 +333,10 @@ class Offload:
             dev.wait(dev.d2h, ready)
             tok = self.rec.cuda_begin("d2h", "park", layer, "fwd", sum(h.numel() * h.element_size() for h in hs), dev.d2h)
             for m, h in enumerate(hs):
-                self._buffer(layer, m, h).copy_(h, non_blocking=True)
+                h = h.contiguous()
+                flat = h.view(-1).view(torch.uint8)
+                for chunk, (a, b) in zip(self._chunks(layer, m, h), chunks(flat.numel(), self.pool.chunk_bytes)):
+                    chunk[:b - a].copy_(flat[a:b], non_blocking=True)
                 if dev.cuda:
                     h.record_stream(dev.d2h)  # its memory is not reused before this copy ends
             self.rec.cuda_end(tok, dev.d2h)
@@ -308,17 +348,19 @@ class Offload:
         if layer in self.fetched:
             return
         parked, n = self.parked.pop(layer)
-        bufs = [self.host[(layer, m)] for m in range(n)]
+        held = [self.host[(layer, m)] for m in range(n)]
         with dev.on(dev.compute):
-            dsts = [torch.empty(b.shape, dtype=b.dtype, device=dev.device) for b in bufs]
+            dsts = [torch.empty(shape, dtype=dtype, device=dev.device) for _, shape, dtype in held]
             free = dev.record(dev.compute)  # the memory's previous users on compute are done after this
         with dev.on(dev.h2d):
             dev.wait(dev.h2d, free)
             dev.wait(dev.h2d, parked)
-            tok = self.rec.cuda_begin("h2d", "unpark", layer, "recompute", sum(b.numel() * b.element_size() for b in bufs),
+            tok = self.rec.cuda_begin("h2d", "unpark", layer, "recompute", sum(d.numel() * d.element_size() for d in dsts),
                                       dev.h2d)
-            for d, b in zip(dsts, bufs):
-                d.copy_(b, non_blocking=True)
+            for d, (chunks_, _, _) in zip(dsts, held):
+                flat = d.view(-1).view(torch.uint8)
+                for chunk, (a, b) in zip(chunks_, chunks(flat.numel(), self.pool.chunk_bytes)):
+                    flat[a:b].copy_(chunk[:b - a], non_blocking=True)
             self.rec.cuda_end(tok, dev.h2d)
             self.fetched[layer] = (dsts, dev.record(dev.h2d))
 
@@ -334,7 +376,9 @@ class Offload:
         self.parked.clear(), self.fetched.clear()
 
     def release(self) -> None:
-        """Between steps, when the checkpoints are placed again (more tokens): the host buffers go back to
-        the OS, so that the new placement finds that RAM free (each is made again on its first park)."""
+        """Between steps, when the checkpoints are placed again (more tokens): every parked input's chunks
+        go back to the pool, where the new placement counts them as free host RAM (``pool.idle_bytes``)."""
         self.reset()
+        for chunks_, _, _ in self.host.values():
+            self.pool.give(chunks_)
         self.host.clear()

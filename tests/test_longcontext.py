@@ -45,15 +45,13 @@ def test_pinned_bytes_are_whole_pages_not_powers_of_two():
     assert [pinned_bytes(n) for n in (1, 4096, 4097, 7 << 29)] == [4096, 4096, 8192, 7 << 29]  # 3.5 GiB stays 3.5
 
 
-def test_inputs_may_reach_the_long_share_only_where_they_fit_nowhere_else(monkeypatch):
+def test_inputs_may_reach_the_long_share_only_where_they_fit_nowhere_else():
     """Note: [Device share]: activation_budget=None places at 0.85 while that fits, then at 0.95; a float fixes it."""
     G = 1 << 30
     assert shares(None) == (0.85, 0.95) and shares(0.7) == (0.7,)
     lb = {"act": 22 * G, "boundary": 7 * G // 2, "transient": 33 * G}  # the 7B shape at 512K, tiled
-    memory = lambda: (10 * G, 140 * G, 0)  # noqa: E731  in use, in all, host to come
-
     def placed(budget, host_free):
-        monkeypatch.setattr("megatrain_nb.longcontext.host_free_bytes", lambda to_come=0: host_free)
+        memory = lambda: (10 * G, 140 * G, host_free)  # noqa: E731  device in use, device in all, host free
         c = Checkpoints(28, checkpoint_every=None, offload_checkpoints=None, activation_budget=budget)
         c.reset(lb, memory)
         c.parked(0, lb["boundary"], memory)
@@ -98,7 +96,7 @@ def test_256k_and_512k_fit_the_h200_with_defaults_and_a_fixed_share_says_what_wo
     gh200 = dataclasses.replace(H200, host_mem_bytes=480 << 30, name="H200 with the paper's 480 GB host")
     roomy = plan(QWEN25_7B, batch=1, seq=524288, cast_on_device=True, hardware=gh200)
     assert roomy.fits_device and roomy.fits_host and roomy.parked > 0  # the host takes the checkpoints
-    assert roomy.host_bytes["parked_checkpoints"] == roomy.parked * (7 << 29)  # 3.5 GiB each, pinned at that size
+    assert roomy.host_bytes["parked_checkpoints"] == roomy.parked * (7 << 29)  # 3.5 GiB each: 56 whole 64 MiB chunks
 
 
 def test_attention_makes_step_time_grow_with_the_square_of_the_context():
@@ -139,13 +137,13 @@ def test_exact_pinned_buffers_are_page_locked_copy_asynchronously_and_go_back():
 
     from megatrain_nb.transfers import pinned_exact
 
-    n = (3 << 27) + 5  # 1.5 GiB + 20 bytes of fp32: torch's pinned allocator would take 2 GiB
+    n = (3 << 27) + 5  # 1.5 GiB + 20 bytes of int32: torch's pinned allocator would take 2 GiB
     before = psutil.Process().memory_info().rss
-    buf = pinned_exact(n, torch.float32)
+    buf = pinned_exact(n, torch.int32)
     assert buf.is_pinned() and buf.numel() == n
     grown = psutil.Process().memory_info().rss - before
     assert (3 << 29) <= grown < (3 << 29) + (256 << 20)  # the pages are locked in, no more than them
-    src = torch.arange(n, device="cuda", dtype=torch.float32)
+    src = torch.arange(n, device="cuda", dtype=torch.int32)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         s.wait_stream(torch.cuda.current_stream())

@@ -144,3 +144,40 @@ def test_config_validates_the_new_settings():
         EngineConfig(tile_tokens=-1)
     with pytest.raises(ValueError, match="attention_backend='fast'"):
         EngineConfig(attention_backend="fast")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_parked_inputs_split_across_reused_host_chunks_train_bitwise_like_device_ones(device):
+    """Note: [Parked chunks]: each parked input spans whole host chunks; a longer context reuses the shorter
+    one's chunks (on the H200, 512K after 256K found the 256K buffers still counted in use) and the dE
+    buffer in the compute dtype is made anew, the old one freed."""
+    import gc
+    import math
+    import weakref
+
+    cfg = make_config("llama", num_hidden_layers=3)
+    H, got = cfg.hidden_size, {}
+    for offload in (False, True):
+        s = Session.from_config(cfg, seed=0, checkpoint_every=1, offload_checkpoints=offload, device=device)
+        e, d = s.engine, s.engine.dtype.itemsize
+        e.offload.pool.chunk_bytes = 1000  # an input of 16 x H fp32 spans several chunks, the last one partly
+        losses = [s.step({"input_ids": torch.arange(16).view(1, 16) % cfg.vocab_size}).loss]
+        if offload:
+            per_input = math.ceil(16 * H * d / 1000)
+            assert e.offload.pool.made == 3 * per_input and not e.offload.pool.idle
+            old_dE = weakref.ref(e._dE_host)
+        e.keep = None  # what more tokens do under checkpoint_every=None: the placement is chosen again
+        e._place_checkpoints([{"input_ids": torch.zeros(1, 64, dtype=torch.long)}])
+        if offload:
+            assert e.offload.pool.idle_bytes == 3 * per_input * 1000  # given back, counted free for the next
+        losses.append(s.step({"input_ids": torch.arange(64).view(1, 64) % cfg.vocab_size}).loss)
+        if offload:
+            gc.collect()
+            assert old_dE() is None and e._dE_host.numel() == 64 * H and e._dE_host.dtype == e.dtype
+            assert e.offload.pool.made == 3 * math.ceil(64 * H * d / 1000) and not e.offload.pool.idle  # reused
+        s.engine.drain()
+        got[offload] = (losses, [s.store.units[u].master.clone() for u in s.store.order])
+        s.close()
+    assert got[True][0] == got[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1]))
