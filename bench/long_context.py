@@ -11,8 +11,9 @@ Each row: step_s, paper_tflops = (6*N*T + 12*L*d*T^2) / step (MegaTrain's count)
 peak_gpu_gib, host_rss_gib, what the engine chose (tile rows, attention kernel, block length, parked inputs,
 kept layers, resident units: main's placement, "auto" by default) and plan_* — planner.plan's step time, device and host GiB for the same settings.
 
-    --mode compare   one 7B step at --seq (32K) tiled and untiled from the same weights and batch (lr 0, so the
-                     weights do not move between them): loss and gradient differences (bf16 noise check).
+    --mode compare   one 7B step at --seq (32K) tiled and two untiled from the same weights and batch (lr 0, so
+                     the weights do not move between them): loss and gradient differences of tiled against
+                     untiled, beside the two untiled steps' own (the noise floor).
     --mode attention SDPA fwd+bwd time of each fused kernel at the 7B head layout (choose attention_backend).
     --mode plan      the planner's rows only (no GPU needed).
 CPU check (a tiny Qwen2, tiled, every layer recomputed):
@@ -110,13 +111,15 @@ def run_rows(a, cfg) -> None:
 
 
 def run_compare(a, cfg) -> None:
-    """Same weights, same batch, lr 0: one step tiled, one untiled; loss and gradient differences."""
+    """Same weights, same batch, lr 0: one step tiled, two untiled; loss and gradient differences of tiled
+    against untiled beside those of the two untiled steps (the noise floor: the fused attention backward
+    and the GEMMs' split-K reductions do not add in a fixed order)."""
     T = a.seq[0]
     s = Session.from_config(cfg, seed=0, **{**settings_of(a), "lr": 0.0, "tile_tokens": a.tile_tokens or 16384})
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))}
     sample = [-1, 0, cfg.num_hidden_layers // 2, cfg.num_hidden_layers - 1, cfg.num_hidden_layers]
     got = {}
-    for name, rows in (("tiled", a.tile_tokens or 16384), ("untiled", 0)):
+    for name, rows in (("tiled", a.tile_tokens or 16384), ("untiled", 0), ("untiled again", 0)):
         s.engine.tiler.tile_tokens, s.engine.tiler._tokens, s.engine.keep = rows, None, None  # re-decide
         r = s.step(batch)
         s.engine.drain()
@@ -124,10 +127,13 @@ def run_compare(a, cfg) -> None:
         grads = {u: s.store.units[u].grad.clone() for u in sample}
         got[name] = (r.loss, norms, grads, r.seconds, s.engine.tiler.rows)
         print(f"  {name}: loss {r.loss:.6f} {r.seconds:.2f}s rows {s.engine.tiler.rows}", file=sys.stderr, flush=True)
-    (la, na, ga, ta, ra), (lb, nb, gb, tb, rb) = got["tiled"], got["untiled"]
-    rel = {u: float((ga[u].float() - gb[u].float()).norm() / max(gb[u].float().norm(), 1e-30)) for u in sample}
+    (la, na, ga, ta, ra), (lb, nb, gb, tb, rb), (lc, nc, gc, _, _) = got["tiled"], got["untiled"], got["untiled again"]
+
+    def rel(x, y):
+        return {u: float((x[u].float() - y[u].float()).norm() / max(y[u].float().norm(), 1e-30)) for u in sample}
     emit(dict(mode="compare", shape=a.shape, seq=T, tile_rows=ra, untiled_rows=rb, loss_tiled=la, loss_untiled=lb,
-              loss_rel_diff=abs(la - lb) / abs(lb), grad_rel_diff=rel,
+              loss_rel_diff=abs(la - lb) / abs(lb), grad_rel_diff=rel(ga, gb),
+              noise_loss_rel_diff=abs(lc - lb) / abs(lb), noise_grad_rel_diff=rel(gc, gb),
               grad_norm_rel_diff_max=max(abs(na[u] - nb[u]) / max(nb[u], 1e-30) for u in na),
               step_s_tiled=round(ta, 3), step_s_untiled=round(tb, 3), bf16_eps=2 ** -8,
               gpu=torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"), a.out)
