@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-01's second session). Writes under $OUT.
-#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh [tests|placement|long|peers]   (about 8-10 minutes each)
-# tests:     the GPU tests first — the allocator default (expandable segments), lean auto's long-context
-#            rule, lean.auto, the interrupt fix came after the last GPU run (modules needing plotly skip).
-# placement: 7B x 8 at today's defaults (lean auto turns lean on there; its residency-first trial ran out of
-#            memory before the allocator default), 3B x 8 through the Session's own allocator setting;
-#            host rows beside them in the same run; stream 3B 1/4 with its weight slot per layer.
-# long:      issue 11's rows: 32K tiled vs untiled (bf16 noise), 256K; 512K runs on its own, detached
-#            (see bench/long_context.py's docstring for the 512K command and its settings).
-# peers:     issue 12's core sweep (carry .whl, built by bench/peers_wheels.sh; see bench/peers.py).
+# What is still to measure on the H200 (pending after 2026-12-01's third session). Writes under $OUT.
+#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh [tests|long|placement|peers|peers7b]   (~8-10 minutes each)
+# tests:     the GPU tests over every module the device imports (plotly-based ones skip).
+# long:      issue 11: 32K tiled vs untiled with the noise floor (two untiled steps), then 128K and 256K
+#            again (256K missed 146 s by 3% in s3c3). 512K is its own pair of calls, detached:
+#              PYTHONPATH=$PWD bash bench/h200_call10.sh start 545   then, within 30 s of its return,
+#              PYTHONPATH=$PWD bash bench/h200_call10.sh wait 560
+#            (256K then 512K in one process: the 512K placement reuses the 256K parked chunks, the path
+#            that failed in s3c3; ~13 device-minutes by the planner).
+# placement: issue 9: 3B x 1 with ten timed steps (its steps vary 0.245-0.282 s), stream 3B 1/4 beside auto.
+# peers:     issue 12's core sweep again: FSDP2 and DeepSpeed ran into the device-index bug in s3c4 (fixed);
+#            carry .whl (bench/peers_wheels.sh builds it).
+# peers7b:   the 7B sweep, then depth (36/72/108 layers) as time allows.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
+wheels() {  # DeepSpeed and its missing requirements travel as wheels: carry .whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+}
 case "${1:-tests}" in
 tests)
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA 2>&1 | tee "$OUT/gpu_tests.log" \
         | grep -E "^(FAILED|ERROR)|passed|failed" ;;
-placement)
-    . bench/h200_lib.sh
-    bench 7b auto 8
-    bench 3b auto 8
-    bench 3b host 8
-    bench 7b host 8
-    bench 3b stream 1 4 ;;
 long)
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 bench/long_context.py --mode compare --seq 32k \
-        --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 bench/long_context.py --seq 256k --steps 1 \
-        --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400 ;;
-peers)  # DeepSpeed and its missing requirements travel as wheels: carry .whl (bench/peers_wheels.sh builds it)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
-    python3 bench/peers.py --sweep core --budget-s 550 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
+    timeout 200 python3 bench/long_context.py --mode compare --seq 32k --out "$OUT/long_context.jsonl" 2>&1 | tail -4 | cut -c1-600
+    timeout 380 python3 bench/long_context.py --seq 128k 256k --steps 1 --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400 ;;
+placement)
+    for p in auto stream; do
+        timeout 260 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 10 --placement $p \
+            --out "$OUT/bench.jsonl" --save-trace "$OUT/tr_$p" 2>&1 | tee -a "$OUT/steps.log" | grep -v "^  batch" | cut -c1-300
+    done
+    tar czf "$OUT/traces.tgz" -C "$OUT" tr_auto tr_stream && rm -rf "$OUT"/tr_* ;;
+peers)
+    wheels; python3 bench/peers.py --sweep core --budget-s 540 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
+peers7b)
+    wheels; python3 bench/peers.py --sweep 7b depth --budget-s 540 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
 esac

@@ -301,7 +301,7 @@ def parse(argv=None):
                     "layers is 11.7B params: past 126 GiB of host RAM)")
     ap.add_argument("--sweep-batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per batch (median), after --warmup")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per batch (median), after --warmup")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--twinflow-ratio", type=float, default=0.3, help="share of optimizer states on the host")
     ap.add_argument("--sub-group-size", type=float, default=1e8, help="DeepSpeed's optimizer sub-group, elements")
