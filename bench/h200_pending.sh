@@ -25,7 +25,9 @@ tests)
         | grep -E "^(FAILED|ERROR)|passed|failed" ;;
 long)
     timeout 200 python3 bench/long_context.py --mode compare --seq 32k --out "$OUT/long_context.jsonl" 2>&1 | tail -4 | cut -c1-600
-    timeout 380 python3 bench/long_context.py --seq 128k 256k --steps 1 --out "$OUT/long_context.jsonl" 2>&1 | tail -3 | cut -c1-400 ;;
+    timeout 380 python3 bench/long_context.py --seq 128k 256k --steps 1 --out "$OUT/long_context.jsonl" \
+        --save-trace "$OUT/tr_long" 2>&1 | tail -3 | cut -c1-400
+    tar czf "$OUT/traces.tgz" -C "$OUT" tr_long && rm -rf "$OUT/tr_long" ;;
 placement)
     for p in auto stream; do
         timeout 260 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 10 --placement $p \

@@ -59,7 +59,7 @@ def settings_of(a) -> dict:
     return dict(device=a.device, lr=a.lr, tile_tokens=a.tile_tokens, attention_backend=a.attention,
                 activation_budget=a.activation_budget, pinned_budget_bytes=int(a.pinned_gb * (1 << 30)),
                 offload_checkpoints={"auto": None, "all": True, "none": False}[a.offload],
-                checkpoint_every=a.checkpoint_every, placement=a.placement, trace=False)
+                checkpoint_every=a.checkpoint_every, placement=a.placement, trace=bool(a.save_trace))
 
 
 def predicted(cfg, a, seq: int) -> dict:
@@ -95,6 +95,11 @@ def run_rows(a, cfg) -> None:
             print(f"  seq {T} step {k}: {r.seconds:.2f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
         t = min(times)
         e = s.engine
+        if a.save_trace and s.trace is not None:  # the context's last step: where its time went
+            os.makedirs(a.save_trace, exist_ok=True)
+            s.trace.meta.update(shape=a.shape, batch=1, seq=T, step_s=times[-1], gpu=torch.cuda.get_device_name(0)
+                                if cuda else "cpu")
+            s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_{T // 1024}k.json.gz"))
         row = dict(shape=a.shape, seq=T, batch=1, params=N, layers=L, steps=n_steps, step_s=round(t, 3),
                    step_s_all=[round(x, 3) for x in times],
                    paper_tflops=round((6 * N * T + 12 * L * d * T * T) / t / 1e12, 1),
@@ -195,6 +200,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="append each JSON row here as soon as it is made")
+    ap.add_argument("--save-trace", default=None,
+                    help="directory: record each context's steps (trace=True) and save its last step's trace")
     a = ap.parse_args(argv)
     cfg = config_of(a)
     if a.mode == "plan":
