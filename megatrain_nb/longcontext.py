@@ -28,7 +28,7 @@ slack and the streams' buffers), and lets recompute-block inputs with the backwa
 ``LONG_SHARE`` where they fit nowhere at ``KEEP_SHARE``: at 512K tokens of the 7B shape one input is
 3.5 GiB, the host has ~12 GiB to spare beside the 7B state, and the 10% between the two shares holds
 four more inputs. A float fixes one share for both. ``Checkpoints`` and ``planner.plan`` take the
-first share at which the inputs fit (``first_share``).
+first share at which the inputs fit (``choose_share``).
 
 Parked inputs live in page-locked 64 MiB chunks that a longer context reuses (``transfers.HostChunks``,
 Note: [Parked chunks]); the embedding-row gradient buffer is page-locked at its size
@@ -59,9 +59,18 @@ def keep_share(activation_budget: float | None) -> float:
     return KEEP_SHARE if activation_budget is None else activation_budget
 
 
-def first_share(activation_budget: float | None, fits) -> float:
-    """The first of ``shares(activation_budget)`` at which ``fits(share)`` holds; the last when none does
-    (the placement there raises the error that says what is short)."""
+def choose_share(activation_budget: float | None, *, total: float, used: float, layers: int, ckpt_bytes: int,
+                 reserve, host_free: float, block: int | None = None) -> float:
+    """The first of ``shares(activation_budget)`` at which the inputs of ``layers`` recomputed layers fit
+    (``place_checkpoints`` with ``share * total - DEVICE_RESERVE - used`` device bytes); the last when none
+    does (the placement there raises the error that says what is short). Note: [Device share]."""
+    def fits(share: float) -> bool:
+        try:
+            place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=share * total - DEVICE_RESERVE - used,
+                              reserve=reserve, host_free=host_free, host_each=parked_bytes(ckpt_bytes), block=block)
+            return True
+        except PlacementError:
+            return False
     tried = shares(activation_budget)
     return next((x for x in tried if fits(x)), tried[-1])
 
@@ -220,18 +229,9 @@ class Checkpoints:
         self.share = keep_share(activation_budget)  # the device share the inputs were placed in
 
     def _fit(self, *, layers: int, ckpt_bytes: int, used: float, total: float, host_free: float) -> float:
-        """The first device share at which ``layers`` recomputed layers' inputs fit (Note: [Device share])."""
         act, transient = self.act, self.transient
-
-        def fits(share: float) -> bool:
-            try:
-                place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=share * total - DEVICE_RESERVE - used,
-                                  reserve=lambda k: k * act + transient, host_free=host_free,
-                                  host_each=parked_bytes(ckpt_bytes), block=self.fixed)
-                return True
-            except PlacementError:
-                return False
-        return first_share(self.budget_setting, fits)
+        return choose_share(self.budget_setting, total=total, used=used, layers=layers, ckpt_bytes=ckpt_bytes,
+                            reserve=lambda k: k * act + transient, host_free=host_free, block=self.fixed)
 
     def reset(self, lb: dict | None, memory=None) -> None:
         """A new keep policy: ``lb`` is ``layer_bytes`` at its tokens (None: unknown shape, nothing

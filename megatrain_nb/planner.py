@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
-from .longcontext import (HOST_MARGIN, PlacementError, first_share, keep_cap, keep_share, layer_bytes, parked_bytes,
-                          pinned_bytes, place_checkpoints)
+from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, choose_share, keep_cap, keep_share, layer_bytes,
+                          parked_bytes, pinned_bytes, place_checkpoints)
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
 
 _GIB = 1 << 30
-_DEVICE_RESERVE = 2 * _GIB  # CUDA context, cuBLAS / attention workspaces, allocator slack
+_DEVICE_RESERVE = DEVICE_RESERVE  # CUDA context, cuBLAS / attention workspaces, allocator slack
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
 
 
@@ -423,17 +423,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     mode = placing.validate(placement, L, s["tied"])
     placed = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u, v in mode.items()
                  if v == "resident") if isinstance(mode, dict) else 0  # residents set ahead: their memory goes first
-    used0 = sum(device.values()) + placed
-
-    def fits(share: float) -> bool:  # longcontext.Checkpoints._fit on the profile's memory
-        try:
-            place_checkpoints(layers=L, ckpt_bytes=boundary, device_free=share * hw.device_mem_bytes - _DEVICE_RESERVE - used0,
-                              reserve=reserve, host_free=host_free, host_each=parked_bytes(boundary),
-                              block=checkpoint_every or None)
-            return True
-        except PlacementError:
-            return False
-    share = first_share(activation_budget, fits) if checkpoint_every is None and offload_checkpoints is None else keep_frac
+    share = keep_frac if checkpoint_every is not None or offload_checkpoints is not None else choose_share(
+        activation_budget, total=hw.device_mem_bytes, used=sum(device.values()) + placed, layers=L, ckpt_bytes=boundary,
+        reserve=reserve, host_free=host_free)  # as longcontext.Checkpoints.reset on measured memory
     budget = share * hw.device_mem_bytes - _DEVICE_RESERVE
     if checkpoint_every is None:
         cap = L if offload_checkpoints is not None else keep_cap(
