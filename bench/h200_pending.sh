@@ -2,8 +2,9 @@
 # What is still to measure on the H200 (pending after 2026-12-01's third session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh [tests|long|placement|peers|peers7b]   (~8-10 minutes each)
 # tests:     the GPU tests over every module the device imports (plotly-based ones skip).
-# long:      issue 11: 32K tiled vs untiled with the noise floor (two untiled steps), then 128K and 256K
-#            again (256K missed 146 s by 3% in s3c3). 512K is its own pair of calls, detached:
+# long:      issue 11: 32K tiled vs untiled with the noise floor (two untiled steps), each fused SDPA kernel's
+#            speed (cuDNN was chosen; is flash faster at this head layout?), then 128K and 256K again, traced
+#            (256K missed 146 s by 3% in s3c3). 512K is its own pair of calls, detached:
 #              PYTHONPATH=$PWD bash bench/h200_call10.sh start 545   then, within 30 s of its return,
 #              PYTHONPATH=$PWD bash bench/h200_call10.sh wait 560
 #            (256K then 512K in one process: the 512K placement reuses the 256K parked chunks, the path
@@ -25,6 +26,7 @@ tests)
         | grep -E "^(FAILED|ERROR)|passed|failed" ;;
 long)
     timeout 200 python3 bench/long_context.py --mode compare --seq 32k --out "$OUT/long_context.jsonl" 2>&1 | tail -4 | cut -c1-600
+    timeout 120 python3 bench/long_context.py --mode attention --seq 32k 64k --out "$OUT/long_context.jsonl" 2>&1 | tail -6 | cut -c1-300
     timeout 380 python3 bench/long_context.py --seq 128k 256k --steps 1 --out "$OUT/long_context.jsonl" \
         --save-trace "$OUT/tr_long" 2>&1 | tail -3 | cut -c1-400
     tar czf "$OUT/traces.tgz" -C "$OUT" tr_long && rm -rf "$OUT/tr_long" ;;
