@@ -154,3 +154,49 @@ def test_exact_pinned_buffers_are_page_locked_copy_asynchronously_and_go_back():
     del buf
     gc.collect()
     assert psutil.Process().memory_info().rss - before < (256 << 20)  # unregistered and back to the OS
+
+
+def test_host_chunks_are_made_once_and_handed_back_for_reuse():
+    """transfers.HostChunks (Note: [Parked chunks]): whole chunks per input, idle bytes counted, no new chunk
+    while idle ones cover a request; an Offload's release gives its inputs' chunks back."""
+    import torch
+
+    from megatrain_nb.transfers import HostChunks, Offload, Streams
+
+    dev = Streams(torch.device("cpu"))
+    pool = HostChunks(dev, chunk_bytes=100)
+    a = pool.take(250)  # three chunks, the last one half used
+    assert len(a) == 3 and pool.made == 3 and pool.idle_bytes == 0 and all(c.numel() == 100 for c in a)
+    pool.give(a)
+    assert pool.idle_bytes == 300
+    b = pool.take(420)  # the three idle ones and two new
+    assert len(b) == 5 and pool.made == 5 and pool.idle_bytes == 0 and all(any(c is x for x in b) for c in a)
+
+    class Rec:  # the trace recorder's two calls Offload makes
+        def cuda_begin(self, *a):
+            return None
+
+        def cuda_end(self, *a):
+            pass
+
+    off = Offload(dev, Rec())
+    off.pool.chunk_bytes = 64
+    h = torch.arange(50, dtype=torch.float32).view(5, 10)  # 200 bytes: four chunks, the last one 8 bytes
+    off.park(3, [h])
+    assert off.take(3)[0].equal(h) and off.pool.made == 4
+    off.release()
+    assert off.pool.idle_bytes == 4 * 64 and not off.host
+    off.park(5, [h * 2])
+    assert off.take(5)[0].equal(h * 2) and off.pool.made == 4  # the released chunks again
+
+
+def test_activation_budget_none_is_the_default_and_bad_values_are_named():
+    from megatrain_nb.config import EngineConfig
+
+    assert EngineConfig().activation_budget is None and EngineConfig().keep_share == 0.85
+    assert EngineConfig(activation_budget=0.7).keep_share == 0.7
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=f"activation_budget={bad!r}: a fraction in"):
+            EngineConfig(activation_budget=bad)
+    with pytest.raises(ValueError, match="activation_budget must be a fraction"):
+        _plan(4096, activation_budget=2.0)
