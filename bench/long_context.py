@@ -94,7 +94,7 @@ def run_rows(a, cfg) -> None:
             times.append(r.seconds)
             print(f"  seq {T} step {k}: {r.seconds:.2f}s loss {r.loss:.4f}", file=sys.stderr, flush=True)
         t = min(times)
-        e = s.engine
+        e, act = s.engine, s.activations
         if a.save_trace and s.trace is not None:  # the context's last step: where its time went
             os.makedirs(a.save_trace, exist_ok=True)
             s.trace.meta.update(shape=a.shape, batch=1, seq=T, step_s=times[-1], gpu=torch.cuda.get_device_name(0)
@@ -105,8 +105,9 @@ def run_rows(a, cfg) -> None:
                    paper_tflops=round((6 * N * T + 12 * L * d * T * T) / t / 1e12, 1),
                    model_tflops=round(6 * N * T / t / 1e12, 1), loss=round(r.loss, 4),
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-                   host_rss_gib=round(rss_bytes() / 2**30, 1), tile_rows=e.tiler.rows, attention=e.tiler.backend,
-                   block=e.ckpts.block, parked=sum(map(bool, (e.ckpts.park or {}).values())), kept_layers=sum(e.keep),
+                   host_rss_gib=round(rss_bytes() / 2**30, 1), tile_rows=act["tile_rows"], attention=act["attention"],
+                   block=act["block"], parked=len(act["parked_inputs"]), kept_layers=act["kept_layers"],
+                   device_share=act["device_share"],
                    resident=sum(c.placement == "resident" for c in (e.device_updates.choice or {}).values()),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
                    settings={k: v for k, v in settings_of(a).items() if k not in ("device", "trace")},

@@ -266,6 +266,16 @@ class Engine:
         """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
         return self.device_updates.frame()
 
+    def activation_policy(self) -> dict:
+        """What the last step did with its activations (``Session.activations``); empty before a step."""
+        if self.keep is None:
+            return {}
+        c = self.ckpts
+        parked = sorted(i for i, p in (c.park or {}).items() if p)
+        return dict(tokens=self._keep_tokens, kept_layers=sum(self.keep), recomputed_layers=self.L - sum(self.keep),
+                    block=c.block, parked_inputs=parked, device_share=c.share, tile_rows=self.tiler.rows,
+                    attention=self.tiler.backend, lean=self.lean, lean_reason=self.lean_reason)
+
     def _count_memory(self) -> None:
         """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""
         rec = self.rec

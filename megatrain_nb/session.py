@@ -375,6 +375,19 @@ class Session:
         return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30)}
 
     @property
+    def activations(self) -> dict:
+        """The last step's activation policy: ``tokens`` per micro-batch it was chosen for, ``kept_layers``
+        and ``recomputed_layers``, the recompute ``block`` length, ``parked_inputs`` (blocks whose input
+        waited in host RAM), ``device_share`` (of device memory the inputs were placed in: 0.95 where they
+        fit nowhere at 0.85, ``EngineConfig.activation_budget``), ``tile_rows`` (0: untiled), ``attention``
+        (the SDPA kernel at long context; None: torch's own choice), ``lean`` and why. Empty before a step.
+
+        Example:
+            >>> s.step(batch); s.activations["recomputed_layers"]  # doctest: +SKIP
+        """
+        return self.engine.activation_policy()
+
+    @property
     def placement(self):
         """Where each unit's AdamW and state live, and why (see ``EngineConfig.placement``).
 

@@ -200,3 +200,19 @@ def test_activation_budget_none_is_the_default_and_bad_values_are_named():
             EngineConfig(activation_budget=bad)
     with pytest.raises(ValueError, match="activation_budget must be a fraction"):
         _plan(4096, activation_budget=2.0)
+
+
+def test_session_reports_its_activation_policy():
+    import torch
+
+    from conftest import make_config
+    from megatrain_nb import Session
+
+    s = Session.from_config(make_config("llama", num_hidden_layers=3), seed=0, checkpoint_every=1, offload_checkpoints=True)
+    assert s.activations == {}
+    s.step({"input_ids": torch.zeros(1, 16, dtype=torch.long)})
+    a = s.activations
+    assert (a["tokens"], a["kept_layers"], a["recomputed_layers"], a["block"]) == (16, 0, 3, 1)
+    assert a["parked_inputs"] == [0, 1, 2] and a["tile_rows"] == 0 and a["device_share"] == 0.85
+    assert a["lean"] is False and "lean_activations" in a["lean_reason"]
+    s.close()
