@@ -48,7 +48,12 @@ class Hardware:
     d2h_GBps: float
     """Device-to-host copy rate into pinned memory."""
     duplex_GBps: float
-    """Total rate when h2d and d2h run at once (each direction gets half)."""
+    """Total rate when h2d and d2h run at once (each direction gets half, unless measured below)."""
+    h2d_beside_d2h_GBps: float | None = None
+    """An h2d copy's rate inside a step while d2h copies run (the host's AdamW loads host memory too);
+    None: half of `duplex_GBps`."""
+    d2h_beside_h2d_GBps: float | None = None
+    """A d2h copy's rate inside a step while h2d copies run; None: half of `duplex_GBps`."""
     pageable_GBps: float
     """Copy rate from/to pageable (unpinned) host memory."""
     bf16_tflops: float
@@ -93,7 +98,8 @@ class Hardware:
                      "host_adam_params_per_s", "host_cast_elems_per_s", "device_mem_bytes", "host_mem_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0, got {getattr(self, name)!r}.")
-        for name in ("gemm_tflops", "host_adam_fp32_params_per_s", "device_adam_params_per_s", "attn_tflops"):
+        for name in ("gemm_tflops", "host_adam_fp32_params_per_s", "device_adam_params_per_s", "attn_tflops",
+                     "h2d_beside_d2h_GBps", "d2h_beside_h2d_GBps"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0 or None, got {getattr(self, name)!r}.")
         if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
@@ -117,6 +123,7 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
+    h2d_beside_d2h_GBps=40.2, d2h_beside_h2d_GBps=52.1,  # in a step: bench/copy_rates.py on the s3c1 stream traces
     bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 4.1),  # bwd: 4.13-4.19 ms a layer at 3B x 1, auto (3 traces)
     loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
@@ -467,7 +474,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     # rates (ms); copies in both directions at once share the duplex rate
     pinned = pinned_budget_bytes >= 2 * transfer_chunk_bytes
     up, down = (hw.h2d_GBps, hw.d2h_GBps) if pinned else (hw.pageable_GBps, hw.pageable_GBps)
-    both_up, both_down = (min(up, hw.duplex_GBps / 2), min(down, hw.duplex_GBps / 2)) if pinned else (up, down)
+    both_up = min(up, hw.h2d_beside_d2h_GBps or hw.duplex_GBps / 2) if pinned else up
+    both_down = min(down, hw.d2h_beside_h2d_GBps or hw.duplex_GBps / 2) if pinned else down
     cast, rate = hw.host_cast_elems_per_s / 1e3, hw.bf16_tflops * 1e9
     adam32 = (hw.host_adam_fp32_params_per_s or hw.host_adam_params_per_s) / 1e3  # the embedding's grads are fp32
     adam = hw.host_adam_params_per_s / 1e3 if d < 4 else adam32

@@ -163,6 +163,20 @@ def test_hardware_validates():
     with pytest.raises(ValueError, match="duplex_GBps"):
         Hardware(name="x", h2d_GBps=10, d2h_GBps=10, duplex_GBps=5, pageable_GBps=1, bf16_tflops=1,
                  host_adam_params_per_s=1, host_cast_elems_per_s=1, device_mem_bytes=1, host_mem_bytes=1)
+    with pytest.raises(ValueError, match="h2d_beside_d2h_GBps"):
+        dataclasses.replace(H200, h2d_beside_d2h_GBps=0.0)
+
+
+def test_copies_beside_each_other_run_at_the_in_step_rates():
+    """bench/copy_rates.py on the s3c1 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone)."""
+    one = {u: "device" for u in range(20)}
+    fast = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, weight_slots=36, placement=one,
+                hardware=dataclasses.replace(H200, h2d_beside_d2h_GBps=None, d2h_beside_h2d_GBps=None))
+    measured = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, weight_slots=36, placement=one)
+    P = measured.shape["params_per_layer"]
+    state_in = [s for s in measured.spans if s[1] == "state-in"]
+    assert state_in and all(abs((s[5] - s[4]) - 12 * P / 40.2e6) < 1e-3 for s in state_in)  # spans: 0.1 us
+    assert measured.steady_step_ms > fast.steady_step_ms
 
 
 def test_cast_on_device_moves_fp32_and_casts_nothing_on_the_host():
