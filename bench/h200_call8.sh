@@ -8,7 +8,6 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-pack() { tar czf "$OUT/traces.tgz" -C "$OUT" $(cd "$OUT" && ls -d tr_* 2>/dev/null); }
 timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^(FAILED|ERROR) tests/test_(gpu|lean|checkpoint|soak|packing|shared|preflight|trace|placement|device)|passed|failed"
 . bench/h200_lib.sh

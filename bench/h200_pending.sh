@@ -31,11 +31,10 @@ long)
         --save-trace "$OUT/tr_long" 2>&1 | tail -3 | cut -c1-400
     tar czf "$OUT/traces.tgz" -C "$OUT" tr_long && rm -rf "$OUT/tr_long" ;;
 placement)
-    for p in auto stream; do
-        timeout 260 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 10 --placement $p \
-            --out "$OUT/bench.jsonl" --save-trace "$OUT/tr_$p" 2>&1 | tee -a "$OUT/steps.log" | grep -v "^  batch" | cut -c1-300
-    done
-    tar czf "$OUT/traces.tgz" -C "$OUT" tr_auto tr_stream && rm -rf "$OUT"/tr_* ;;
+    . bench/h200_lib.sh
+    STEPS=10 bench 3b auto 1 4
+    STEPS=10 bench 3b stream 1 4
+    pack && rm -rf "$OUT"/tr_* ;;
 peers)
     wheels; python3 bench/peers.py --sweep core --budget-s 540 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
 peers7b)

@@ -33,7 +33,6 @@ from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
 
 _GIB = 1 << 30
-_DEVICE_RESERVE = DEVICE_RESERVE  # CUDA context, cuBLAS / attention workspaces, allocator slack
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
 
 
@@ -433,7 +432,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     share = keep_frac if checkpoint_every is not None or offload_checkpoints is not None else choose_share(
         activation_budget, total=hw.device_mem_bytes, used=sum(device.values()) + placed, layers=L, ckpt_bytes=boundary,
         reserve=reserve, host_free=host_free)  # as longcontext.Checkpoints.reset on measured memory
-    budget = share * hw.device_mem_bytes - _DEVICE_RESERVE
+    budget = share * hw.device_mem_bytes - DEVICE_RESERVE
     if checkpoint_every is None:
         cap = L if offload_checkpoints is not None else keep_cap(
             layers=L, act=act, boundary=boundary, used=sum(device.values()) + placed, budget=budget, reserve=reserve,
@@ -459,9 +458,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         host["parked_checkpoints"] = parked * parked_bytes(boundary)
     device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
-                  logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=_DEVICE_RESERVE)
+                  logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
-    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - _DEVICE_RESERVE)  # Engine._free
+    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, hw.h2d_GBps * 1e9, weight_bytes=4 if weight_slots >= L else 8)
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
                             share=share)
