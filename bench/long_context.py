@@ -59,7 +59,8 @@ def settings_of(a) -> dict:
     return dict(device=a.device, lr=a.lr, tile_tokens=a.tile_tokens, attention_backend=a.attention,
                 activation_budget=a.activation_budget, pinned_budget_bytes=int(a.pinned_gb * (1 << 30)),
                 offload_checkpoints={"auto": None, "all": True, "none": False}[a.offload],
-                checkpoint_every=a.checkpoint_every, placement=a.placement, trace=bool(a.save_trace))
+                checkpoint_every=a.checkpoint_every, placement=a.placement, trace=bool(a.save_trace),
+                attention_cache={"auto": None, "on": True, "off": False}[a.attention_cache])
 
 
 def predicted(cfg, a, seq: int) -> dict:
@@ -70,11 +71,13 @@ def predicted(cfg, a, seq: int) -> dict:
         p = plan(cfg, batch=1, seq=seq, hardware=hw, cast_on_device=a.device.startswith("cuda") or a.mode == "plan",
                  tile_tokens=st["tile_tokens"], offload_checkpoints=st["offload_checkpoints"],
                  activation_budget=a.activation_budget, pinned_budget_bytes=st["pinned_budget_bytes"],
-                 checkpoint_every=a.checkpoint_every, placement=a.placement if hw is H200 else "host")
+                 checkpoint_every=a.checkpoint_every, placement=a.placement if hw is H200 else "host",
+                 attention_cache=st["attention_cache"])
     return dict(plan_step_s=round(p.step_ms / 1e3, 2), plan_paper_tflops=round(p.paper_tflops, 1),
                 plan_device_gib=round(sum(p.device_bytes.values()) / 2**30, 1),
                 plan_host_gib=round(sum(p.host_bytes.values()) / 2**30, 1), plan_fits=p.fits_device and p.fits_host,
                 plan_tile_rows=p.tile_rows, plan_block=p.block, plan_parked=p.parked, plan_kept=p.kept_layers,
+                plan_attention_cached=p.attention_cached,
                 plan_resident=sum(v == "resident" for v in p.placement.values()),
                 plan_advice=" ".join(p.advice) or None, plan_hardware=hw.name.split(" (")[0])
 
@@ -107,6 +110,7 @@ def run_rows(a, cfg) -> None:
                    peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    host_rss_gib=round(rss_bytes() / 2**30, 1), tile_rows=act["tile_rows"], attention=act["attention"],
                    block=act["block"], parked=len(act["parked_inputs"]), kept_layers=act["kept_layers"],
+                   attention_cached=act["attention_cached"],
                    device_share=act["device_share"],
                    resident=sum(c.placement == "resident" for c in (e.device_updates.choice or {}).values()),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
@@ -117,31 +121,39 @@ def run_rows(a, cfg) -> None:
 
 
 def run_compare(a, cfg) -> None:
-    """Same weights, same batch, lr 0: one step tiled, two untiled; loss and gradient differences of tiled
-    against untiled beside those of the two untiled steps (the noise floor: the fused attention backward
-    and the GEMMs' split-K reductions do not add in a fixed order)."""
+    """Same weights, same batch, lr 0: one step with the mechanism (--compare tiling: tiled; cache: attention
+    outputs cached), two without; loss and gradient differences of the first against the second beside
+    those of the two without (the noise floor: the fused attention backward and the GEMMs' split-K
+    reductions do not add in a fixed order)."""
     T = a.seq[0]
     s = Session.from_config(cfg, seed=0, **{**settings_of(a), "lr": 0.0, "tile_tokens": a.tile_tokens or 16384})
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))}
     sample = [-1, 0, cfg.num_hidden_layers // 2, cfg.num_hidden_layers - 1, cfg.num_hidden_layers]
     got = {}
-    for name, rows in (("tiled", a.tile_tokens or 16384), ("untiled", 0), ("untiled again", 0)):
-        s.engine.tiler.tile_tokens, s.engine.tiler._tokens, s.engine.keep = rows, None, None  # re-decide
+    on, off = (a.tile_tokens or 16384, 0) if a.compare == "tiling" else (True, False)
+    for name, v in (("with", on), ("without", off), ("without again", off)):
+        if a.compare == "tiling":
+            s.engine.tiler.tile_tokens, s.engine.tiler._tokens = v, None
+        else:
+            s.engine.ckpts.cache_setting = v
+        s.engine.keep = None  # re-decide the policy
         r = s.step(batch)
         s.engine.drain()
         norms = {u: float(s.store.units[u].grad.float().norm()) for u in s.store.order}
         grads = {u: s.store.units[u].grad.clone() for u in sample}
-        got[name] = (r.loss, norms, grads, r.seconds, s.engine.tiler.rows)
-        print(f"  {name}: loss {r.loss:.6f} {r.seconds:.2f}s rows {s.engine.tiler.rows}", file=sys.stderr, flush=True)
-    (la, na, ga, ta, ra), (lb, nb, gb, tb, rb), (lc, nc, gc, _, _) = got["tiled"], got["untiled"], got["untiled again"]
+        got[name] = (r.loss, norms, grads, r.seconds, s.engine.tiler.rows, s.activations["attention_cached"])
+        print(f"  {name}: loss {r.loss:.6f} {r.seconds:.2f}s rows {s.engine.tiler.rows} cached "
+              f"{got[name][-1]}", file=sys.stderr, flush=True)
+    (la, na, ga, ta, ra, ca), (lb, nb, gb, tb, rb, cb), (lc, nc, gc, *_) = got["with"], got["without"], got["without again"]
 
     def rel(x, y):
         return {u: float((x[u].float() - y[u].float()).norm() / max(y[u].float().norm(), 1e-30)) for u in sample}
-    emit(dict(mode="compare", shape=a.shape, seq=T, tile_rows=ra, untiled_rows=rb, loss_tiled=la, loss_untiled=lb,
+    emit(dict(mode="compare", compare=a.compare, shape=a.shape, seq=T, tile_rows=ra, untiled_rows=rb,
+              attention_cached=ca, attention_cached_without=cb, loss_with=la, loss_without=lb,
               loss_rel_diff=abs(la - lb) / abs(lb), grad_rel_diff=rel(ga, gb),
               noise_loss_rel_diff=abs(lc - lb) / abs(lb), noise_grad_rel_diff=rel(gc, gb),
               grad_norm_rel_diff_max=max(abs(na[u] - nb[u]) / max(nb[u], 1e-30) for u in na),
-              step_s_tiled=round(ta, 3), step_s_untiled=round(tb, 3), bf16_eps=2 ** -8,
+              step_s_with=round(ta, 3), step_s_without=round(tb, 3), bf16_eps=2 ** -8,
               gpu=torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"), a.out)
     s.close()
 
@@ -193,6 +205,10 @@ def main(argv=None) -> None:
     ap.add_argument("--attention", default=None, help="EngineConfig.attention_backend: flash, cudnn, efficient")
     ap.add_argument("--offload", choices=["auto", "all", "none"], default="auto", help="EngineConfig.offload_checkpoints")
     ap.add_argument("--checkpoint-every", type=int, default=None)
+    ap.add_argument("--attention-cache", choices=["auto", "on", "off"], default="auto",
+                    help="EngineConfig.attention_cache (auto: None)")
+    ap.add_argument("--compare", choices=["tiling", "cache"], default="tiling",
+                    help="--mode compare: the mechanism compared with its absence")
     ap.add_argument("--placement", choices=["auto", "host"], default="auto",
                     help="EngineConfig.placement (auto: resident units where the activations leave room)")
     ap.add_argument("--activation-budget", type=float, default=None,

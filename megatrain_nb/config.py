@@ -113,6 +113,15 @@ class EngineConfig:
     ones after it) or "math". None: at long context (T x T scores above 1 GiB) the fused kernels in
     torch's order, never math; at short context torch's own choice. The chosen one is named in
     ``Session.engine.tiler.backend``."""
+    attention_cache: bool | None = None
+    """Keep each recomputed layer's attention output (and its log-sum-exp) from the forward, so that its
+    recompute skips the attention forward (``attncache.py``, Note: [Attention cache]): B*T*heads*
+    (head_dim*dtype_bytes + 4) bytes per layer, ~0.8 s of ~5.4 s per layer saved at 256K tokens of the 7B
+    shape. None: on CUDA where the attention is at least a quarter of a layer's forward (the 7B shape from
+    ~22K tokens per sequence), for as many recomputed layers as device memory holds beside their
+    checkpoints (``longcontext.place_cache``; before kept layers where that saves more per byte,
+    ``longcontext.cache_first``); nothing on the CPU. True: at any length, on CUDA wherever memory allows,
+    on the CPU every recomputed layer. False: never (the attention forward runs again in the recompute)."""
     lean_activations: bool | None = None
     """None (auto): on CUDA, lean for a batch size where it keeps enough layers from recompute to pay
     for itself (``lean.auto``, Note: [Lean auto]); off where sequence tiling takes long-context layers,
@@ -191,6 +200,8 @@ class EngineConfig:
             raise ValueError(f"lean_activations={self.lean_activations!r}: use None (auto), True (keep fewer "
                              "activations, recompute the norms and the MLP's activation in the backward) or False "
                              "(HF's own forward)")
+        if self.attention_cache is not None and not isinstance(self.attention_cache, bool):
+            raise ValueError(f"attention_cache={self.attention_cache!r}: use None (auto), True or False")
         if self.activation_budget is not None and not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1], or None (auto)")
 

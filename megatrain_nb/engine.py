@@ -22,6 +22,7 @@ grad copy was enqueued) and the end of the step (the loss and the trace are read
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import math
 import threading
@@ -31,6 +32,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .attncache import AttentionCache
 from .binding import Layout, SlotRefs, call, grads_into
 from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
@@ -94,8 +96,10 @@ class Engine:
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
                                     device=dev.device, dtype_bytes=self.dtype.itemsize,
                                     lean=ecfg.lean_activations is True)  # auto: tiling's threshold without lean
-        self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs
-                                 offload_checkpoints=ecfg.offload_checkpoints, activation_budget=ecfg.activation_budget)
+        self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs, cached
+                                 offload_checkpoints=ecfg.offload_checkpoints, activation_budget=ecfg.activation_budget,
+                                 attention_cache=ecfg.attention_cache)
+        self.attn_cache = AttentionCache()  # recomputed layers' attention outputs, forward to backward
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
         self.steps_done = 0
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
@@ -199,6 +203,7 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
         self.offload.reset()
+        self.attn_cache.clear()  # the failed step's backward will not come for them
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int) -> dict:
@@ -273,7 +278,8 @@ class Engine:
         c = self.ckpts
         parked = sorted(i for i, p in (c.park or {}).items() if p)
         return dict(tokens=self._keep_tokens, kept_layers=sum(self.keep), recomputed_layers=self.L - sum(self.keep),
-                    block=c.block, parked_inputs=parked, device_share=c.share, tile_rows=self.tiler.rows,
+                    block=c.block, parked_inputs=parked, attention_cached=len(c.cached), device_share=c.share,
+                    tile_rows=self.tiler.rows,
                     attention=self.tiler.backend, lean=self.lean, lean_reason=self.lean_reason)
 
     def _count_memory(self) -> None:
@@ -456,7 +462,8 @@ class Engine:
             s = None  # a shape the planner cannot read: nothing predicted, no cap
         if self.cfg.lean_activations is None and s:
             self._choose_lean(s, n, d)
-        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.lean))
+        seq = max(mb["input_ids"].shape[-1] for mb in mbs)
+        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.lean), seq=seq)
         self._dE_need = pinned_bytes(lb["boundary"]) if lb else 0  # the pinned dE buffer to come (compute dtype)
         self.offload.release()  # the last placement's parked buffers: their host RAM is free for this one
         if self._dE_host is not None and self._dE_host.numel() * self._dE_host.element_size() < self._dE_need:
@@ -535,9 +542,11 @@ class Engine:
                     else:
                         st["ckpt"][i] = list(hs)
                 params = layout.views(slot)
+                cached = i in self.ckpts.cached  # Note: [Attention cache] in attncache.py
                 with torch.no_grad():
                     for m, calls in enumerate(st["calls"]):
-                        hs[m] = call(self._template(i), params, hs[m], *calls[i][0], **calls[i][1])
+                        with self.attn_cache.capture(i, m) if cached else contextlib.nullcontext():
+                            hs[m] = call(self._template(i), params, hs[m], *calls[i][0], **calls[i][1])
             rec.cuda_end(tok, dev.compute)
             self._done(plan, k)
             self._count_memory()
@@ -611,7 +620,8 @@ class Engine:
                 with self.refs.hooks(), torch.enable_grad():
                     for m, calls in enumerate(st["calls"]):
                         x = hs[m].detach().requires_grad_()
-                        outs.append(call(self._template(i), params, x, *calls[i][0], **calls[i][1]))
+                        with self.attn_cache.replay(i, m):  # a cached layer: its attention output from the forward
+                            outs.append(call(self._template(i), params, x, *calls[i][0], **calls[i][1]))
                         xs.append(x)
                 kept[i] = (params, xs, outs)
                 rec.cuda_end(tok, dev.compute)

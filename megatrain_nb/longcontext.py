@@ -47,6 +47,7 @@ KEEP_SHARE = 0.85  # activation_budget=None: device share for kept activations a
 LONG_SHARE = 0.95  # activation_budget=None: device share recompute-block inputs may reach where nothing else fits
 PAGE = 4096
 PARK_CHUNK = 64 << 20  # bytes per chunk of parked-input host memory (transfers.HostChunks)
+CACHE_SHARE = 0.25  # attention_cache=None: cache where attention is this share of a forward (7B: seq >= ~22K)
 
 
 def shares(activation_budget: float | None) -> tuple:
@@ -161,21 +162,75 @@ def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reser
         "layers), or train on a shorter seq; planner.plan(...).advice names the setting that fits")
 
 
-def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int) -> dict:
+def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: float, reserve, host_free: float,
+                host_each: int, block: int | None = None) -> tuple[int, int, int]:
+    """How many of ``layers`` recomputed layers keep their attention output on the device (Note:
+    [Attention cache] in attncache.py), and where their block inputs wait then: the most that leave the
+    inputs a place (``place_checkpoints`` with ``cached * cache_bytes`` less device memory). A cached
+    layer saves its attention forward in the recompute; an input moved to the host costs only PCIe time,
+    which long context hides.
+
+    Returns:
+        (cached, block, parked): the first ``cached`` recomputed layers keep theirs; blocks and parked
+        inputs as ``place_checkpoints`` returns them.
+    Raises:
+        PlacementError: the inputs fit nowhere even with nothing cached.
+    Example:
+        >>> place_cache(layers=28, cache_bytes=1, ckpt_bytes=1, device_free=40, reserve=lambda k: 10 * k,
+        ...             host_free=5, host_each=1)  # 11 cached leave 29: blocks of 2, 9 inputs on the device, 5 parked
+        (11, 2, 5)
+    """
+    for n in range(layers, -1, -1) if cache_bytes else (0,):
+        try:
+            return (n, *place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=device_free - n * cache_bytes,
+                                          reserve=reserve, host_free=host_free, host_each=host_each, block=block))
+        except PlacementError:
+            if not n:
+                raise
+    raise AssertionError("unreachable")
+
+
+def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int, seq: int | None = None) -> dict:
     """Device bytes of one layer at ``tokens`` tokens: ``act`` (saved for its backward, tiled when
-    ``rows``), ``boundary`` (its input: a recompute block's checkpoint) and ``transient`` (the backward's
-    working set beyond the saved set). ``per_token_untiled``: shape.py's Note [Activation estimate]."""
+    ``rows``), ``boundary`` (its input: a recompute block's checkpoint), ``transient`` (the backward's
+    working set beyond the saved set), ``cache`` (its kept attention output, Note: [Attention cache]
+    in attncache.py) and ``attn_share`` (the attention's share of the layer's forward FLOPs at ``seq``
+    tokens per sequence, default ``tokens``). ``per_token_untiled``: shape.py's Note [Activation estimate]."""
     per_token = tiled_bytes_per_token(s, d) if rows else per_token_untiled
+    attn = (seq or tokens) * s["heads"] * s["head_dim"]  # causal attention FLOPs per token / 2, beside params
     return {"act": tokens * per_token, "boundary": tokens * s["hidden"] * d,
-            "transient": backward_transient_bytes(s, tokens, d, rows)}
+            "transient": backward_transient_bytes(s, tokens, d, rows),
+            "cache": tokens * s["heads"] * (s["head_dim"] * d + 4),  # attncache.entry_bytes
+            "attn_share": attn / (attn + s["active_params_per_layer"])}
+
+
+def cache_bytes(lb: dict | None, setting: bool | None) -> int:
+    """Device bytes one recomputed layer's cached attention output takes under ``EngineConfig.attention_cache``
+    = ``setting``, 0 where none is cached: None caches where the attention is at least ``CACHE_SHARE`` of
+    the layer's forward (long context; short sequences keep today's policy exactly), True everywhere."""
+    if not lb or setting is False or (setting is None and lb.get("attn_share", 0) < CACHE_SHARE):
+        return 0
+    return lb.get("cache", 0)
+
+
+def cache_first(lb: dict) -> float:
+    """Device bytes each recomputed layer's cache claims before any layer is kept (``keep_cap``'s ``extra``):
+    its ``cache`` where that saves more forward time per byte than keeping a layer (the attention's share
+    of a forward per cache byte against a whole forward per kept byte beyond the input), else 0: at 4096
+    tokens per sequence the attention is ~6% of a 7B layer's forward and keeping wins; at 32K and beyond
+    the cache does."""
+    cache = lb.get("cache", 0)
+    return cache if cache and lb.get("attn_share", 0) * (lb["act"] - lb["boundary"]) > cache else 0
 
 
 def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: float, reserve, host_free: float,
-             host_each: int, block: int | None = None) -> int:
+             host_each: int, block: int | None = None, extra: float = 0) -> int:
     """Most leading layers the forward may keep so that the others' checkpoints still have a place.
 
     The keep rule is greedy (a layer is kept while its activations fit); at long context that would
-    leave no room for the later layers' checkpoints. Returns ``layers`` when nothing binds.
+    leave no room for the later layers' checkpoints. Returns ``layers`` when nothing binds. ``extra``:
+    device bytes each recomputed layer holds beside its block input (its kept attention output): those
+    come first, a kept layer only where all of them still fit.
     """
     for k in range(layers, -1, -1):
         if k == layers:
@@ -183,7 +238,8 @@ def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: flo
                 return layers
             continue
         try:
-            place_checkpoints(layers=layers - k, ckpt_bytes=boundary, device_free=budget - used - k * act,
+            place_checkpoints(layers=layers - k, ckpt_bytes=boundary,
+                              device_free=budget - used - k * act - (layers - k) * extra,
                               reserve=reserve, host_free=host_free, host_each=host_each, block=block)
             return k
         except PlacementError:
@@ -212,6 +268,8 @@ class Checkpoints:
         checkpoint_every: ``EngineConfig.checkpoint_every`` (k >= 1 fixes the block length).
         offload_checkpoints: ``EngineConfig.offload_checkpoints`` (True / False fix where inputs wait).
         activation_budget: ``EngineConfig.activation_budget`` (None: the shares of Note: [Device share]).
+        attention_cache: ``EngineConfig.attention_cache`` (None: as many recomputed layers as fit on CUDA,
+            none off it; True: as many as fit, all off CUDA; False: none). ``cached`` holds the choice.
 
     Example:
         >>> c = Checkpoints(4, checkpoint_every=1, offload_checkpoints=True)
@@ -220,9 +278,11 @@ class Checkpoints:
     """
 
     def __init__(self, layers: int, *, checkpoint_every: int | None, offload_checkpoints: bool | None,
-                 activation_budget: float | None = None):
+                 activation_budget: float | None = None, attention_cache: bool | None = None):
         self.L, self.fixed, self.setting = layers, checkpoint_every or None, offload_checkpoints
-        self.budget_setting = activation_budget
+        self.budget_setting, self.cache_setting = activation_budget, attention_cache
+        self.cache_bytes = 0  # one cached layer's attention output (Note: [Attention cache] in attncache.py)
+        self.cached: frozenset = frozenset()  # recomputed layers whose attention output stays from the forward
         self.block = checkpoint_every or 1
         self.park: dict | None = None  # recompute-block start -> its input waits in host memory
         self.act, self.transient, self.cap = 0, 0, layers
@@ -239,6 +299,8 @@ class Checkpoints:
         bytes free for parked inputs). The cap applies only when both settings are automatic."""
         self.park, self.cap, self.share = None, self.L, keep_share(self.budget_setting)
         self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
+        self.cache_bytes = cache_bytes(lb, self.cache_setting)
+        self.cached = frozenset()
         if lb is None or memory is None or self.fixed is not None or self.setting is not None:
             return
         used, total, host_free = memory()
@@ -247,7 +309,8 @@ class Checkpoints:
         self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"], used=used,
                             budget=self.share * total - DEVICE_RESERVE,
                             reserve=lambda k: k * lb["act"] + lb["transient"],
-                            host_free=host_free, host_each=parked_bytes(lb["boundary"]))
+                            host_free=host_free, host_each=parked_bytes(lb["boundary"]),
+                            extra=cache_first(lb) if self.cache_bytes else 0)
 
     def parked(self, i: int, nbytes: int, memory=None) -> bool:
         """Whether the input (``nbytes`` on the device) of the recompute block starting at layer ``i``
@@ -258,15 +321,25 @@ class Checkpoints:
         return self.park.get(i, False)
 
     def _place(self, i0: int, nbytes: int, memory) -> dict:
+        n = self.L - i0
         if self.setting is not None or memory is None:
             self.block = self.fixed or 1
-            return dict.fromkeys(range(i0, self.L, self.block), bool(self.setting))
+            park = dict.fromkeys(range(i0, self.L, self.block), bool(self.setting))
+            if memory is None:  # off CUDA: host memory holds them all, when asked for
+                self.cached = frozenset(range(i0, self.L)) if self.cache_setting else frozenset()
+            elif self.cache_bytes:
+                used, total, _ = memory()
+                free = self.share * total - DEVICE_RESERVE - used - self.block * self.act - self.transient \
+                    - (0 if self.setting else (len(park) - 1) * nbytes)
+                self.cached = frozenset(range(i0, i0 + max(0, min(n, int(free // self.cache_bytes)))))
+            return park
         used, total, host_free = memory()
         used -= nbytes  # the input is one of them
         act, transient = self.act, self.transient
-        self.share = self._fit(layers=self.L - i0, ckpt_bytes=nbytes, used=used, total=total, host_free=host_free)
-        self.block, parked = place_checkpoints(
-            layers=self.L - i0, ckpt_bytes=nbytes, device_free=self.share * total - DEVICE_RESERVE - used,
-            reserve=lambda k: k * act + transient, host_free=host_free, host_each=parked_bytes(nbytes),
-            block=self.fixed)
+        self.share = self._fit(layers=n, ckpt_bytes=nbytes, used=used, total=total, host_free=host_free)
+        cached, self.block, parked = place_cache(
+            layers=n, cache_bytes=self.cache_bytes, ckpt_bytes=nbytes,
+            device_free=self.share * total - DEVICE_RESERVE - used, reserve=lambda k: k * act + transient,
+            host_free=host_free, host_each=parked_bytes(nbytes), block=self.fixed)
+        self.cached = frozenset(range(i0, i0 + cached))
         return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

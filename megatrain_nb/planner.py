@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
-from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, choose_share, keep_cap, keep_share, layer_bytes,
-                          parked_bytes, pinned_bytes, place_checkpoints)
+from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
+                          parked_bytes, pinned_bytes, place_cache)
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -185,6 +185,8 @@ class Plan:
     """Layers per recompute block (`longcontext.place_checkpoints`' choice, or `checkpoint_every`)."""
     parked: int = 0
     """Recompute-block inputs parked in host memory (the earliest blocks); the others stay on the device."""
+    attention_cached: int = 0
+    """Recomputed layers whose attention output stays from the forward (Note: [Attention cache])."""
     advice: list = field(default_factory=list)
     """When something does not fit: what, and each single setting that makes the plan fit."""
     placement: dict = field(default_factory=dict)
@@ -274,7 +276,7 @@ class Plan:
         return {"batch": s["batch"], "seq": s["seq"], "tokens": s["tokens"], "step_ms": self.step_ms,
                 "tokens_per_s": s["tokens"] / self.step_ms * 1e3, "model_tflops": self.model_tflops,
                 "paper_tflops": self.paper_tflops, "tile_rows": self.tile_rows, "block": self.block,
-                "parked": self.parked,
+                "parked": self.parked, "attention_cached": self.attention_cached,
                 "bottleneck": self.bottleneck, "kept_layers": self.kept_layers,
                 "recomputed_layers": self.recomputed_layers, "compute_ms": self.busy_ms.get("compute", 0.0),
                 "host_GiB": sum(self.host_bytes.values()) / _GIB,
@@ -296,8 +298,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float | None = None,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
-         offload_checkpoints: bool | None = None, lean_activations: bool | None = None, _advise: bool = True,
-         _search: bool = True) -> Plan:
+         offload_checkpoints: bool | None = None, lean_activations: bool | None = None,
+         attention_cache: bool | None = None, _advise: bool = True, _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -354,6 +356,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             and how many to park from both budgets, as the engine does (Note: [Long-context memory]).
         lean_activations: as `EngineConfig.lean_activations`: untiled layers keep the lean per-token bytes
             of Note: [Activation estimate]; None (auto) decides as the engine does (Note: [Lean auto]).
+        attention_cache: as `EngineConfig.attention_cache`: None or True keep the attention output of as
+            many recomputed layers as fit beside their block inputs (`longcontext.place_cache`), whose
+            recompute then skips the attention forward; False: none (Note: [Attention cache]).
 
     Returns:
         Plan.
@@ -402,7 +407,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     transfer_chunk_bytes=transfer_chunk_bytes, loss_chunk_tokens=loss_chunk_tokens,
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
-                    offload_checkpoints=offload_checkpoints, lean_activations=lean_activations)
+                    offload_checkpoints=offload_checkpoints, lean_activations=lean_activations,
+                    attention_cache=attention_cache)
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
@@ -416,8 +422,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
-    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations))
+    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
+    cache_b = cache_bytes(lb, attention_cache)  # one cached layer's attention output
     device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
     if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
         largest = max(P, E, s["head_params"])
@@ -436,27 +443,31 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     if checkpoint_every is None:
         cap = L if offload_checkpoints is not None else keep_cap(
             layers=L, act=act, boundary=boundary, used=sum(device.values()) + placed, budget=budget, reserve=reserve,
-            host_free=host_free, host_each=parked_bytes(boundary))
+            host_free=host_free, host_each=parked_bytes(boundary), extra=cache_first(lb) if cache_b else 0)
         keep, used = [], sum(device.values()) + placed
         for i in range(L):
             keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < keep_frac * hw.device_mem_bytes)
             used += act if keep[-1] else boundary
     else:
         keep = [checkpoint_every == 0] * L
-    block, parked, recomputed, ckpt_error = checkpoint_every or 1, 0, L - sum(keep), None
-    if recomputed and offload_checkpoints is None:
-        free = budget - sum(device.values()) - placed - sum(keep) * act
+    block, parked, recomputed, ckpt_error, cached = checkpoint_every or 1, 0, L - sum(keep), None, 0
+    free = budget - sum(device.values()) - placed - sum(keep) * act
+    if recomputed and offload_checkpoints is None:  # as longcontext.Checkpoints._place
         try:
-            block, parked = place_checkpoints(layers=recomputed, ckpt_bytes=boundary, device_free=free,
-                                              reserve=reserve, host_free=host_free,
-                                              host_each=parked_bytes(boundary), block=checkpoint_every or None)
+            cached, block, parked = place_cache(layers=recomputed, cache_bytes=cache_b, ckpt_bytes=boundary,
+                                                device_free=free, reserve=reserve, host_free=host_free,
+                                                host_each=parked_bytes(boundary), block=checkpoint_every or None)
         except PlacementError as e:
             ckpt_error = str(e)
     blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
     parked = len(blocks) if offload_checkpoints else parked
+    if recomputed and offload_checkpoints is not None and cache_b:  # fixed inputs: the cache takes what is left
+        left = free - reserve(block) - (0 if offload_checkpoints else (len(blocks) - 1) * boundary)
+        cached = max(0, min(recomputed, int(left // cache_b)))
     if parked:
         host["parked_checkpoints"] = parked * parked_bytes(boundary)
     device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
+                  attention_cache=cached * cache_b,
                   recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
@@ -495,8 +506,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         from .lean import LEAN_COST
 
         bwd += LEAN_COST * (fwd + bwd)
+    attn_fwd = 2 * batch * seq * near * q_dim / rate + far  # what a cached layer's recompute skips
     fwd, bwd = max(fwd, hw.layer_launch_ms[0]), max(bwd, hw.layer_launch_ms[1])
     t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
+             recompute_cached=max(fwd - attn_fwd, hw.layer_launch_ms[0]),
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
     t.update(state_bytes=12 * P, state_in=12 * P / both_up / 1e6, state_out=12 * P / both_down / 1e6,
              dev_adam=P / dev_adam * 1e3)  # a "device" layer's fp32 master and moments, in and out
@@ -517,7 +530,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9) + V * T * hw.loss_s_per_logit * 1e3
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, block, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
-    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed))
+    first = next((i for i, k in enumerate(keep) if not k), L)
+    cached_layers = frozenset(range(first, first + cached))  # the first recomputed ones, as Checkpoints._place
+    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers)
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
@@ -528,8 +543,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
              fits_device=sum(device.values()) <= hw.device_mem_bytes and ckpt_error is None,
              fits_host=sum(host.values()) + HOST_MARGIN <= hw.host_mem_bytes, placement={u: choice[u].placement for u in numel},
-             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed)),
-             tile_rows=rows, block=block, parked=parked)
+             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers),
+             tile_rows=rows, block=block, parked=parked, attention_cached=cached)
     if _advise and not (p.fits_device and p.fits_host):
         p.advice = _advice(p, ckpt_error, dict(config=config, hardware=hardware, **{
             k: v for k, v in settings.items() if k not in ("tokens", "dtype_bytes")}, dtype_bytes=d))

@@ -17,10 +17,11 @@ GRAD_SLOTS = 2  # the engine alternates two device grad slots
 
 
 def simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
-             overlap, tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset()) -> tuple[list[tuple], dict]:
+             overlap, tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(),
+             cached=frozenset()) -> tuple[list[tuple], dict]:
     """List-schedules one step from cold. Returns (Trace.spans rows, lane -> work ms)."""
     sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap, tied, resident,
-               dev_adam_ms, streamed)
+               dev_adam_ms, streamed, cached)
     sim.step()
     return sim.spans, sim.work
 
@@ -83,8 +84,10 @@ class _Sim:
     lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"])."""
 
     def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
-                 tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(), steady=False):
+                 tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(), cached=frozenset(),
+                 steady=False):
         self.resident, self.dev_adam_ms = frozenset(resident), dev_adam_ms or {}
+        self.cached = frozenset(cached)  # recomputed in t["recompute_cached"]: attention output kept (attncache.py)
         self.streamed = frozenset(streamed) if overlap else frozenset()  # gated: on the host (placement.py)
         self.sslot_free = [0.0, 0.0]  # end of each state slot's last write-back
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
@@ -198,7 +201,8 @@ class _Sim:
         for k, op in enumerate(self.bops[:-1]):
             s = self.use(k, op, at, self.b_slot, t["h2d_bwd"], end)
             if op.kind == "recompute":
-                end[k] = compute("recompute", op.layer, "recompute", t["fwd"], have(s))
+                dur = t["recompute_cached"] if op.layer in self.cached else t["fwd"]
+                end[k] = compute("recompute", op.layer, "recompute", dur, have(s))
             elif s is None:
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"])
             elif op.layer in self.streamed:

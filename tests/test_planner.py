@@ -108,13 +108,22 @@ def test_checkpointing():
     auto = plan(QWEN25_3B, batch=4, seq=4096)
     assert (none.recomputed_layers, every.recomputed_layers, auto.recomputed_layers) == (0, 36, 0)
     assert every.busy_ms["compute"] - none.busy_ms["compute"] == pytest.approx(36 * none.layer_ms["fwd"])
+    assert every.attention_cached == 0  # 4096 tokens: attention_cache=None caches none (longcontext.CACHE_SHARE)
+    forced = plan(QWEN25_3B, batch=4, seq=4096, checkpoint_every=1, attention_cache=True)
+    n = forced.attention_cached  # these recomputes skip the attention forward (Note: [Attention cache])
+    assert n > 0 and forced.busy_ms["compute"] - none.busy_ms["compute"] == pytest.approx(
+        (36 - n) * none.layer_ms["fwd"] + n * forced.layer_ms["recompute_cached"])
     boundary = 16384 * 2048 * 2  # one saved layer input per recompute block
     assert every.device_bytes["activations_kept"] == 0 and every.device_bytes["checkpoints"] == 36 * boundary
     fours = plan(QWEN25_3B, batch=4, seq=4096, checkpoint_every=4)  # blocks of 4 layers, as the engine runs them
     assert fours.recomputed_layers == 36 and fours.device_bytes["checkpoints"] == 9 * boundary
     assert fours.device_bytes["recompute_workspace"] == 4 * every.device_bytes["recompute_workspace"]
-    big = plan(QWEN25_7B, batch=16, seq=4096, lean_activations=False)  # auto keeps the first layers while the budget allows
-    assert big.keep == [True] * 6 + [False] * 22 and big.fits_device
+    big = plan(QWEN25_7B, batch=16, seq=4096, lean_activations=False)  # auto keeps the first layers that fit;
+    assert big.keep == [True] * 6 + [False] * 22 and big.fits_device and not big.attention_cached  # 4096: no cache
+    # a cached attention output (0.5 GB) saves 6% of a forward, a kept layer (14.7 GB) all of it: the cache is
+    # worth more per byte here (longcontext.cache_first), so it comes first and one layer fewer is kept
+    cached = plan(QWEN25_7B, batch=16, seq=4096, lean_activations=False, attention_cache=True)
+    assert cached.keep == [True] * 5 + [False] * 23 and cached.attention_cached == 23 and cached.fits_device
     assert plan(QWEN25_7B, batch=16, seq=4096, lean_activations=True).keep == [True] * 12 + [False] * 16  # lean: more kept
 
 
