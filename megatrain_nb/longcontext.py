@@ -163,12 +163,13 @@ def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reser
 
 
 def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: float, reserve, host_free: float,
-                host_each: int, block: int | None = None) -> tuple[int, int, int]:
+                host_each: int, block: int | None = None, reserve_all_cached=None) -> tuple[int, int, int]:
     """How many of ``layers`` recomputed layers keep their attention output on the device (Note:
     [Attention cache] in attncache.py), and where their block inputs wait then: the most that leave the
     inputs a place (``place_checkpoints`` with ``cached * cache_bytes`` less device memory). A cached
     layer saves its attention forward in the recompute; an input moved to the host costs only PCIe time,
-    which long context hides.
+    which long context hides. ``reserve_all_cached``: the backward's working set where every one of them
+    is cached (a cached layer's recompute makes no new attention output); None: ``reserve``.
 
     Returns:
         (cached, block, parked): the first ``cached`` recomputed layers keep theirs; blocks and parked
@@ -182,8 +183,9 @@ def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: 
     """
     for n in range(layers, -1, -1) if cache_bytes else (0,):
         try:
+            r = reserve_all_cached if reserve_all_cached is not None and n == layers else reserve
             return (n, *place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=device_free - n * cache_bytes,
-                                          reserve=reserve, host_free=host_free, host_each=host_each, block=block))
+                                          reserve=r, host_free=host_free, host_each=host_each, block=block))
         except PlacementError:
             if not n:
                 raise
@@ -194,13 +196,15 @@ def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int,
     """Device bytes of one layer at ``tokens`` tokens: ``act`` (saved for its backward, tiled when
     ``rows``), ``boundary`` (its input: a recompute block's checkpoint), ``transient`` (the backward's
     working set beyond the saved set), ``cache`` (its kept attention output, Note: [Attention cache]
-    in attncache.py) and ``attn_share`` (the attention's share of the layer's forward FLOPs at ``seq``
-    tokens per sequence, default ``tokens``). ``per_token_untiled``: shape.py's Note [Activation estimate]."""
+    in attncache.py), ``attn_out`` (the attention output a cached layer's recompute does not make
+    again: ``act`` less this is its saved set then) and ``attn_share`` (the attention's share of the
+    layer's forward FLOPs at ``seq`` tokens per sequence, default ``tokens``). ``per_token_untiled``: shape.py's Note [Activation estimate]."""
     per_token = tiled_bytes_per_token(s, d) if rows else per_token_untiled
     attn = (seq or tokens) * s["heads"] * s["head_dim"]  # causal attention FLOPs per token / 2, beside params
     return {"act": tokens * per_token, "boundary": tokens * s["hidden"] * d,
             "transient": backward_transient_bytes(s, tokens, d, rows),
             "cache": tokens * s["heads"] * (s["head_dim"] * d + 4),  # attncache.entry_bytes
+            "attn_out": tokens * s["heads"] * s["head_dim"] * d if rows else 0,  # the tiled saved set's 3q
             "attn_share": attn / (attn + s["active_params_per_layer"])}
 
 
@@ -282,6 +286,7 @@ class Checkpoints:
         self.L, self.fixed, self.setting = layers, checkpoint_every or None, offload_checkpoints
         self.budget_setting, self.cache_setting = activation_budget, attention_cache
         self.cache_bytes = 0  # one cached layer's attention output (Note: [Attention cache] in attncache.py)
+        self.attn_out = 0  # what a cached layer's recompute does not save again (layer_bytes' "attn_out")
         self.cached: frozenset = frozenset()  # recomputed layers whose attention output stays from the forward
         self.block = checkpoint_every or 1
         self.park: dict | None = None  # recompute-block start -> its input waits in host memory
@@ -300,6 +305,7 @@ class Checkpoints:
         self.park, self.cap, self.share = None, self.L, keep_share(self.budget_setting)
         self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
         self.cache_bytes = cache_bytes(lb, self.cache_setting)
+        self.attn_out = lb.get("attn_out", 0) if self.cache_bytes else 0
         self.cached = frozenset()
         if lb is None or memory is None or self.fixed is not None or self.setting is not None:
             return
@@ -337,9 +343,11 @@ class Checkpoints:
         used -= nbytes  # the input is one of them
         act, transient = self.act, self.transient
         self.share = self._fit(layers=n, ckpt_bytes=nbytes, used=used, total=total, host_free=host_free)
+        lean = act - self.attn_out  # a cached layer's saved set in its recompute
         cached, self.block, parked = place_cache(
             layers=n, cache_bytes=self.cache_bytes, ckpt_bytes=nbytes,
             device_free=self.share * total - DEVICE_RESERVE - used, reserve=lambda k: k * act + transient,
-            host_free=host_free, host_each=parked_bytes(nbytes), block=self.fixed)
+            host_free=host_free, host_each=parked_bytes(nbytes), block=self.fixed,
+            reserve_all_cached=lambda k: k * lean + transient)
         self.cached = frozenset(range(i0, i0 + cached))
         return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

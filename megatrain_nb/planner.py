@@ -67,9 +67,11 @@ class Hardware:
     device_mem_bytes: int
     """Usable device memory."""
     host_mem_bytes: int
-    """Host RAM."""
+    """Host RAM available to the training process (what the OS leaves at idle)."""
     gemm_tflops: float | None = None
     """Plain bf16 GEMM rate, used for the lm_head; None means `bf16_tflops`."""
+    host_runtime_bytes: int = 0
+    """Host RSS of the process beyond the buffers `plan` counts: CUDA context, torch and its libraries."""
     host_adam_fp32_params_per_s: float | None = None
     """Host AdamW with fp32 gradients (no upcast): the embedding's, or every unit's when dtype_bytes=4;
     None means `host_adam_params_per_s`."""
@@ -127,7 +129,9 @@ H200 = Hardware(
     loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
-    device_mem_bytes=143771 << 20, host_mem_bytes=126 * _GIB,
+    # host: 124.1 GiB available at idle of 125.8 (bench/logs/mem_2026-12-01_s4_call3.log); RSS beyond the
+    # counted buffers 2.1 / 1.6 / 2.1 GiB at 32K / 128K / 512K (bench/results_h200_2026-12-01_long_context.jsonl, s4)
+    device_mem_bytes=143771 << 20, host_mem_bytes=124 * _GIB, host_runtime_bytes=2 * _GIB,
 )
 CPU_LAPTOP = Hardware(
     name="Illustrative CPU laptop (guessed figures, not measured; 'device' is a share of the same RAM)",
@@ -416,6 +420,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         host["pinned_copy"] = d * N
     store = sum(v for k, v in host.items() if k != "pinned_pool")
     host["embedding_grad_rows"] = pinned_bytes(T * h * d)  # the engine's pinned dE buffer (compute dtype)
+    if hw.host_runtime_bytes:
+        host["runtime"] = hw.host_runtime_bytes  # CUDA context, torch, libraries
 
     # device memory; keep[] mirrors Engine._keep_now, the checkpoints' placement longcontext.Checkpoints
     from .tiling import AUTO_ROWS, auto_tiles
@@ -425,6 +431,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
     cache_b = cache_bytes(lb, attention_cache)  # one cached layer's attention output
+    out_b = lb["attn_out"] if cache_b else 0  # what a cached layer's recompute does not save again
     device = {"weight_slots": weight_slots * P * d, "grad_slots": GRAD_SLOTS * P * d, "head_slots": 2 * head_n * d}
     if cast_on_device:  # two fp32 landing buffers of one staging chunk, no larger than the largest unit
         largest = max(P, E, s["head_params"])
@@ -456,7 +463,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         try:
             cached, block, parked = place_cache(layers=recomputed, cache_bytes=cache_b, ckpt_bytes=boundary,
                                                 device_free=free, reserve=reserve, host_free=host_free,
-                                                host_each=parked_bytes(boundary), block=checkpoint_every or None)
+                                                host_each=parked_bytes(boundary), block=checkpoint_every or None,
+                                                reserve_all_cached=lambda k: k * (act - out_b) + transient)
         except PlacementError as e:
             ckpt_error = str(e)
     blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
@@ -468,7 +476,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         host["parked_checkpoints"] = parked * parked_bytes(boundary)
     device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
                   attention_cache=cached * cache_b,
-                  recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
+                  recompute_workspace=max((b.end - b.start for b in blocks), default=0)
+                  * (act - (out_b if cached == recomputed else 0)),
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free

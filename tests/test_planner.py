@@ -46,9 +46,10 @@ def test_host_bytes_per_param_is_14_plus_fp32_embedding_grads():
     p = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30)
     n, e = p.shape["n_params"], 152064 * 3584
     dE = 4096 * 3584 * 2  # the engine's buffer of the embedding rows' grads (bf16), pinned at its size (whole pages)
+    rt = 2 << 30  # H200.host_runtime_bytes: the process's RSS beyond these buffers (CUDA context, torch)
     assert p.host_bytes == {"master_fp32": 4 * n, "adam_moments": 8 * n, "grads": 2 * n + 2 * e, "pinned_pool": 2 << 30,
-                            "embedding_grad_rows": dE}
-    assert sum(p.host_bytes.values()) == 14 * 7_615_616_512 + 2 * e + (2 << 30) + dE
+                            "embedding_grad_rows": dE, "runtime": rt}
+    assert sum(p.host_bytes.values()) == 14 * 7_615_616_512 + 2 * e + (2 << 30) + dE + rt
     # bench/results_h200_2026-11-29_s2.jsonl: host_bytes_per_param 14.14 (7B) and 14.2 (3B), from HostStore
     assert round(p.host_bytes_per_param, 2) == 14.14
     assert round(plan(QWEN25_3B, batch=1, seq=4096).host_bytes_per_param, 2) == 14.2
