@@ -208,3 +208,23 @@ def test_auto_caches_at_long_context_only_and_first_where_it_saves_more_per_byte
     assert lb[262144]["attn_share"] > 0.75 and lb[4096]["attn_share"] < 0.1
     assert cache_first(lb[262144]) == lb[262144]["cache"]  # a kept tiled layer costs 8x the bytes of a cache
     assert cache_first({**lb[4096], "act": 2 * lb[4096]["boundary"]}) == 0  # a cheap layer to keep: keep it
+
+
+def test_layer_memory_bench_counts_the_cache_as_the_estimate_on_the_cpu(tmp_path):
+    """bench/layer_memory.py (the H200's measure of act / transient / cache against longcontext's
+    estimates): on the CPU its rows carry the estimates and the cache's bytes, equal to entry_bytes."""
+    import json
+    import runpy
+    import sys
+
+    out = tmp_path / "rows.jsonl"
+    argv = sys.argv
+    sys.argv = ["layer_memory.py", "--device", "cpu", "--shape", "tiny", "--seq", "512", "--rows", "128", "--out", str(out)]
+    try:
+        runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1] / "bench" / "layer_memory.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    (row,) = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert row["status"] == "ok" and row["rows"] == 128
+    assert row["cache"] == row["est_cache"] == entry_bytes(tokens=512, heads=4, head_dim=16, dtype_bytes=4)
+    assert row["est_act_cached"] < row["est_act"] and row["est_transient"] > 0
