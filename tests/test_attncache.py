@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_batches, make_config
+from conftest import families, make_batches, make_config
 from megatrain_nb import Session
 from megatrain_nb.attncache import AttentionCache, entry_bytes
 from megatrain_nb.longcontext import (PlacementError, cache_bytes, cache_first, keep_cap, layer_bytes, place_cache,
@@ -85,6 +85,19 @@ def test_cached_attention_trains_like_hf(hf_dir, family, engine, tmp_path, monke
     compare(hf_dir(family, max_position_embeddings=512), family, tmp_path, steps=3, batch=2,
             seq=96 if engine.get("tile_tokens") else 24, attention_cache=True, **engine)
     assert counts, "no layer replayed its attention: the test compared nothing cached"
+
+
+@pytest.mark.parametrize("family", families())
+def test_every_family_trains_like_hf_with_every_layer_cached(hf_dir, family, tmp_path, monkeypatch):
+    """Masks (sliding windows), sinks, q/k norms, soft caps, MoE: whatever the family hands SDPA, the kept
+    node is the kernel's own, so the cached recompute trains equal to HF + AdamW. Families on eager
+    attention call no SDPA: nothing is cached and the run is the plain recompute."""
+    counts = []
+    replay = AttentionCache._replay
+    monkeypatch.setattr(AttentionCache, "_replay", lambda self, *a: counts.append(1) or replay(self, *a))
+    compare(hf_dir(family), family, tmp_path, steps=2, checkpoint_every=1, attention_cache=True)
+    from conftest import attn_of
+    assert bool(counts) == (attn_of(family) == "sdpa"), f"{family}: {len(counts)} replays"
 
 
 def test_cached_attention_is_bit_equal_to_the_recompute_and_reported():
