@@ -113,13 +113,21 @@ class DeviceUpdates:
                 for u in streaming - set(opt.streamed):
                     opt.stream_add(u)
                 n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
-                self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(2)] if streaming else []
+                k = placing.state_slots(len(streaming), 4 * n, self._device_bytes())
+                self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
                 self.sslot_box = [Box(ready=True) for _ in self.sslots]
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
         self.choice = want
         return keep
+
+    def _device_bytes(self) -> int:
+        """Device memory in all (host RAM on "cpu", where the state slots live beside the store)."""
+        if self.dev.cuda:
+            return torch.cuda.get_device_properties(self.dev.device).total_memory
+        import psutil
+        return psutil.virtual_memory().total
 
     def after_step(self, *, keep, act_bytes: int, mbs) -> None:
         """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""

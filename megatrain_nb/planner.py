@@ -487,6 +487,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     streamed = {u for u, c in choice.items() if c.placement == "device"}
     resident = {u for u, c in choice.items() if c.placement == "resident"}
     device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
+    sslots = placing.state_slots(len(streamed), 12 * P, hw.device_mem_bytes)  # as DeviceUpdates.place
+    device["state_slots"] = sslots * 12 * P
     dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
     dev_adam_ms = {u: numel[u] / dev_adam * 1e3 for u in resident}
 
@@ -541,7 +543,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
     first = next((i for i, k in enumerate(keep) if not k), L)
     cached_layers = frozenset(range(first, first + cached))  # the first recomputed ones, as Checkpoints._place
-    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers)
+    spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers, sslots)
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
@@ -552,7 +554,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
              model_tflops=6 * matmul_params * T / step_ms / 1e9, bottleneck=max(work, key=work.get),
              fits_device=sum(device.values()) <= hw.device_mem_bytes and ckpt_error is None,
              fits_host=sum(host.values()) + HOST_MARGIN <= hw.host_mem_bytes, placement={u: choice[u].placement for u in numel},
-             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers),
+             spans=spans, _sim=(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers,
+                                sslots),
              tile_rows=rows, block=block, parked=parked, attention_cached=cached)
     if _advise and not (p.fits_device and p.fits_host):
         p.advice = _advice(p, ckpt_error, dict(config=config, hardware=hardware, **{

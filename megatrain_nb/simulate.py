@@ -18,10 +18,10 @@ GRAD_SLOTS = 2  # the engine alternates two device grad slots
 
 def simulate(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk,
              overlap, tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(),
-             cached=frozenset()) -> tuple[list[tuple], dict]:
+             cached=frozenset(), state_slots=2) -> tuple[list[tuple], dict]:
     """List-schedules one step from cold. Returns (Trace.spans rows, lane -> work ms)."""
     sim = _Sim(L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap, tied, resident,
-               dev_adam_ms, streamed, cached)
+               dev_adam_ms, streamed, cached, state_slots)
     sim.step()
     return sim.spans, sim.work
 
@@ -85,11 +85,11 @@ class _Sim:
 
     def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
                  tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(), cached=frozenset(),
-                 steady=False):
+                 state_slots=2, steady=False):
         self.resident, self.dev_adam_ms = frozenset(resident), dev_adam_ms or {}
         self.cached = frozenset(cached)  # recomputed in t["recompute_cached"]: attention output kept (attncache.py)
         self.streamed = frozenset(streamed) if overlap else frozenset()  # gated: on the host (placement.py)
-        self.sslot_free = [0.0, 0.0]  # end of each state slot's last write-back
+        self.sslot_free = [0.0] * max(1, state_slots)  # end of each state slot's last write-back
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
         self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
         self.free: dict[str, float] = {}  # lane -> end of its latest op
@@ -206,7 +206,7 @@ class _Sim:
             elif s is None:
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"])
             elif op.layer in self.streamed:
-                j = sum(1 for o in self.bops[:k] if o.kind == "bwd" and o.layer in self.streamed) % 2
+                j = sum(1 for o in self.bops[:k] if o.kind == "bwd" and o.layer in self.streamed) % len(self.sslot_free)
                 got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],
                                 waits=(op.layer,), op="state-in")
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])

@@ -377,3 +377,23 @@ def test_resident_bytes_follow_groups_in_and_out(hf_dir):
         assert opt.nbytes < want
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("share", [0.0, None])
+def test_state_slots_one_per_streamed_layer_or_two_in_turn_train_equal(hf_dir, tmp_path, monkeypatch, share):
+    """placement.state_slots: with room, every "device" layer gets its own state slot (its load need not
+    wait for another layer's write-back); without (share 0), two slots in turn. Both equal HF + AdamW."""
+    from megatrain_nb import placement as placing
+
+    if share is not None:
+        monkeypatch.setattr(placing, "STATE_SLOT_SHARE", share)
+    d = hf_dir("llama")
+    L_ = _head(d)
+    streamed = {u: "device" for u in range(L_)}
+    compare(d, "llama", tmp_path, placement=streamed)
+    s = Session.from_pretrained(d, lr=LR, placement=streamed)
+    try:
+        s.step(make_batches(VOCAB, 1)[0])
+        assert len(s.engine.device_updates.sslots) == (2 if share == 0.0 else L_)
+    finally:
+        s.close()

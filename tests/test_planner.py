@@ -177,8 +177,13 @@ def test_hardware_validates():
         dataclasses.replace(H200, h2d_beside_d2h_GBps=0.0)
 
 
-def test_copies_beside_each_other_run_at_the_in_step_rates():
-    """bench/copy_rates.py on the s3c1 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone)."""
+def test_copies_beside_each_other_run_at_the_in_step_rates(monkeypatch):
+    """bench/copy_rates.py on the s3c1 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone).
+    With two state slots, as in those traces: the loads then chain behind the write-backs, so slower copies
+    mean a longer step (with a slot per layer the list schedule may reorder, and need not be monotonic)."""
+    from megatrain_nb import placement as placing
+
+    monkeypatch.setattr(placing, "STATE_SLOT_SHARE", 0.0)
     one = {u: "device" for u in range(20)}
     fast = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, weight_slots=36, placement=one,
                 hardware=dataclasses.replace(H200, h2d_beside_d2h_GBps=None, d2h_beside_h2d_GBps=None))
