@@ -112,7 +112,8 @@ def main(argv=None) -> None:
                    lean_activations=s.engine.lean, lean_reason=s.engine.lean_reason,
                    resident_units=int((s.placement.placement == "resident").sum()),
                    resident_gib=round(float(s.placement.device_GiB.sum()), 2),
-                   streamed_units=int((s.placement.placement == "device").sum()), placement_search=s.engine.device_updates.search.summary(),
+                   streamed_units=int((s.placement.placement == "device").sum()),
+                   state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
         if summaries:
             sm = summaries[-1]
