@@ -12,7 +12,8 @@
 # 512k:      issue 11's 512K row again, detached, across two calls:
 #              PYTHONPATH=$PWD bash bench/h200_s4.sh start 545   then, within 30 s of its return,
 #              PYTHONPATH=$PWD bash bench/h200_s4.sh wait 560
-# placement: issue 9: 3B x 1 with ten timed steps (its steps vary 0.245-0.324 s), stream 3B 1/4 beside auto.
+# placement: issue 9: 3B x 1 with ten timed steps (its steps vary 0.245-0.324 s), stream 3B 1/4 beside auto
+#            (stream now with a state slot per streamed layer, 78fd0e9: planner 0.867 / 1.049 -> 0.784 / 0.953 s).
 # twinflow:  issue 12: DeepSpeed Twin-Flow's batches 4-16 with megatrain-auto beside it (its batch 4 was killed
 #            at s4c1's budget; its batch-1 step is 9.6 s, 8.2 s of it optimizer). Carry .whl.
 # peers7b:   issue 12: the 7B sweep, then depth (36/72/108 layers) and width as time allows. Carry .whl.
