@@ -89,7 +89,7 @@ class DeviceUpdates:
         params, seconds = self.adam_rate
         if self.mode == "stream" and not self.share and self.agree(seconds > 0, "min"):  # after the first step's updates
             cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
-            self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_BYTES_PER_S,
+            self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S,
                                                          weight_bytes=4 if cached else 8), "min")
         cand = self.search.candidate
         want = self.choose(None if cand is None else self.search.free[cand])

@@ -32,7 +32,10 @@ the host cores. With host AdamW at A params/s and PCIe at B bytes/s each way, a 
 parameters on the device balances the two when (w + 12 f) / B = (1 - f) / A (w = 8: the weights, in
 twice, as fp32 for the device cast; w = 4 when every layer has a weight slot and the backward reuses
 the forward's weights, which "stream" arranges where they take under a tenth of device memory:
-measured on the H200 at 3B x 1, the h2d lane was busy 931 ms of a 1097 ms step, 502 of them weights). With a gate (grad_clip, overlap off, nonfinite="raise") a
+measured on the H200 at 3B x 1, the h2d lane was busy 931 ms of a 1097 ms step, 502 of them weights).
+A is the rate measured in the first step (the host's AdamW beside the gradients' DMA), B the in-step
+rate of a copy in beside copies out (``PCIE_IN_STEP_BYTES_PER_S``): with the isolated 55 GB/s the s3c1
+run streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10-14 (x 4). With a gate (grad_clip, overlap off, nonfinite="raise") a
 "device" unit is updated on the host like a "host" one: its update would have to wait for every
 gradient, after its state had come and gone.
 
@@ -47,6 +50,9 @@ PLACEMENTS = ("host", "device", "resident")
 MODES = ("auto", "host", "stream")
 RESERVE_BYTES = 2 << 30  # left free for allocator slack and workspaces when choosing residents
 PCIE_BYTES_PER_S = 55e9  # each way, pinned: PCIe Gen5 x16 as measured on the H200 (shared/LIMITS.md)
+# inside a stream step, state in runs beside state and gradients out: 40.2 GB/s (bench/copy_rates.py on the
+# s3c1 stream traces; planner.H200.h2d_beside_d2h_GBps). What stream_share balances host AdamW against.
+PCIE_IN_STEP_BYTES_PER_S = 40.2e9
 
 
 @dataclasses.dataclass(frozen=True)
