@@ -198,7 +198,8 @@ def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int,
     working set beyond the saved set), ``cache`` (its kept attention output, Note: [Attention cache]
     in attncache.py), ``attn_out`` (the attention output a cached layer's recompute does not make
     again: ``act`` less this is its saved set then) and ``attn_share`` (the attention's share of the
-    layer's forward FLOPs at ``seq`` tokens per sequence, default ``tokens``). ``per_token_untiled``: shape.py's Note [Activation estimate]."""
+    layer's forward FLOPs at ``seq`` tokens per sequence, default ``tokens``). ``per_token_untiled``:
+    shape.py's Note [Activation estimate]."""
     per_token = tiled_bytes_per_token(s, d) if rows else per_token_untiled
     attn = (seq or tokens) * s["heads"] * s["head_dim"]  # causal attention FLOPs per token / 2, beside params
     return {"act": tokens * per_token, "boundary": tokens * s["hidden"] * d,
@@ -272,8 +273,9 @@ class Checkpoints:
         checkpoint_every: ``EngineConfig.checkpoint_every`` (k >= 1 fixes the block length).
         offload_checkpoints: ``EngineConfig.offload_checkpoints`` (True / False fix where inputs wait).
         activation_budget: ``EngineConfig.activation_budget`` (None: the shares of Note: [Device share]).
-        attention_cache: ``EngineConfig.attention_cache`` (None: as many recomputed layers as fit on CUDA,
-            none off it; True: as many as fit, all off CUDA; False: none). ``cached`` holds the choice.
+        attention_cache: ``EngineConfig.attention_cache`` (None: where attention is ``CACHE_SHARE`` of a
+            forward, as many recomputed layers as fit on CUDA, none off it; True: at any length, as many
+            as fit, all off CUDA; False: none). ``cached`` holds the choice.
 
     Example:
         >>> c = Checkpoints(4, checkpoint_every=1, offload_checkpoints=True)
