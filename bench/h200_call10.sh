@@ -10,20 +10,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 D=/tmp/long; mkdir -p "$D"
 until_s=${2:-540}
+. bench/h200_lib.sh
 if [ "${1:-wait}" = start ]; then
-    setsid nohup python3 bench/long_context.py --seq 256k 512k --steps 1 --out "$D/long_context.jsonl" \
-        --save-trace "$D/tr" > "$D/long_rows.log" 2>&1 < /dev/null &
-    echo $! > "$D/pid"
-    setsid nohup bash -c "while sleep 5; do echo \$(date +%s) \$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits) \
-        \$(free -m | awk '/Mem:/{print \$3, \$7}'); done" > "$D/mem.log" 2>&1 < /dev/null &
+    detached_start "$D" python3 bench/long_context.py --seq 256k 512k --steps 1 --out "$D/long_context.jsonl" \
+        --save-trace "$D/tr"
     timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_longcontext.py -rA 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -3
 fi
-t0=$(date +%s)
-while kill -0 "$(cat $D/pid)" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$until_s" ]; do sleep 5; done
-kill -0 "$(cat $D/pid)" 2>/dev/null && echo "still running after $(( $(date +%s) - t0 )) s" || echo "process ended"
-cp "$D"/long_context.jsonl "$D"/long_rows.log "$D"/mem.log "$OUT"/ 2>/dev/null
-[ -d "$D/tr" ] && tar czf "$OUT/traces.tgz" -C "$D" tr
-grep -v "^{" "$D/long_rows.log" | tail -5 | cut -c1-400
-cut -c1-700 "$D/long_context.jsonl" 2>/dev/null
-tail -2 "$D/mem.log"
+detached_wait "$D" "$until_s"

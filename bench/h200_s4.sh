@@ -19,19 +19,8 @@ check)
     cut -c1-900 "$OUT/long_context.jsonl"
     tar czf "$OUT/traces.tgz" -C "$OUT" tr_long && rm -rf "$OUT/tr_long" ;;
 start|wait)
-    if [ "$1" = start ]; then
-        setsid nohup python3 bench/long_context.py --seq 512k --steps 1 --out "$D/long_context.jsonl" \
-            --save-trace "$D/tr" > "$D/long_rows.log" 2>&1 < /dev/null &
-        echo $! > "$D/pid"
-        setsid nohup bash -c "while sleep 5; do echo \$(date +%s) \$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits) \
-            \$(free -m | awk '/Mem:/{print \$3, \$7}'); done" > "$D/mem.log" 2>&1 < /dev/null &
-    fi
-    t0=$(date +%s)
-    while kill -0 "$(cat $D/pid)" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "${2:-540}" ]; do sleep 5; done
-    kill -0 "$(cat $D/pid)" 2>/dev/null && echo "still running after $(( $(date +%s) - t0 )) s" || echo "process ended"
-    cp "$D"/long_context.jsonl "$D"/long_rows.log "$D"/mem.log "$OUT"/ 2>/dev/null
-    [ -d "$D/tr" ] && tar czf "$OUT/traces.tgz" -C "$D" tr
-    grep -v "^{" "$D/long_rows.log" | tail -5 | cut -c1-400
-    cut -c1-900 "$D/long_context.jsonl" 2>/dev/null
-    tail -2 "$D/mem.log" ;;
+    . bench/h200_lib.sh
+    [ "$1" = start ] && detached_start "$D" python3 bench/long_context.py --seq 512k --steps 1 \
+        --out "$D/long_context.jsonl" --save-trace "$D/tr"
+    detached_wait "$D" "${2:-540}" ;;
 esac

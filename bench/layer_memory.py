@@ -25,6 +25,7 @@ import sys
 import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+from long_context import tokens  # noqa: E402
 from rows import emit  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
@@ -36,10 +37,6 @@ from megatrain_nb.shape import _act_bytes_per_token, model_shape  # noqa: E402
 from megatrain_nb.tiling import SequenceTiling, _kernel  # noqa: E402
 
 _GIB = 1 << 30
-
-
-def tokens(s: str) -> int:
-    return int(s[:-1]) * 1024 if s.lower().endswith("k") else int(s)
 
 
 def allocated(dev) -> int:

@@ -5,8 +5,8 @@ Runs anywhere (the planner is arithmetic plus a small simulation):
 Each bench/throughput.py row is re-planned with the settings it ran with (shape, batch, seq, weight
 slots, cast_on_device, placement) on the `H200` profile; for "auto" the planner makes its own choice
 of resident units, printed beside the engine's. The error is planner / measured - 1.
-Rows taken before 78fd0e9 streamed through two state slots: the planner models what they ran with
-(a row's `state_slots`, else 2 for those commits; `placement.state_slots` for the others).
+Rows record the state slots they streamed through (`state_slots`, since 78fd0e9); those without
+ran with two, and the planner models what each row ran with.
 """
 from __future__ import annotations
 
@@ -24,17 +24,12 @@ from megatrain_nb.planner import H200, plan  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# commits whose "stream" placement had two state slots (rows without a code are older still)
-TWO_STATE_SLOTS = {"c1936c8", "9b7fdb6", "87ee98f", "420e137", "7b493f8", "9286e8b", "4f38fee"}
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results_h200_2026-12-01_placement.jsonl"))
     a = ap.parse_args(argv)
     from megatrain_nb import placement as placing
 
-    rule = placing.state_slots
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
     print("| call | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -43,8 +38,8 @@ def main(argv=None) -> None:
         if "placement" not in r:
             continue
         cfg = qwen_config(r["shape"], layers=r["layers"], seq=r["seq"])
-        ran = r.get("state_slots", 2 if "code" not in r or r["code"].split()[0] in TWO_STATE_SLOTS else None)
-        placing.state_slots = rule if ran is None else (lambda n, *_, k=ran: 0 if not n else k)
+        ran = r.get("state_slots", 2)  # rows from before throughput.py recorded it streamed through two
+        placing.state_slots = lambda n, *_, k=ran: 0 if not n else k
         placement = r["placement"]
         if placement == "stream" and r.get("streamed_units") is not None:  # the share the engine measured its way to
             placement = dict.fromkeys(range(r["streamed_units"]), "device")

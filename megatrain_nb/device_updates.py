@@ -17,6 +17,7 @@ import torch
 
 from . import placement as placing
 from .optim import DeviceAdamW, grad_norm
+from .transfers import memory_total
 from .workers import Box
 
 
@@ -113,7 +114,7 @@ class DeviceUpdates:
                 for u in streaming - set(opt.streamed):
                     opt.stream_add(u)
                 n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
-                k = placing.state_slots(len(streaming), 4 * n, self._device_bytes())
+                k = placing.state_slots(len(streaming), 4 * n, memory_total(self.dev.device))
                 self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
                 self.sslot_box = [Box(ready=True) for _ in self.sslots]
             if self.dev.cuda:
@@ -121,13 +122,6 @@ class DeviceUpdates:
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
         self.choice = want
         return keep
-
-    def _device_bytes(self) -> int:
-        """Device memory in all (host RAM on "cpu", where the state slots live beside the store)."""
-        if self.dev.cuda:
-            return torch.cuda.get_device_properties(self.dev.device).total_memory
-        import psutil
-        return psutil.virtual_memory().total
 
     def after_step(self, *, keep, act_bytes: int, mbs) -> None:
         """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""

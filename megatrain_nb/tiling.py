@@ -27,7 +27,7 @@ import operator
 import torch
 from torch import nn
 
-from .transfers import chunks
+from .transfers import chunks, memory_total
 
 AUTO_FRACTION = 1 / 8  # tile_tokens=None: tile once one untiled layer's activations exceed this share of memory
 AUTO_ROWS = 16384  # rows per tile when tiling is on and tile_tokens is None: GEMMs of 16K rows run at full rate
@@ -218,11 +218,7 @@ class SequenceTiling:
         """Rows per tile for micro-batches of ``tokens`` tokens (0: untiled)."""
         if self.tile_tokens is not None:
             return self.tile_tokens if tokens > self.tile_tokens else 0
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-        else:
-            import psutil
-            total = psutil.virtual_memory().total
+        total = memory_total(self.device)
         return AUTO_ROWS if auto_tiles(self.arch.config, tokens, total, self.d, lean=self.lean) else 0
 
     def attention(self):

@@ -85,6 +85,15 @@ def pinned_exact(shape, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def memory_total(device) -> int:
+    """Bytes of memory on ``device``: the GPU's, or host RAM on "cpu" (where "device" buffers live)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+    return psutil.virtual_memory().total
+
+
 def chunks(n: int, size: int):
     """(start, end) of consecutive pieces of at most ``size`` elements."""
     for a in range(0, n, size):
