@@ -35,7 +35,8 @@ the forward's weights, which "stream" arranges where they take under a tenth of 
 measured on the H200 at 3B x 1, the h2d lane was busy 931 ms of a 1097 ms step, 502 of them weights).
 A is the rate measured in the first step (the host's AdamW beside the gradients' DMA), B the in-step
 rate of a copy in beside copies out (``PCIE_IN_STEP_BYTES_PER_S``): with the isolated 55 GB/s the s3c1
-run streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10-14 (x 4). With a gate (grad_clip, overlap off, nonfinite="raise") a
+run streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10 (x 4); this rule
+streams 17 (``bench/stream_plan.py``). With a gate (grad_clip, overlap off, nonfinite="raise") a
 "device" unit is updated on the host like a "host" one: its update would have to wait for every
 gradient, after its state had come and gone.
 
@@ -154,7 +155,7 @@ def state_slots(streamed: int, slot_bytes: int, device_bytes: int | None) -> int
     loads); 0 with nothing streamed. With two, each state load waits for the write-back two units back,
     and the loads chain behind the updates; with more they run ahead while the host layers' backward
     computes (the planner's 3B x 1 / x 4 stream steps with 15 units streamed: 775 / 995 ms with 2 slots,
-    730 / 949 with 4, 712 / 926 from 8; not yet measured).
+    730 / 949 with 4, 712 / 926 from 8, ``bench/stream_plan.py``; not yet measured).
 
     Example:
         >>> state_slots(15, 924 << 20, 140 << 30), state_slots(20, 2800 << 20, 140 << 30), state_slots(0, 1, 1)

@@ -1,0 +1,83 @@
+"""The planner on placement="stream" at the 3B shape: state slots, the streamed share, and a what-if.
+
+Runs anywhere (planner arithmetic and its list simulation; predictions, not measurements):
+    python bench/stream_plan.py [--batch 1 4]
+Prints, per batch (seq 4096, cast_on_device, a weight slot per layer as "stream" resolves it):
+  slots    the steady step with the first 15 layers streamed through 2, 4, 8 and 36 state slots
+           (placement.state_slots' choice on the H200: 7);
+  share    the steady step for each even number of streamed layers: the best one, against what
+           placement.stream_share picks from a host AdamW rate (--host-rate, G params/s; 2.29 is what
+           s3c1's 20 streamed layers imply with the isolated 55 GB/s);
+  what-if  the best step when a streamed layer's fp32 state is loaded in the forward (12 bytes/param
+           instead of 4 of weights) and its backward loads nothing: the design log's rejected lever.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+from shapes import qwen_config  # noqa: E402
+
+from megatrain_nb import placement as placing  # noqa: E402
+from megatrain_nb import planner, simulate  # noqa: E402
+
+L = 36
+
+
+def steady(cfg, batch: int, streamed: int) -> float:
+    p = planner.plan(cfg, batch=batch, seq=4096, cast_on_device=True, weight_slots=L,
+                     placement=dict.fromkeys(range(streamed), "device"))
+    return p.steady_step_ms
+
+
+def state_in_forward() -> dict:
+    """The simulator's namespace with streamed layers' state loaded in the forward (none in the backward)."""
+    src = inspect.getsource(simulate)
+    src = src.replace('s = self.use(k, op, at, self.f_slot, t["h2d"], end)',
+                      's = self.use(k, op, at, self.f_slot, t["h2d"] * (3 if op.layer in self.streamed else 1), end)')
+    src = src.replace('got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],',
+                      'got = 0.0 if True else self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], '
+                      'self.sslot_free[j],')
+    ns = dict(simulate.__dict__)
+    exec(compile(src, simulate.__file__, "exec"), ns)  # noqa: S102  (the repo's own simulator, two lines changed)
+    return ns
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--host-rate", type=float, default=2.29, help="host AdamW, G params/s, as the engine measures it")
+    a = ap.parse_args(argv)
+    cfg = qwen_config("3b", seq=4096)
+    rule = placing.state_slots
+    for b in a.batch:
+        row = []
+        for k in (2, 4, 8, L):
+            placing.state_slots = lambda n, *_, k=k: 0 if not n else k
+            row.append(f"{k}: {steady(cfg, b, 15):.0f} ms")
+        placing.state_slots = rule
+        print(f"3B x {b}, 15 streamed, state slots  " + ", ".join(row))
+        sweep = {n: steady(cfg, b, n) for n in range(0, L + 1, 2)}
+        best = min(sweep, key=sweep.get)
+        pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, weight_bytes=4))
+        old = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_BYTES_PER_S, weight_bytes=4))
+        print(f"3B x {b}, share: best {best} streamed ({sweep[best]:.0f} ms, "
+              f"{6 * 3.0859e9 * 4096 * b / sweep[best] / 1e9:.1f} model TFLOPS); the in-step rule picks {pick} "
+              f"({steady(cfg, b, pick):.0f} ms), the isolated rate {old} ({steady(cfg, b, old):.0f} ms)")
+        ns = state_in_forward()
+        saved = planner.simulate, planner.simulate_steady
+        planner.simulate, planner.simulate_steady = ns["simulate"], ns["simulate_steady"]
+        try:
+            what = {n: steady(cfg, b, n) for n in range(0, L + 1, 2)}
+        finally:
+            planner.simulate, planner.simulate_steady = saved
+        w = min(what, key=what.get)
+        print(f"3B x {b}, what-if state in the forward: best {w} streamed, {what[w]:.0f} ms "
+              f"(against {sweep[best]:.0f} ms without)")
+
+
+if __name__ == "__main__":
+    main()
