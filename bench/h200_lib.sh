@@ -18,7 +18,7 @@ detached_wait() {  # D UNTIL: wait for D's process (at most UNTIL s), then copy 
     local D=$1 t0; t0=$(date +%s)
     while kill -0 "$(cat "$D/pid")" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$2" ]; do sleep 5; done
     kill -0 "$(cat "$D/pid")" 2>/dev/null && echo "still running after $(( $(date +%s) - t0 )) s" || echo "process ended"
-    cp "$D"/long_context.jsonl "$D"/long_rows.log "$D"/mem.log "$OUT"/ 2>/dev/null
+    cp "$D"/long_context.jsonl "$D"/long_rows.log "$D"/mem.log "$D"/gpu_tests.log "$OUT"/ 2>/dev/null
     [ -d "$D/tr" ] && tar czf "$OUT/traces.tgz" -C "$D" tr
     grep -v "^{" "$D/long_rows.log" | tail -5 | cut -c1-400
     cut -c1-900 "$D/long_context.jsonl" 2>/dev/null

@@ -7,9 +7,10 @@ the engine places checkpoints and cached attention outputs with (``longcontext.l
 One layer of the shape at full width, random weights in the compute dtype, tiled as the engine tiles it
 (``tiling.SequenceTiling``, 16K rows) and run under the named SDPA kernel, one sequence:
 Bytes in the rows (``est_*``: the estimates); GiB on stderr.
-  act        allocator bytes the forward leaves (its saved set and its output) — estimate ``act`` + output;
+  act        allocator bytes the forward leaves (its saved set and its output) — estimate ``act``;
   transient  the backward's peak above that, less the weights' gradients (the engine writes those into
-             its gradient slot) — estimate ``transient``;
+             its gradient slot) — estimate ``transient`` less the next parked input fetched ahead (one
+             layer alone fetches none);
   cache      what ``attncache.AttentionCache`` keeps of the layer's attention — estimate ``cache``;
   act_cached the forward of the recompute of a cached layer (no second attention output) — ``act`` -
              ``attn_out``.
@@ -106,11 +107,10 @@ def main(argv=None) -> None:
                 status = "ok"
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 got, status = {}, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            boundary = T * s["hidden"] * d
             row = dict(shape=a.shape, seq=T, backend=backend, rows=rows, status=status, device=str(dev),
                        gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                       **got, est_act=est["act"] + boundary, est_act_cached=est["act"] - est["attn_out"] + boundary,
-                       est_transient=est["transient"], est_cache=est["cache"])
+                       **got, est_act=est["act"], est_act_cached=est["act"] - est["attn_out"],
+                       est_transient=est["transient"] - T * s["hidden"] * d, est_cache=est["cache"])
             emit(row, a.out)
             print("  " + ", ".join(f"{k} {row[k] / _GIB:.2f} / est {row['est_' + k] / _GIB:.2f} GiB"
                                    for k in ("act", "act_cached", "transient", "cache") if k in row), file=sys.stderr)

@@ -10,17 +10,28 @@ Does not own the tiling itself (``tiling.py``), the parking and fetching (``tran
 or time (``planner.py``).
 
 Note: [Long-context memory] per token of one layer, d = compute dtype bytes, q = heads*head_dim,
-kv = kv_heads*head_dim, h = hidden, I = intermediate:
+kv = kv_heads*head_dim, h = hidden, I = intermediate, n = heads; measured on the H200 for the 7B shape
+at 32K-512K tokens under cuDNN, flash and efficient attention (bench/layer_memory.py, fifth session):
   saved, untiled: shape.py's Note [Activation estimate] (norms' fp32 copies, q/k/v/output, 4*d*I of MLP)
-  saved, tiled:   d*(3h + 3q + 2kv) — the two norm outputs and the mid-layer residual (3h), q after
-                  rotary, the attention output and o_proj's input (3q), k and v (2kv); the norms and
-                  the MLP keep only their inputs (tiling.py, Note [Tiled recompute]).
-  backward working set beyond what is saved: the attention backward (d_out, dq and, with grouped K/V,
-  dk and dv expanded to every query head: 4*d*q; FlashAttention-2's fp32 dq accumulator: 4*q), the
-  gradients at the layer's output and input (2*d*h), the next parked block fetched ahead (d*h), and
-  one MLP tile's gate, up, product and their gradients (6*d*I per row of the tile).
+  saved, tiled:   d*(3h + 3q + 2kv) + 4n — the attention's normed input and the mid-layer residual
+                  (2h), q after rotary, the attention output and o_proj's input (3q), k and v (2kv),
+                  the log-sum-exp (fp32, 4n), and the layer's output (h: the next layer's input, or the
+                  block's output the backward starts from); the MLP keeps only its input and recomputes
+                  its norm per tile (tiling.py, Note [Tiled recompute]). 45,168 B/token counted,
+                  45,165 measured at 512K (the forward's allocation, output included).
+  backward working set beyond what is saved: the larger of two phases, plus the next parked block
+  fetched ahead (d*h):
+    attention phase: the gradients at the layer's output and input (2*d*h), the attention output's
+      gradient and dq (2*d*q), the fp32 dq accumulator (4*q), dk and dv (2*d*kv), the softmax row
+      statistics (4n) — 45,168 B/token counted, 45,100 measured at 256K and 512K;
+    MLP phase: the two gradients (2*d*h) and one MLP tile's gate, up, activation, product and their
+      gradients (8*d*I per row of the tile) — 5.06 / 6.38 GiB counted at 32K / 128K, 4.99 / 6.27 measured.
+  The phases do not overlap (the MLP tile's buffers are gone before the attention backward starts):
+  below ~110K tokens of the 7B shape the MLP phase is the larger, above it the attention phase.
+  Untiled layers (short context) keep the earlier, unmeasured count: the attention backward with K and V
+  expanded to every query head and an fp32 dq (4*d*q + 4*q), the two gradients and the fetched input (3*d*h).
 A recompute block of K layers holds K layers' saved sets at once during its backward; it needs one
-checkpoint instead of K. Estimates, to be held against measured peaks (bench/long_context.py).
+checkpoint instead of K. Held against whole-step peaks in bench/long_context.py's rows.
 
 Note: [Device share] ``activation_budget=None`` (the default) lets kept activations and resident units
 fill ``KEEP_SHARE`` of device memory (what short contexts were tuned with: room for the allocator's
@@ -29,6 +40,13 @@ slack and the streams' buffers), and lets recompute-block inputs with the backwa
 3.5 GiB, the host has ~12 GiB to spare beside the 7B state, and the 10% between the two shares holds
 four more inputs. A float fixes one share for both. ``Checkpoints`` and ``planner.plan`` take the
 first share at which the inputs fit (``choose_share``).
+
+Note: [Attention cache placement] The cached layers are the last recomputed ones. The backward reaches
+them first, so at its first block, the worst point of the step, every cache is alive either way; but
+there the block's own layers recompute without a second attention output (``lean``), and the caches go
+as the backward proceeds. With the first layers cached instead, the first block recomputes full saved
+sets beside every cache: at 512K tokens of the 7B shape, blocks of 2, 7.1 GiB more at the peak, two
+cached layers fewer. ``backward_peak`` walks the blocks and takes the worst.
 
 Parked inputs live in page-locked 64 MiB chunks that a longer context reuses (``transfers.HostChunks``,
 Note: [Parked chunks]); the embedding-row gradient buffer is page-locked at its size
@@ -83,20 +101,30 @@ class PlacementError(MemoryError, ValueError):
 def tiled_bytes_per_token(s: dict, d: int) -> int:
     """Bytes one tiled layer keeps per token for its backward (Note: [Long-context memory])."""
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-    return d * (3 * s["hidden"] + 3 * q + 2 * kv)
+    return d * (3 * s["hidden"] + 3 * q + 2 * kv) + 4 * s["heads"]
 
 
 def backward_transient_bytes(s: dict, tokens: int, d: int, rows: int) -> int:
-    """Working set of one layer's backward beyond its saved set, for ``tokens`` tokens per micro-batch.
+    """Working set of one layer's backward beyond its saved set, for ``tokens`` tokens per micro-batch:
+    the larger of its attention and MLP phases, plus the next parked block fetched ahead (Note:
+    [Long-context memory]).
 
     Args:
         s: ``planner.model_shape`` of the model.
         rows: rows per MLP tile (0: untiled; the MLP's intermediates are then in the saved set).
+    Example:
+        >>> s = dict(heads=28, head_dim=128, kv_heads=4, hidden=3584, intermediate=18944, experts_per_tok=0)
+        >>> round(backward_transient_bytes(s, 524288, 2, 16384) / 2**30, 2)  # 7B at 512K: 22.05 + 3.5 fetched
+        25.55
     """
-    q, h = s["heads"] * s["head_dim"], s["hidden"]
-    attn = tokens * (4 * d * q + 4 * q)
+    q, kv, h, n = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["hidden"], s["heads"]
     inter = s["intermediate"] * (s["experts_per_tok"] or 1)
-    return attn + 3 * tokens * h * d + (6 * rows * inter * d if rows else 0)
+    if not rows:  # untiled (short context): not measured apart; the attention backward's buffers with K and V
+        return tokens * (4 * d * q + 4 * q) + 3 * tokens * h * d  # expanded, beside the gradients and the fetch
+    grads = 2 * d * h * tokens  # at the layer's output and input
+    attention = grads + tokens * (2 * d * q + 4 * q + 2 * d * kv + 4 * n)
+    mlp = grads + 8 * rows * inter * d
+    return max(attention, mlp) + tokens * h * d
 
 
 def pinned_bytes(n: int) -> int:
@@ -162,34 +190,123 @@ def place_checkpoints(*, layers: int, ckpt_bytes: int, device_free: float, reser
         "layers), or train on a shorter seq; planner.plan(...).advice names the setting that fits")
 
 
-def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: float, reserve, host_free: float,
-                host_each: int, block: int | None = None, reserve_all_cached=None) -> tuple[int, int, int]:
-    """How many of ``layers`` recomputed layers keep their attention output on the device (Note:
-    [Attention cache] in attncache.py), and where their block inputs wait then: the most that leave the
-    inputs a place (``place_checkpoints`` with ``cached * cache_bytes`` less device memory). A cached
-    layer saves its attention forward in the recompute; an input moved to the host costs only PCIe time,
-    which long context hides. ``reserve_all_cached``: the backward's working set where every one of them
-    is cached (a cached layer's recompute makes no new attention output); None: ``reserve``.
+def backward_peak(*, layers: int, block: int, parked: int, cached: int, act: float, lean: float, transient: float,
+                  ckpt_bytes: int, cache_bytes: int) -> dict:
+    """Device bytes at the worst block of the backward of ``layers`` recomputed layers (Note: [Attention
+    cache placement]): blocks of ``block`` layers from the first, the first ``parked`` inputs in host
+    memory, the last ``cached`` layers' attention outputs kept from the forward.
+
+    At each block's backward the device holds its input and the on-device inputs of the blocks still to
+    come (a parked block's own input comes back for it), the cached outputs of the layers not yet reached,
+    the block's recomputed saved sets (``act`` a layer, ``lean`` a cached one) and one layer's backward
+    working set (``transient``).
 
     Returns:
-        (cached, block, parked): the first ``cached`` recomputed layers keep theirs; blocks and parked
-        inputs as ``place_checkpoints`` returns them.
-    Raises:
-        PlacementError: the inputs fit nowhere even with nothing cached.
+        ``{"checkpoints", "attention_cache", "recompute_workspace", "backward_transient"}`` at the block
+        where their sum is largest.
     Example:
-        >>> place_cache(layers=28, cache_bytes=1, ckpt_bytes=1, device_free=40, reserve=lambda k: 10 * k,
-        ...             host_free=5, host_each=1)  # 11 cached leave 29: blocks of 2, 9 inputs on the device, 5 parked
+        >>> p = backward_peak(layers=4, block=2, parked=0, cached=2, act=10, lean=8, transient=5, ckpt_bytes=1,
+        ...                   cache_bytes=3)  # last block: 2 inputs, 2 caches, 2 lean sets; the first: 1, 0, 2 full
+        >>> p, sum(p.values())
+        ({'checkpoints': 2, 'attention_cache': 6, 'recompute_workspace': 16, 'backward_transient': 5}, 29)
+    """
+    first_cached, worst = layers - cached, None
+    for j, start in enumerate(range(0, layers, block)):
+        end = min(start + block, layers)
+        m = max(0, end - max(start, first_cached))  # cached layers in this block
+        part = {"checkpoints": max(j - parked + 1, 1) * ckpt_bytes,
+                "attention_cache": max(0, end - first_cached) * cache_bytes,
+                "recompute_workspace": (end - start - m) * act + m * lean, "backward_transient": transient}
+        if worst is None or sum(part.values()) > sum(worst.values()):
+            worst = part
+    return worst
+
+
+def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: float, act: float, lean: float,
+                transient: float, host_free: float, host_each: int, block: int | None = None) -> tuple[int, int, int]:
+    """How many of ``layers`` recomputed layers keep their attention output on the device (Note:
+    [Attention cache] in attncache.py), and where their block inputs wait then: the most that leave the
+    inputs a place at the backward's worst block (``backward_peak`` within ``device_free``). The cached
+    ones are the last (Note: [Attention cache placement]). For each block length the fewest inputs are
+    parked; the shortest block with nothing parked wins, else the block that parks the fewest bytes.
+
+    Args:
+        act, lean: a recomputed layer's saved set, uncached and cached (``act`` less ``attn_out``).
+        transient: one layer's backward working set.
+        Others: as ``place_checkpoints``.
+    Returns:
+        (cached, block, parked): the last ``cached`` recomputed layers keep theirs; blocks of ``block``
+        layers, the first ``parked`` inputs in host memory.
+    Raises:
+        PlacementError: the inputs fit nowhere even with nothing cached (``place_checkpoints``' message).
+    Example:
+        >>> place_cache(layers=28, cache_bytes=1, ckpt_bytes=1, device_free=40, act=10, lean=10, transient=0,
+        ...             host_free=5, host_each=1)  # blocks of 2: 9 inputs and 11 caches, 5 parked
         (11, 2, 5)
     """
+    def peak(n: int, K: int, p: int) -> float:
+        return sum(backward_peak(layers=layers, block=K, parked=p, cached=n, act=act, lean=lean, transient=transient,
+                                 ckpt_bytes=ckpt_bytes, cache_bytes=cache_bytes).values())
+
+    def fewest_parked(n: int, K: int) -> int | None:
+        blocks = math.ceil(layers / K)
+        lo, hi = 0, min(blocks, int(host_free // host_each) if host_each else blocks) if host_free > 0 else 0
+        if peak(n, K, hi) > device_free:
+            return None
+        while lo < hi:  # fewer parked never needs less device memory
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if peak(n, K, mid) > device_free else (lo, mid)
+        return lo
+
     for n in range(layers, -1, -1) if cache_bytes else (0,):
+        best = None
+        for K in [block] if block else range(1, MAX_BLOCK + 1):
+            p = fewest_parked(n, K)
+            if p is None:
+                continue
+            if best is None or p * host_each < best[1] * host_each:
+                best = (K, p)
+            if p == 0:
+                break
+        if best is not None:
+            return (n, *best)
+    place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=device_free, reserve=lambda k: k * act + transient,
+                      host_free=host_free, host_each=host_each, block=block)  # raises, saying what is short
+    raise PlacementError(f"the recompute-block inputs of {layers} layers fit nowhere in {device_free / _GIB:.1f} GiB "
+                         f"of device memory and {host_free / _GIB:.1f} GiB of host RAM")
+
+
+def place_long(*, share: float, activation_budget: float | None, total: float, used: float, layers: int,
+               cache_bytes: int, ckpt_bytes: int, act: float, lean: float, transient: float, host_free: float,
+               host_each: int, block: int | None = None) -> tuple[float, int, int, int]:
+    """``place_cache`` in ``share * total - DEVICE_RESERVE - used`` device bytes; where that leaves some of
+    the ``layers`` recomputed layers uncached and the share is automatic, the cache may reach
+    ``LONG_SHARE`` as block inputs may (Note: [Device share]): only a context that fills the device with
+    nothing kept gets there (7B: 512K), and each cached layer saves its attention forward.
+
+    Returns:
+        (share, cached, block, parked): the share placed in, then as ``place_cache``.
+    Raises:
+        PlacementError: as ``place_cache``, at ``share``.
+    Example:
+        >>> G = 1 << 30  # at half of 100 GiB three of four fit their 10 GiB cache, at LONG_SHARE all four
+        >>> place_long(share=0.5, activation_budget=None, total=100 * G, used=0, layers=4, cache_bytes=10 * G,
+        ...            ckpt_bytes=G, act=10 * G, lean=10 * G, transient=0, host_free=0, host_each=G)
+        (0.95, 4, 1, 0)
+    """
+    def at(x: float) -> tuple:
+        return place_cache(layers=layers, cache_bytes=cache_bytes, ckpt_bytes=ckpt_bytes,
+                           device_free=x * total - DEVICE_RESERVE - used, act=act, lean=lean, transient=transient,
+                           host_free=host_free, host_each=host_each, block=block)
+    got = at(share)
+    if cache_bytes and got[0] < layers and activation_budget is None and share < LONG_SHARE:
         try:
-            r = reserve_all_cached if reserve_all_cached is not None and n == layers else reserve
-            return (n, *place_checkpoints(layers=layers, ckpt_bytes=ckpt_bytes, device_free=device_free - n * cache_bytes,
-                                          reserve=r, host_free=host_free, host_each=host_each, block=block))
+            more = at(LONG_SHARE)
+            if more[0] > got[0]:
+                return (LONG_SHARE, *more)
         except PlacementError:
-            if not n:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return (share, *got)
 
 
 def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int, seq: int | None = None) -> dict:
@@ -205,7 +322,7 @@ def layer_bytes(s: dict, tokens: int, d: int, rows: int, per_token_untiled: int,
     return {"act": tokens * per_token, "boundary": tokens * s["hidden"] * d,
             "transient": backward_transient_bytes(s, tokens, d, rows),
             "cache": tokens * s["heads"] * (s["head_dim"] * d + 4),  # attncache.entry_bytes
-            "attn_out": tokens * s["heads"] * s["head_dim"] * d if rows else 0,  # the tiled saved set's 3q
+            "attn_out": tokens * s["heads"] * (s["head_dim"] * d + 4) if rows else 0,  # the tiled saved set's q and LSE
             "attn_share": attn / (attn + s["active_params_per_layer"])}
 
 
@@ -339,17 +456,17 @@ class Checkpoints:
                 used, total, _ = memory()
                 free = self.share * total - DEVICE_RESERVE - used - self.block * self.act - self.transient \
                     - (0 if self.setting else (len(park) - 1) * nbytes)
-                self.cached = frozenset(range(i0, i0 + max(0, min(n, int(free // self.cache_bytes)))))
+                k = max(0, min(n, int(free // self.cache_bytes)))
+                self.cached = frozenset(range(self.L - k, self.L))
             return park
         used, total, host_free = memory()
         used -= nbytes  # the input is one of them
         act, transient = self.act, self.transient
         self.share = self._fit(layers=n, ckpt_bytes=nbytes, used=used, total=total, host_free=host_free)
         lean = act - self.attn_out  # a cached layer's saved set in its recompute
-        cached, self.block, parked = place_cache(
-            layers=n, cache_bytes=self.cache_bytes, ckpt_bytes=nbytes,
-            device_free=self.share * total - DEVICE_RESERVE - used, reserve=lambda k: k * act + transient,
-            host_free=host_free, host_each=parked_bytes(nbytes), block=self.fixed,
-            reserve_all_cached=lambda k: k * lean + transient)
-        self.cached = frozenset(range(i0, i0 + cached))
+        self.share, cached, self.block, parked = place_long(
+            share=self.share, activation_budget=self.budget_setting, total=total, used=used, layers=n,
+            cache_bytes=self.cache_bytes, ckpt_bytes=nbytes, act=act, lean=lean, transient=transient,
+            host_free=host_free, host_each=parked_bytes(nbytes), block=self.fixed)
+        self.cached = frozenset(range(self.L - cached, self.L))  # the last ones (Note: [Attention cache placement])
         return {s: k < parked for k, s in enumerate(range(i0, self.L, self.block))}

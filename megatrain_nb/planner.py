@@ -27,7 +27,7 @@ import pandas as pd
 
 from . import placement as placing
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
-                          parked_bytes, pinned_bytes, place_cache)
+                          parked_bytes, pinned_bytes, place_long, backward_peak)
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -461,10 +461,11 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     free = budget - sum(device.values()) - placed - sum(keep) * act
     if recomputed and offload_checkpoints is None:  # as longcontext.Checkpoints._place
         try:
-            cached, block, parked = place_cache(layers=recomputed, cache_bytes=cache_b, ckpt_bytes=boundary,
-                                                device_free=free, reserve=reserve, host_free=host_free,
-                                                host_each=parked_bytes(boundary), block=checkpoint_every or None,
-                                                reserve_all_cached=lambda k: k * (act - out_b) + transient)
+            share, cached, block, parked = place_long(
+                share=share, activation_budget=activation_budget, total=hw.device_mem_bytes,
+                used=sum(device.values()) + placed + sum(keep) * act, layers=recomputed, cache_bytes=cache_b,
+                ckpt_bytes=boundary, act=act, lean=act - out_b, transient=transient, host_free=host_free,
+                host_each=parked_bytes(boundary), block=checkpoint_every or None)
         except PlacementError as e:
             ckpt_error = str(e)
     blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
@@ -476,9 +477,12 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         host["parked_checkpoints"] = parked * parked_bytes(boundary)
     device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
                   attention_cache=cached * cache_b,
-                  recompute_workspace=max((b.end - b.start for b in blocks), default=0)
-                  * (act - (out_b if cached == recomputed else 0)),
+                  recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
                   logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
+    if recomputed and offload_checkpoints is None:  # the backward's worst block, as place_cache counts it
+        worst = backward_peak(layers=recomputed, block=block, parked=parked, cached=cached, act=act, lean=act - out_b,
+                              transient=transient, ckpt_bytes=boundary, cache_bytes=cache_b)
+        device.update({k: v for k, v in worst.items() if k != "backward_transient"})
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,
@@ -543,7 +547,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, block, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
     first = next((i for i, k in enumerate(keep) if not k), L)
-    cached_layers = frozenset(range(first, first + cached))  # the first recomputed ones, as Checkpoints._place
+    cached_layers = frozenset(range(L - cached, L))  # the last recomputed ones, as Checkpoints._place
     spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers, sslots)
     step_ms = max(b for *_, b, _ in spans)
     work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),

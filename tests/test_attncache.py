@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import families, make_batches, make_config
 from megatrain_nb import Session
 from megatrain_nb.attncache import AttentionCache, entry_bytes
-from megatrain_nb.longcontext import (PlacementError, cache_bytes, cache_first, keep_cap, layer_bytes, place_cache,
+from megatrain_nb.longcontext import (DEVICE_RESERVE, KEEP_SHARE, LONG_SHARE, MAX_BLOCK, Checkpoints, PlacementError, backward_peak,
+                                      cache_bytes, cache_first, keep_cap, layer_bytes, parked_bytes, place_cache,
                                       place_checkpoints)
 from megatrain_nb.shape import model_shape
 from megatrain_nb.planner import plan
@@ -132,23 +133,77 @@ def test_a_failed_step_drops_its_entries_and_the_next_trains(monkeypatch):
     s.close()
 
 
-def test_cache_takes_memory_before_kept_layers_and_never_strands_a_checkpoint():
-    r = lambda k: 10 * k  # noqa: E731  backward working set with blocks of k
-    # 0 bytes: nothing cached, the placement place_checkpoints makes
-    assert place_cache(layers=28, cache_bytes=0, ckpt_bytes=1, device_free=40, reserve=r, host_free=0,
-                       host_each=1) == (0, *place_checkpoints(layers=28, ckpt_bytes=1, device_free=40, reserve=r,
-                                                               host_free=0, host_each=1))
-    n, block, parked = place_cache(layers=28, cache_bytes=1, ckpt_bytes=1, device_free=40, reserve=r, host_free=5,
-                                   host_each=1)
-    place_checkpoints(layers=28, ckpt_bytes=1, device_free=40 - n, reserve=r, host_free=5, host_each=1, block=block)
-    with pytest.raises(PlacementError):  # one more cached layer leaves the inputs no place
-        place_checkpoints(layers=28, ckpt_bytes=1, device_free=40 - n - 1, reserve=r, host_free=5, host_each=1)
+def _walked_peak(layers, block, parked, cached, act, lean, transient, ckpt, cache):
+    """The backward's device bytes walked block by block with explicit sets: which inputs and caches are
+    alive when each block's backward runs (Note: [Attention cache placement])."""
+    starts = list(range(0, layers, block))
+    inputs = {x for k, x in enumerate(starts) if k >= parked}  # the parked ones come back one at a time
+    alive, peak = set(cached), 0
+    for x in reversed(starts):
+        end = min(x + block, layers)
+        work = sum(lean if i in cached else act for i in range(x, end))
+        peak = max(peak, len(inputs | {x}) * ckpt + len(alive) * cache + work + transient)
+        inputs.discard(x)
+        alive -= set(range(x, end))
+    return peak
+
+
+def test_backward_peak_is_the_walk_and_caching_the_last_layers_lowers_it():
+    kw = dict(act=10, lean=7, transient=3)
+    for layers, block, parked, n in [(28, 2, 3, 6), (28, 3, 3, 9), (7, 3, 0, 2), (5, 4, 1, 5), (6, 1, 6, 0)]:
+        last = set(range(layers - n, layers))
+        got = backward_peak(layers=layers, block=block, parked=parked, cached=n, ckpt_bytes=2, cache_bytes=4, **kw)
+        assert sum(got.values()) == _walked_peak(layers, block, parked, last, ckpt=2, cache=4, **kw)
+        assert sum(got.values()) <= _walked_peak(layers, block, parked, set(range(n)), ckpt=2, cache=4, **kw)
+    # 7B at 512K, blocks of 2, 3 parked, 6 cached: the last six cost two lean saved sets less at the peak
+    lb = layer_bytes(model_shape(QWEN25_7B), 524288, 2, 16384, 0, seq=524288)
+    args = (28, 2, 3, lb["act"], lb["act"] - lb["attn_out"], lb["transient"], lb["boundary"], lb["cache"])
+    first, last = _walked_peak(28, 2, 3, set(range(6)), *args[3:]), _walked_peak(28, 2, 3, set(range(22, 28)), *args[3:])
+    assert first - last == 2 * lb["attn_out"] > 7 << 30
+
+
+def test_cache_placement_fits_the_walk_and_one_more_cached_layer_would_not():
+    kw = dict(act=10, lean=8, transient=3, ckpt_bytes=1, cache_bytes=2)
+    # nothing cached: the placement place_checkpoints makes (blocks of 2, 4 of 14 inputs parked)
+    assert place_cache(layers=28, cache_bytes=0, ckpt_bytes=1, device_free=30, act=10, lean=10, transient=0, host_free=5,
+                       host_each=1) == (0, 2, 4) == (0, *place_checkpoints(layers=28, ckpt_bytes=1, device_free=30,
+                                                                         reserve=lambda k: 10 * k, host_free=5, host_each=1))
+    n, block, parked = place_cache(layers=28, device_free=60, host_free=5, host_each=1, **kw)
+    peak = lambda n, K, p: sum(backward_peak(layers=28, block=K, parked=p, cached=n, **kw).values())  # noqa: E731
+    assert 0 < n < 28 and peak(n, block, parked) <= 60 and parked <= 5
+    assert all(peak(n + 1, K, p) > 60 for K in range(1, MAX_BLOCK + 1) for p in range(6))  # nor any block, any parking
+    with pytest.raises(PlacementError, match="fit nowhere"):
+        place_cache(layers=28, device_free=12, host_free=0, host_each=1, **kw)
     # a kept layer (5) costs five cached ones (1): the cap keeps fewer where every recomputed layer is cached
+    r = lambda k: 10 * k  # noqa: E731  backward working set with blocks of k
     plain = keep_cap(layers=28, act=5, boundary=1, used=0, budget=80, reserve=r, host_free=0, host_each=1)
     cached = keep_cap(layers=28, act=5, boundary=1, used=0, budget=80, reserve=r, host_free=0, host_each=1, extra=1)
     assert cached < plain
     place_checkpoints(layers=28 - cached, ckpt_bytes=1, device_free=80 - 5 * cached - (28 - cached), reserve=r,
                       host_free=0, host_each=1)
+
+
+def test_the_engine_caches_the_last_layers_and_the_cache_may_reach_the_long_share():
+    """Checkpoints on measured memory (7B at 512K, 10 GiB in use, 12 GiB of host RAM): at 0.85 the inputs fit
+    and one layer's cache; the cache then reaches LONG_SHARE, on the last layers, within it."""
+    G, s = 1 << 30, model_shape(QWEN25_7B)
+    lb = layer_bytes(s, 524288, 2, 16384, 0, seq=524288)
+    memory = lambda: (10 * G, 140 * G, 12 * G)  # noqa: E731  device in use, device in all, host free
+    c = Checkpoints(28, checkpoint_every=None, offload_checkpoints=None, attention_cache=None)
+    c.reset(lb, memory)
+    c.parked(0, lb["boundary"], memory)
+    parked = sum(c.park.values())
+    n = len(c.cached)
+    assert c.share == LONG_SHARE and n > 1 and c.cached == frozenset(range(28 - n, 28))
+    at_keep_share = place_cache(layers=28, cache_bytes=lb["cache"], ckpt_bytes=lb["boundary"], act=lb["act"],
+                                lean=lb["act"] - lb["attn_out"], transient=lb["transient"], host_free=12 * G,
+                                host_each=parked_bytes(lb["boundary"]),
+                                device_free=KEEP_SHARE * 140 * G - DEVICE_RESERVE - (10 * G - lb["boundary"]))
+    assert at_keep_share[0] < n
+    worst = backward_peak(layers=28, block=c.block, parked=parked, cached=n, act=lb["act"], lean=lb["act"] - lb["attn_out"],
+                          transient=lb["transient"], ckpt_bytes=lb["boundary"], cache_bytes=lb["cache"])
+    assert sum(worst.values()) <= LONG_SHARE * 140 * G - DEVICE_RESERVE - (10 * G - lb["boundary"])
+    assert parked * parked_bytes(lb["boundary"]) <= 12 * G
 
 
 def test_planner_caches_at_long_context_and_predicts_a_shorter_step():
@@ -158,7 +213,8 @@ def test_planner_caches_at_long_context_and_predicts_a_shorter_step():
     off, on = plan(QWEN25_7B, attention_cache=False, **kw), plan(QWEN25_7B, **kw)
     assert off.attention_cached == 0 and "attention_cache" not in {k for k, v in off.device_bytes.items() if v}
     assert on.attention_cached >= 20 and on.fits_device and on.fits_host
-    assert on.device_bytes["attention_cache"] == on.attention_cached * 262144 * 28 * (128 * 2 + 4)
+    entry = 262144 * 28 * (128 * 2 + 4)  # the caches alive at the backward's worst block (backward_peak)
+    assert on.device_bytes["attention_cache"] % entry == 0 and 0 < on.device_bytes["attention_cache"] <= on.attention_cached * entry
     assert on.layer_ms["recompute_cached"] < 0.9 * on.layer_ms["fwd"]
     assert on.step_ms < 0.95 * off.step_ms
     assert on.summary()["attention_cached"] == on.attention_cached
