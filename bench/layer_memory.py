@@ -3,6 +3,8 @@ the engine places checkpoints and cached attention outputs with (``longcontext.l
 
     python bench/layer_memory.py --seq 64k 128k --backends cudnn flash      # on the H200 (~1 minute)
     python bench/layer_memory.py --device cpu --shape tiny --seq 256         # the rows' schema, no meaning
+    python bench/layer_memory.py --results bench/results_h200_2026-12-01_layer_memory.jsonl  # measured rows
+                                                                             # against today's estimates
 
 One layer of the shape at full width, random weights in the compute dtype, tiled as the engine tiles it
 (``tiling.SequenceTiling``, 16K rows) and run under the named SDPA kernel, one sequence:
@@ -83,6 +85,20 @@ def measure(cfg, T: int, backend: str | None, dev: torch.device, dtype: torch.dt
     return out
 
 
+def estimates(shape: str, T: int, rows: int, d: int) -> dict:
+    """``longcontext``'s estimates of what ``measure`` measures (the layer alone fetches no parked input)."""
+    s = model_shape(qwen_config(shape, layers=1, seq=T))
+    est = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=False), seq=T)
+    return dict(est_act=est["act"], est_act_cached=est["act"] - est["attn_out"],
+                est_transient=est["transient"] - T * s["hidden"] * d, est_cache=est["cache"])
+
+
+def show(row: dict) -> None:
+    print(f"  {row['seq'] // 1024}K {row['backend']}: " + ", ".join(
+        f"{k} {row[k] / _GIB:.2f} / est {row['est_' + k] / _GIB:.2f} GiB" for k in ("act", "act_cached", "transient", "cache")
+        if k in row), file=sys.stderr)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="7b")
@@ -91,15 +107,22 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=16384, help="rows per tile (tiling.AUTO_ROWS)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--results", default=None, help="re-estimate the measured rows of this file with today's "
+                    "longcontext (no device): measured / estimate per row")
     a = ap.parse_args(argv)
+    if a.results:
+        import json
+        for line in open(a.results):
+            row = json.loads(line)
+            if row.get("status") == "ok" and row.get("device", "").startswith("cuda"):
+                show({**row, **estimates(row["shape"], row["seq"], row["rows"], 2)})
+        return
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     d = dtype.itemsize
     for T in a.seq:
         cfg = qwen_config(a.shape, layers=1, seq=T)
-        s = model_shape(cfg)
         rows = a.rows if T > a.rows else 0
-        est = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=False), seq=T)
         for backend in (a.backends if dev.type == "cuda" else [None]):
             try:
                 with _kernel(backend) if backend else contextlib.nullcontext():
@@ -109,11 +132,9 @@ def main(argv=None) -> None:
                 got, status = {}, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             row = dict(shape=a.shape, seq=T, backend=backend, rows=rows, status=status, device=str(dev),
                        gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                       **got, est_act=est["act"], est_act_cached=est["act"] - est["attn_out"],
-                       est_transient=est["transient"] - T * s["hidden"] * d, est_cache=est["cache"])
+                       **got, **estimates(a.shape, T, rows, d))
             emit(row, a.out)
-            print("  " + ", ".join(f"{k} {row[k] / _GIB:.2f} / est {row['est_' + k] / _GIB:.2f} GiB"
-                                   for k in ("act", "act_cached", "transient", "cache") if k in row), file=sys.stderr)
+            show(row)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
