@@ -119,8 +119,9 @@ class EngineConfig:
     (head_dim*dtype_bytes + 4) bytes per layer, ~0.8 s of ~5.4 s per layer saved at 256K tokens of the 7B
     shape. None: on CUDA where the attention is at least a quarter of a layer's forward (the 7B shape from
     ~22K tokens per sequence), for as many recomputed layers as device memory holds beside their
-    checkpoints (``longcontext.place_cache``; before kept layers where that saves more per byte,
-    ``longcontext.cache_first``); nothing on the CPU. True: at any length, on CUDA wherever memory allows,
+    checkpoints, the last ones (``longcontext.place_cache``, Note: [Attention cache placement]; before
+    kept layers where that saves more per byte, ``longcontext.cache_first``; up to the 0.95 share where
+    0.85 falls short, ``longcontext.place_long``); nothing on the CPU. True: at any length, on CUDA wherever memory allows,
     on the CPU every recomputed layer. False: never (the attention forward runs again in the recompute)."""
     lean_activations: bool | None = None
     """None (auto): on CUDA, lean for a batch size where it keeps enough layers from recompute to pay

@@ -39,7 +39,9 @@ slack and the streams' buffers), and lets recompute-block inputs with the backwa
 ``LONG_SHARE`` where they fit nowhere at ``KEEP_SHARE``: at 512K tokens of the 7B shape one input is
 3.5 GiB, the host has ~12 GiB to spare beside the 7B state, and the 10% between the two shares holds
 four more inputs. A float fixes one share for both. ``Checkpoints`` and ``planner.plan`` take the
-first share at which the inputs fit (``choose_share``).
+first share at which the inputs fit (``choose_share``); cached attention outputs may then reach
+``LONG_SHARE`` too where not every recomputed layer's fits (``place_long``: at 512K six layers' instead of
+one, 24 s of the step).
 
 Note: [Attention cache placement] The cached layers are the last recomputed ones. The backward reaches
 them first, so at its first block, the worst point of the step, every cache is alive either way; but
