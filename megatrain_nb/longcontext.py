@@ -2,12 +2,15 @@
 step's backward, and where recompute-block inputs wait — device first, host for the rest, or longer
 blocks — from both budgets. Pure Python: no torch, no device.
 
-Owns ``place_checkpoints``, the one rule for checkpoint placement: ``planner.plan`` calls it with a
-``Hardware`` profile's capacities to predict, ``Engine`` (through ``Checkpoints``, which holds the
-engine's choice) with measured free memory (device allocator, ``psutil``) to decide, at the first
-step and again when the tokens per micro-batch grow.
+Owns the one rule for placing long-context activations — ``place_checkpoints`` (block inputs),
+``place_cache`` / ``place_long`` (which layers keep their attention output, walked by ``backward_peak``):
+``planner.plan`` calls it with a ``Hardware`` profile's capacities to predict, ``Engine`` (through
+``Checkpoints``, which holds the engine's choice) with measured free memory (device allocator,
+``psutil``) to decide, at the first step and again when the tokens per micro-batch grow.
 Does not own the tiling itself (``tiling.py``), the parking and fetching (``transfers.Offload``),
-or time (``planner.py``).
+the cache's capture and replay (``attncache.py``), or time (``planner.py``).
+Over 400 lines because the per-layer bytes, their notes and the placement built on them are one rule
+that the planner and the engine must share exactly; half of it in another module would be read apart.
 
 Note: [Long-context memory] per token of one layer, d = compute dtype bytes, q = heads*head_dim,
 kv = kv_heads*head_dim, h = hidden, I = intermediate, n = heads; measured on the H200 for the 7B shape
