@@ -378,8 +378,9 @@ class Session:
     def activations(self) -> dict:
         """The last step's activation policy: ``tokens`` per micro-batch it was chosen for, ``kept_layers``
         and ``recomputed_layers``, the recompute ``block`` length, ``parked_inputs`` (blocks whose input
-        waited in host RAM), ``device_share`` (of device memory the inputs were placed in: 0.95 where they
-        fit nowhere at 0.85, ``EngineConfig.activation_budget``), ``attention_cached`` (recomputed layers
+        waited in host RAM), ``device_share`` (of device memory the inputs and cached outputs were placed in:
+        0.95 where the inputs fit nowhere at 0.85 or the cache falls short there,
+        ``EngineConfig.activation_budget``), ``attention_cached`` (recomputed layers
         whose attention output stayed from the forward, ``EngineConfig.attention_cache``), ``tile_rows`` (0: untiled), ``attention``
         (the SDPA kernel at long context; None: torch's own choice), ``lean`` and why. Empty before a step.
 
