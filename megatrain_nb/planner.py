@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
-from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
-                          parked_bytes, pinned_bytes, place_long, backward_peak)
+from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
+                          parked_bytes, pinned_bytes, place_long)
 from .schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from .trace import Trace
@@ -546,7 +546,6 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9) + V * T * hw.loss_s_per_logit * 1e3
     sim = (L, P * wb, P * d, t, units, loss_ms, keep, block, weight_slots,
            pinned_budget_bytes if pinned else 0, transfer_chunk_bytes, overlap_optimizer and not grad_clip)
-    first = next((i for i, k in enumerate(keep) if not k), L)
     cached_layers = frozenset(range(L - cached, L))  # the last recomputed ones, as Checkpoints._place
     spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers, sslots)
     step_ms = max(b for *_, b, _ in spans)
