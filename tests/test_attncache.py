@@ -297,3 +297,40 @@ def test_layer_memory_bench_counts_the_cache_as_the_estimate_on_the_cpu(tmp_path
     assert row["status"] == "ok" and row["rows"] == 128
     assert row["cache"] == row["est_cache"] == entry_bytes(tokens=512, heads=4, head_dim=16, dtype_bytes=4)
     assert row["est_act_cached"] < row["est_act"] and row["est_transient"] > 0
+
+
+def test_cache_placement_matches_a_brute_force_search():
+    """``place_cache`` against trying every cached count, block length and parked count on small random
+    cases: the same most-cached count, and for it the same block rule (the shortest block parking nothing,
+    else the fewest parked inputs, the shorter block on a tie)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        layers = rng.randint(1, 12)
+        kw = dict(act=rng.randint(2, 9), transient=rng.randint(0, 6), ckpt_bytes=rng.randint(1, 3),
+                  cache_bytes=rng.randint(1, 4))
+        kw["lean"] = kw["act"] - rng.randint(0, 2)
+        device_free, host_free = rng.randint(5, 90), rng.randint(-2, 8)
+        block = rng.choice([None, None, 1, 2, 3])
+
+        def fits(n, K, p):
+            return (p == 0 or p <= host_free) and sum(backward_peak(layers=layers, block=K, parked=p, cached=n,
+                                                                    **kw).values()) <= device_free
+        want = None
+        for n in range(layers, -1, -1):
+            options = [(K, min(p for p in range(-(-layers // K) + 1) if fits(n, K, p)))
+                       for K in ([block] if block else range(1, MAX_BLOCK + 1))
+                       if any(fits(n, K, p) for p in range(-(-layers // K) + 1))]
+            if options:
+                free_of_host = [o for o in options if o[1] == 0]
+                want = (n, *(free_of_host[0] if free_of_host else min(options, key=lambda o: (o[1], o[0]))))
+                break
+        args = dict(layers=layers, ckpt_bytes=kw["ckpt_bytes"], cache_bytes=kw["cache_bytes"], act=kw["act"],
+                    lean=kw["lean"], transient=kw["transient"], device_free=device_free, host_free=host_free,
+                    host_each=1, block=block)
+        if want is None:
+            with pytest.raises(PlacementError):
+                place_cache(**args)
+        else:
+            assert place_cache(**args) == want, (args, want)
