@@ -332,7 +332,7 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
     during the gap and whose end is closest to the gap's end. When that is an h2d copy, the
     optimizer is blamed if the loader recorded a ``wait-update`` in the gap for that layer, or for
     any layer before the copy started (the loader is one FIFO thread: a held load holds the ones
-    behind it); else packing if a host-pack span of the same layer was still running in the gap
+    behind it; the diagnosis then names the unit whose update held it, e.g. the embedding); else packing if a host-pack span of the same layer was still running in the gap
     (chunked copies wait for their chunk), and a lack of free weight slots if the copy only
     started after the gap began. Compute never waits for the optimizer directly, only through a
     load: in traces that record ``wait-update`` spans (the engine's), host-adam spans are not
@@ -372,7 +372,7 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
 def _explain(a: float, b: float, layer: int, phase: str, others: pd.DataFrame) -> tuple:
     """One stall row for the compute gap [a, b)."""
     running = others[(others.start_ms < b) & (others.end_ms > a)]
-    key = None
+    key, reason = None, None
     if len(running):
         hit = running.loc[(running.end_ms - b).abs().idxmin()]
         key = hit.lane
@@ -383,8 +383,13 @@ def _explain(a: float, b: float, layer: int, phase: str, others: pd.DataFrame) -
             held = waits[(waits.layer == hit.layer) | (waits.end_ms <= hit.start_ms)]
             if len(held):  # the load waited for an optimizer update (its own, or one queued before it)
                 key = "host-adam"
-    waited_on, reason, setting = _CAUSES.get(key, (key, f"lane {key} was still running.", "-"))
-    return (a, b, b - a, layer, phase, waited_on, _WHY.format(dur=b - a, phase=phase, layer=layer) + reason, setting)
+                unit = int(held.loc[held.end_ms.idxmax()].layer)  # the update that held the loads longest
+                if unit != layer:  # the loader is one FIFO thread: this layer's load queued behind that one
+                    reason = (f"the CPU AdamW had not finished {'the embedding' if unit < 0 else f'layer {unit}'}, "
+                              "whose load this layer's queued behind.")
+    waited_on, default, setting = _CAUSES.get(key, (key, f"lane {key} was still running.", "-"))
+    return (a, b, b - a, layer, phase, waited_on, _WHY.format(dur=b - a, phase=phase, layer=layer) + (reason or default),
+            setting)
 
 
 def summarize(spans: pd.DataFrame) -> dict:

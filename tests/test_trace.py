@@ -130,6 +130,19 @@ def test_find_stalls_causes(extra, waited_on, setting):
     assert stalls[["waited_on", "setting"]].values.tolist() == [[waited_on, setting]]
 
 
+def test_find_stalls_names_the_update_a_queued_load_waited_behind():
+    """The s5c4 stream trace's start: the embedding's host AdamW held its own load, and layer 0's load
+    queued behind it; the stall names the embedding, not layer 0."""
+    spans = [("host-adam", "adam", -1, "optim", 2.4, 69.4, 0), ("host-pack", "wait-update", -1, "io", 1.9, 69.8, 0),
+             ("h2d", "h2d", -1, "io", 78.4, 82.2, 0), ("h2d", "h2d", 0, "io", 84.2, 90.8, 0),
+             ("compute", "fwd", 0, "fwd", 92.3, 94.0, 0)]
+    stall = find_stalls(Trace(step=0, spans=spans).to_dataframe()).iloc[0]
+    assert (stall.waited_on, stall.layer) == ("optimizer", 0)
+    assert stall.diagnosis.endswith("the CPU AdamW had not finished the embedding, whose load this layer's queued behind.")
+    own = [*spans[:1], ("host-pack", "wait-update", 0, "io", 1.9, 69.8, 0), *spans[3:]]  # layer 0's own update
+    assert find_stalls(Trace(step=0, spans=own).to_dataframe()).diagnosis[0].endswith("had not finished that layer.")
+
+
 def test_find_stalls_step_start_launch_gaps_and_threshold():
     spans = [("h2d", "h2d", 0, "io", 0.0, 1.0, 0), ("compute", "fwd", 0, "fwd", 1.0, 2.0, 0),
              ("compute", "fwd", 1, "fwd", 2.04, 3.0, 0), ("compute", "fwd", 2, "fwd", 3.5, 4.0, 0)]
