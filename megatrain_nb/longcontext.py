@@ -255,7 +255,7 @@ def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: 
 
     def fewest_parked(n: int, K: int) -> int | None:
         blocks = math.ceil(layers / K)
-        lo, hi = 0, min(blocks, int(host_free // host_each) if host_each else blocks) if host_free > 0 else 0
+        lo, hi = 0, min(blocks, max(0, int(host_free // host_each)))  # nothing parked needs no host RAM
         if peak(n, K, hi) > device_free:
             return None
         while lo < hi:  # fewer parked never needs less device memory
@@ -269,7 +269,7 @@ def place_cache(*, layers: int, cache_bytes: int, ckpt_bytes: int, device_free: 
             p = fewest_parked(n, K)
             if p is None:
                 continue
-            if best is None or p * host_each < best[1] * host_each:
+            if best is None or p < best[1]:  # every input parks the same bytes
                 best = (K, p)
             if p == 0:
                 break

@@ -458,7 +458,6 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     else:
         keep = [checkpoint_every == 0] * L
     block, parked, recomputed, ckpt_error, cached = checkpoint_every or 1, 0, L - sum(keep), None, 0
-    free = budget - sum(device.values()) - placed - sum(keep) * act
     if recomputed and offload_checkpoints is None:  # as longcontext.Checkpoints._place
         try:
             share, cached, block, parked = place_long(
@@ -471,18 +470,20 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     blocks = [b for b in make_blocks(L, keep, block) if b.recompute]
     parked = len(blocks) if offload_checkpoints else parked
     if recomputed and offload_checkpoints is not None and cache_b:  # fixed inputs: the cache takes what is left
-        left = free - reserve(block) - (0 if offload_checkpoints else (len(blocks) - 1) * boundary)
+        left = budget - sum(device.values()) - placed - sum(keep) * act - reserve(block) \
+            - (0 if offload_checkpoints else (len(blocks) - 1) * boundary)
         cached = max(0, min(recomputed, int(left // cache_b)))
     if parked:
         host["parked_checkpoints"] = parked * parked_bytes(boundary)
-    device.update(activations_kept=sum(keep) * act, checkpoints=(len(blocks) - parked) * boundary,
-                  attention_cache=cached * cache_b,
-                  recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act,
-                  logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
     if recomputed and offload_checkpoints is None:  # the backward's worst block, as place_cache counts it
-        worst = backward_peak(layers=recomputed, block=block, parked=parked, cached=cached, act=act, lean=act - out_b,
+        parts = backward_peak(layers=recomputed, block=block, parked=parked, cached=cached, act=act, lean=act - out_b,
                               transient=transient, ckpt_bytes=boundary, cache_bytes=cache_b)
-        device.update({k: v for k, v in worst.items() if k != "backward_transient"})
+        del parts["backward_transient"]  # counted below, less the loss's logits
+    else:
+        parts = dict(checkpoints=(len(blocks) - parked) * boundary, attention_cache=cached * cache_b,
+                     recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act)
+    device.update(activations_kept=sum(keep) * act, **parts,
+                  logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,
