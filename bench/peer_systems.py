@@ -15,7 +15,9 @@ all that one measuring process runs; keeping them together keeps each system's s
 - ``ZeRO3Offload``: DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the host
   (``DeepSpeedCPUAdam``); with ``ratio`` < 1 only that share of the optimizer states is on the host and
   the rest is updated on the device (ZeRO-Offload++ "Twin-Flow").
-- ``Megatrain``: ``megatrain_nb.Session`` with default settings, plus ``placement`` when given.
+- ``Megatrain``: ``megatrain_nb.Session`` with default settings, plus ``placement`` when given;
+  "megatrain-recompute" recomputes every layer (``checkpoint_every=1``, placement "auto"): the paper's
+  regime, whose device memory does not grow with depth (the depth sweep's fixed setting).
 """
 from __future__ import annotations
 
@@ -249,10 +251,10 @@ class Megatrain:
         Unsupported: the installed Session does not take ``placement`` (or not this value).
     """
 
-    def __init__(self, config, device: torch.device, *, placement: str | None = None):
+    def __init__(self, config, device: torch.device, *, placement: str | None = None, **settings):
         from megatrain_nb import Session
 
-        kw = {} if placement is None else {"placement": placement}
+        kw = dict(settings, **({} if placement is None else {"placement": placement}))
         try:
             self.session = Session.from_config(config, seed=0, device=str(device), lr=LR, **kw)
         except TypeError as e:
@@ -260,7 +262,7 @@ class Megatrain:
                 raise Unsupported(f"this megatrain_nb's Session does not accept placement=: {e}") from e
             raise
         self.num_params = self.session.store.num_params
-        self.settings = dict(placement=placement, default_settings=True)
+        self.settings = dict(placement=placement, default_settings=not settings, **settings)
         self._done_steps = 0  # steps begun with the placement search done (``settled``)
 
     def before_batch(self) -> None:
@@ -329,6 +331,8 @@ def _build(spec: dict, config, device):
     if name in ("zero3-offload", "zero3-twinflow"):
         ratio = spec["twinflow_ratio"] if name == "zero3-twinflow" else None
         return ZeRO3Offload(config, device, batch=batch, ratio=ratio, sub_group_size=spec["sub_group_size"])
+    if name == "megatrain-recompute":
+        return Megatrain(config, device, placement="auto", checkpoint_every=1)
     if name.startswith("megatrain"):
         return Megatrain(config, device, placement=name.split("-", 1)[1] if "-" in name else None)
     raise ValueError(f"unknown system {name!r}")

@@ -242,3 +242,18 @@ def test_plot_main_writes_html(tmp_path):
     written = plot_peers.write(figs, str(tmp_path), "t", png=False)  # PNG: kaleido drives a Chrome, seconds each
     assert {Path(p).name for p in written} == {"t_batch.html", "t_depth.html", "t_width.html"}
     assert "plotly" in (tmp_path / "t_batch.html").read_text()[:5000].lower()
+
+
+def test_megatrain_recompute_recomputes_every_layer_with_auto_placement():
+    """The depth sweep's fixed setting: placement "auto" with checkpoint_every=1, said in the row's settings."""
+    cfg = qwen_config("tiny", seq=64)
+    sys_ = peer_systems._build({"system": "megatrain-recompute", "batches": [1]}, cfg, torch.device("cpu"))
+    try:
+        assert sys_.settings == {"placement": "auto", "default_settings": False, "checkpoint_every": 1}
+        ids = torch.randint(0, cfg.vocab_size, (1, 64))
+        loss, _ = sys_.step(ids)
+        assert math.isfinite(loss)
+        assert sys_.session.engine.cfg.checkpoint_every == 1 and not any(sys_.session.engine.keep)
+    finally:
+        sys_.session.close()
+    assert "megatrain-recompute" in peers.expand(["megatrain-recompute"])

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# 2026-12-02 (sixth session): issue 12's remaining runs, and issue 9's rows beside the peers.
+#   sweeps: depth (3B width, 36 / 72 / 96 layers: 108 needs ~129 GiB of host RAM at 16 B/param), width
+#           (18 layers, hidden x1 / x1.5 / x2), then the 7B sweep (megatrain auto, native), batch 8 / 2 and 8.
+#   core:   megatrain auto and ZeRO-3 offload at batch 1-16, Twin-Flow at 4-16 (its batch 1 ran in s4c1), then the
+#           depth sweep with every layer recomputed (megatrain-recompute: the setting whose memory is flat in depth).
+# Each runs detached (setsid: it outlives the call) across device calls made within 30 s of each other:
+#     PYTHONPATH=$PWD bash bench/h200_s6.sh start sweeps 560    then    bash bench/h200_s6.sh wait - 560
+# Carry .whl (DeepSpeed and its requirements, bench/peers_wheels.sh).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+D=/tmp/s6; mkdir -p "$D"
+wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
+}
+if [ "$1" = start ]; then
+    wheels
+    case "$2" in
+    sweeps) CMD="python3 bench/peers.py --sweep depth width 7b --systems megatrain-auto native --depths 36 72 96 \
+        --host-reserve-gib 4 --budget-s ${4:-1100} --out $D/peers.jsonl --log $D/peers.log" ;;
+    core) P="python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log"
+        CMD="$P --sweep core --systems megatrain-auto zero3-offload --budget-s 320; \
+        $P --sweep core --systems zero3-twinflow --batch 4 8 16 --job-timeout 200 --budget-s 200; \
+        $P --sweep depth --sweep-systems megatrain-recompute --depths 36 96 72 --budget-s 240" ;;
+    esac
+    setsid nohup bash -c "$CMD" > "$D/run.log" 2>&1 < /dev/null &
+    echo $! > "$D/pid"
+    setsid nohup bash -c "while sleep 5; do echo \$(date +%s) \$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits) \
+        \$(free -m | awk '/Mem:/{print \$3, \$7}'); done" > "$D/mem.log" 2>&1 < /dev/null &
+fi
+t0=$(date +%s)
+while kill -0 "$(cat "$D/pid")" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "${3:-560}" ]; do sleep 5; done
+kill -0 "$(cat "$D/pid")" 2>/dev/null && echo "still running after $(( $(date +%s) - t0 )) s" || echo "process ended"
+cp "$D"/peers.jsonl "$D"/peers.log "$D"/run.log "$D"/mem.log "$D"/gpu_tests.log "$OUT"/ 2>/dev/null
+tail -25 "$D/run.log" | cut -c1-300
+grep -h "passed\|failed" "$D/gpu_tests.log" 2>/dev/null | tail -2
+python3 -c "
+import json
+for l in open('$D/peers.jsonl'):
+    r = json.loads(l); print(r['system'], r['sweep'], r['layers'], r['width'], r['batch'], r['status'], r['step_s'], r['model_tflops'], r['peak_gpu_gib'], r['host_rss_gib'], (r['error'] or '')[:150])
+" 2>/dev/null
+tail -1 "$D/mem.log"
