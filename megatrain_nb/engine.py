@@ -102,6 +102,7 @@ class Engine:
         self.attn_cache = AttentionCache()  # recomputed layers' attention outputs, forward to backward
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
         self.steps_done = 0
+        self._gated = False  # this step's updates wait for every gradient (see _step)
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
         self.closed = False
@@ -161,7 +162,7 @@ class Engine:
         Returns:
             {"loss": float, "kept_layers": int, "recomputed_layers": int}
         """
-        self._committed = False  # set once this step's updates may start (the loss went to the Adam worker)
+        self._committed = False  # set once this step's updates may start (see _step)
         try:
             return self._step(mbs, n_valid)
         except torch.OutOfMemoryError:
@@ -224,7 +225,11 @@ class Engine:
             du.search = placing.Search()  # the activation policy is chosen again: so is the placement
         self.keep = du.place(self.steps_done, self.keep)  # Note: [Placement] in device_updates.py
         loss_box = Box(self.abort)
-        gate = du.gate  # grad_clip, overlap off or nonfinite="raise": every update waits for every gradient
+        # grad_clip, overlap off or nonfinite="raise": every update waits for every gradient; so does a trial's
+        # first step (Note: [Auto search]): until its backward has run, an out-of-memory error in it leaves
+        # nothing applied, and the batch runs again as the best candidate so far
+        gate = du.gate or du.search.phase in ("C1", "B1")
+        self._gated = gate
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         du.begin(gate)
@@ -242,6 +247,7 @@ class Engine:
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
+            self._committed = True  # gated: no update starts before every gradient has landed, after this
             du.end_backward()  # the next step's compute follows this step's device updates
             self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have
@@ -590,7 +596,7 @@ class Engine:
         self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
         self.io.read_loss(total, done, loss_box)
         done = self._reduced(L, gslot, n_head, done)
-        self._committed = True  # the Adam worker may start this step's updates once the loss arrives
+        self._committed = not self._gated  # ungated: the Adam worker may start updates once the loss arrives
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))

@@ -277,6 +277,12 @@ class Search:
     C is not tried when A's forward waited under 3% of its step, or when its budget would reach B's.
     When A already makes every unit resident, or the measuring step lasted over three times the
     host AdamW of every unit (long context: the host hides), nothing else is tried: A at once.
+    A trial's first step (C1, B1; untimed) is gated: no update starts before its backward has run, so
+    an out-of-memory error anywhere in it leaves nothing applied and the engine runs the batch again
+    as the best candidate so far (``abandon``). Its second, timed step overlaps as every later one
+    will; it peaks where the first did, bar the device AdamW's fp32 copy of one unit's gradients
+    beside the backward. (s6c2, 3B x 16: C1 ran out in its backward after the loss had started the
+    updates, and the error ended the run.)
     Phases: measure -> A1 -> A2 -> C1 -> C2 -> B1 -> B2 -> done.
     """
 

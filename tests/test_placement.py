@@ -397,3 +397,40 @@ def test_state_slots_one_per_streamed_layer_or_two_in_turn_train_equal(hf_dir, t
         assert len(s.engine.device_updates.sslots) == (2 if share == 0.0 else L_)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("phase", ["C1", "B1"])
+def test_a_trial_that_runs_out_of_memory_in_its_backward_runs_the_batch_again(hf_dir, phase):
+    """Note: [Auto search] a trial's first step is gated: an OOM half-way through its backward (the head's and
+    the last layers' gradients already on the host) applies nothing, and the batch runs again as the best
+    candidate so far. Before, the updates had started with the loss, and the error ended the run (3B x 16,
+    s6c2)."""
+    d = hf_dir("llama")
+    batches = make_batches(VOCAB, 3)
+    twin = Session.from_pretrained(d, lr=LR)
+    try:
+        want = train_session(twin, batches)
+    finally:
+        twin.close()
+    s = Session.from_pretrained(d, lr=LR)
+    try:
+        train_session(s, batches[:1])
+        L_ = s.engine.L
+        s.engine.device_updates.search = placing.Search(phase=phase, free={"A": 0, "B": 0, "C": 0},
+                                                        keep={"A": [True] * L_})
+        real, calls = s.engine._reduced, []
+
+        def oom_in_backward(unit, *a, **k):
+            calls.append(unit)
+            if len(calls) == 3:  # the head and layer L-1 have landed; layer L-2's backward runs out
+                assert s.engine._gated and not s.engine._committed
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(unit, *a, **k)
+
+        s.engine._reduced = oom_in_backward
+        got = train_session(s, batches[1:])
+        assert calls[:3] == [L_, L_ - 1, L_ - 2] and calls[3] == L_  # the batch ran again from its loss
+        assert s.engine.device_updates.search.phase == "done" and s.engine.device_updates.search.winner == "A"
+    finally:
+        s.close()
+    assert got == want[1:]
