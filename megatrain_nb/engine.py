@@ -474,7 +474,10 @@ class Engine:
         self.offload.release()  # the last placement's parked buffers: their host RAM is free for this one
         if self._dE_host is not None and self._dE_host.numel() * self._dE_host.element_size() < self._dE_need:
             self._dE_host = None  # too small for these tokens: a new one comes at the first backward
-        self.ckpts.reset(lb, self._memory if self.dev.cuda else None)
+        # "auto": the residents of the last batch size leave for this one's measuring step (Note: [Placement]);
+        # counted as in use, they cut the keep cap (s6c1: 7B x 8 after x 2 kept 6 layers where alone it keeps 24)
+        leaving = self.dev_opt.nbytes if self.device_updates.mode == "auto" else 0
+        self.ckpts.reset(lb, (lambda: self._memory(leaving)) if self.dev.cuda else None)
 
     def _choose_lean(self, s: dict, n: int, d: int) -> None:
         """lean_activations=None: lean for this batch size or not (Note: [Lean auto] in lean.py)."""
@@ -490,11 +493,12 @@ class Engine:
             lean.prepare(self.arch, on)
         self.lean, self.lean_reason = on, "lean_activations=None (auto): " + ("on: " if on else "off: ") + why
 
-    def _memory(self) -> tuple[float, float, float]:
-        """(device bytes in use, device bytes in all, host bytes free for parked inputs)."""
+    def _memory(self, leaving: int = 0) -> tuple[float, float, float]:
+        """(device bytes in use, device bytes in all, host bytes free for parked inputs); ``leaving``: bytes
+        in use now that go before the step runs (residents, for a measuring step)."""
         total = torch.cuda.get_device_properties(self.dev.device).total_memory
         have = 0 if self._dE_host is None else self._dE_host.numel() * self._dE_host.element_size()
-        return (torch.cuda.memory_allocated(self.dev.device),  # allocator bookkeeping: no sync
+        return (torch.cuda.memory_allocated(self.dev.device) - leaving,  # allocator bookkeeping: no sync
                 total, host_free_bytes(max(0, self._dE_need - have), reusable=self.offload.pool.idle_bytes))
 
     def _parked(self, i: int, hs: list) -> bool:

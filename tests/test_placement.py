@@ -434,3 +434,28 @@ def test_a_trial_that_runs_out_of_memory_in_its_backward_runs_the_batch_again(hf
     finally:
         s.close()
     assert got == want[1:]
+
+
+@pytest.mark.parametrize("mode,leaving", [("auto", True), ({0: "resident"}, False)])
+def test_a_new_batch_size_caps_kept_layers_without_the_residents_that_leave(hf_dir, monkeypatch, mode, leaving):
+    """Under "auto" a new batch size's measuring step runs with nothing resident, so the keep cap and the
+    share are chosen from the device memory in use less the residents' bytes (s6c1: 7B x 8 after x 2
+    kept 6 layers, 24 in a fresh process). A placement dict keeps its residents: they count."""
+    from types import SimpleNamespace
+
+    GiB = 1 << 30
+    s = Session.from_pretrained(hf_dir("llama"), lr=LR, lean_activations=False)
+    try:
+        e = s.engine
+        seen = []
+        monkeypatch.setattr(e.ckpts, "reset", lambda lb, memory: seen.append(memory()[0]))
+        monkeypatch.setattr(e.dev, "cuda", True)  # _place_checkpoints alone, with the allocator's figures faked
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 50 * GiB)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=140 * GiB))
+        monkeypatch.setattr(e.dev_opt, "nbytes", 30 * GiB)
+        monkeypatch.setattr(e.device_updates, "mode", mode)
+        e._place_checkpoints([{"input_ids": torch.zeros(2, 12, dtype=torch.long)}])
+        assert seen == [(20 if leaving else 50) * GiB]
+    finally:
+        monkeypatch.undo()
+        s.close()
