@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-01's fifth session). Writes under $OUT.
-#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes)
+# What is still to measure on the H200 (pending after 2026-12-02's sixth session). Writes under $OUT.
+#   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
 # tests:     the GPU tests over every module the device imports (plotly-based ones skip).
-# twinflow:  issue 12: DeepSpeed Twin-Flow's batches 4-16 with megatrain-auto beside it (its batch 4 was killed
-#            at s4c1's budget; its batch-1 step is 9.6 s, 8.2 s of it optimizer). Carry .whl.
-# peers7b:   issue 12: the 7B sweep, then depth (36/72/108 layers) and width as time allows. Carry .whl.
+# core:      issue 12: the whole core sweep in one run after e80f89a (a search trial's OOM reruns its batch) and
+#            590057f (a new batch size's keep cap leaves out the residents that go): s6c2's batch 16 failed in a
+#            trial and ZeRO-3's batch-4 ratio was 3.44 (target 3.5). ~13 minutes with Twin-Flow at 4-8: run it
+#            detached across two calls as bench/h200_s6.sh does, or in two halves with --skip-done.
+# peers7b:   issue 12 / 9: the 7B sweep again (s6c1's 7B x 8 followed x 2 and kept 6 layers: the keep-cap fault).
+# depth:     issue 12: depth with every layer recomputed at 72 layers (s6c2 ran 36 and 96), and with every update on
+#            the host as well (megatrain-host-recompute: device memory flat in depth), 36 / 72 / 96.
 # placement: issue 9: 3B x 1 (ten timed steps) and stream 3B x 1 / x 4 again after a change to stream
 #            (s5c4: 273.1, 88.1, 253.3 model TFLOPS against targets of 280, 110, 330).
-# Done: layers (s5c1, s5c2), long and 512k (s5c3: every issue-11 target holds; bench/h200_s5.sh).
+# Done: layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s6c2: 31.3 / 63.4 / OOM at 4 / 8 / 16), width (s6c1).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,9 +38,13 @@ placement)
     STEPS=10 bench 3b auto 1 4
     STEPS=10 bench 3b stream 1 4
     pack && rm -rf "$OUT"/tr_* ;;
-twinflow)
-    wheels; python3 bench/peers.py --sweep core --systems megatrain-auto zero3-twinflow --batch 4 8 16 --budget-s 540 \
-        --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
+core)
+    wheels; python3 bench/peers.py --sweep core --host-reserve-gib 4 --job-timeout 300 --budget-s 560 \
+        --skip-done "$OUT/peers.jsonl" --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
 peers7b)
-    wheels; python3 bench/peers.py --sweep 7b depth width --budget-s 540 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
+    wheels; python3 bench/peers.py --sweep 7b --systems megatrain-auto native --budget-s 540 --out "$OUT/peers.jsonl" \
+        --log "$OUT/peers.log" | cut -c1-400 ;;
+depth)
+    python3 bench/peers.py --sweep depth --sweep-systems megatrain-recompute megatrain-host-recompute --depths 36 72 96 \
+        --host-reserve-gib 4 --budget-s 560 --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
 esac

@@ -14,7 +14,8 @@ Sweeps (--sweep, any of):
 Systems: native (fp32 master + bf16 autocast; native-bf16 follows on its out-of-memory batches),
 fsdp2-offload, zero3-offload, zero3-twinflow, megatrain-auto / -host / -stream (the placement= keyword;
 plain "megatrain", default settings, follows if the installed Session refuses it), megatrain-recompute (every
-layer recomputed: device memory flat in depth, as in the paper's depth curve; for --sweep-systems).
+layer recomputed, as in the paper's depth curve) and megatrain-host-recompute (also every update on the host:
+device memory flat in depth); for --sweep-systems.
 
 On the H200 (DeepSpeed travels as wheels in .whl/, see docs/benchmarks.md):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -46,7 +47,8 @@ from shapes import count_params, qwen_config  # noqa: E402
 SYSTEMS = ("megatrain-auto", "native", "fsdp2-offload", "zero3-offload", "zero3-twinflow", "megatrain-host",
            "megatrain-stream")
 EXTRA_SYSTEMS = ("native-bf16", "megatrain",  # fallbacks the run adds itself; may also be asked for
-                 "megatrain-recompute")  # every layer recomputed (checkpoint_every=1): the depth sweep's fixed setting
+                 "megatrain-recompute",  # every layer recomputed (checkpoint_every=1): the depth sweep's fixed settings,
+                 "megatrain-host-recompute")  # and with placement "host" (device memory flat in depth)
 ALIASES = {"peers": ("native", "fsdp2-offload", "zero3-offload", "zero3-twinflow"),
            "zero3": ("zero3-offload", "zero3-twinflow"),
            "megatrain-all": ("megatrain-auto", "megatrain-host", "megatrain-stream")}

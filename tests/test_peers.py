@@ -256,4 +256,10 @@ def test_megatrain_recompute_recomputes_every_layer_with_auto_placement():
         assert sys_.session.engine.cfg.checkpoint_every == 1 and not any(sys_.session.engine.keep)
     finally:
         sys_.session.close()
-    assert "megatrain-recompute" in peers.expand(["megatrain-recompute"])
+    assert peers.expand(["megatrain-recompute", "megatrain-host-recompute"]) == ["megatrain-recompute",
+                                                                               "megatrain-host-recompute"]
+    host = peer_systems._build({"system": "megatrain-host-recompute", "batches": [1]}, cfg, torch.device("cpu"))
+    try:
+        assert host.settings == {"placement": "host", "default_settings": False, "checkpoint_every": 1}
+    finally:
+        host.session.close()
