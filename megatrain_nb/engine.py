@@ -38,6 +38,7 @@ from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
 from .device_updates import DeviceUpdates
+from .early_rows import EarlyRows
 from .optim import HostAdamW, grad_norm
 from . import distributed
 from . import placement as placing
@@ -83,6 +84,9 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
+        self.early = EarlyRows(arch.embed.weight.shape[1], cond=self.adam.cond, version=self.adam.version,
+                               abort=self.abort)  # the next forward's embedding rows first (Note: [Early rows])
+        self.adam.early = self._early_rows
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
@@ -141,6 +145,15 @@ class Engine:
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
         self.device_updates.host_updated(unit, time.perf_counter() - t0)  # what "stream" balances PCIe against
+
+    def _early_rows(self, unit: int, step: int, lr: float, grad_scale: float) -> bool:
+        """Worker, before ``unit``'s update of step ``step``: serve the embedding rows the next forward
+        asked for (Note: [Early rows]); False where this process does not update it on the host."""
+        if unit != -1 or -1 in self.dev_opt.of or not self.store.owns(-1) or not self.early.pending(step + 1):
+            return False
+        H = self.early.width
+        with self.rec.span("host-adam", "adam-rows", -1, "optim"):
+            return self.early.serve(step + 1, lambda ids: self.optim.updated_rows(-1, ids, H, lr, grad_scale))
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -345,8 +358,19 @@ class Engine:
         if -1 in self.dev_opt.of:  # resident: gathered on the device from the current weights
             return self.device_updates.embed_rows(ids), Box(ready=True)
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
-        rows = lambda: self.store.units[-1].master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
-        box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", self.steps_done)
+        master, v = self.store.units[-1].master, self.steps_done
+        if self.early.request(v, ids):  # Note: [Early rows] its host update is pending: these rows come first
+            def rows():
+                if self.early.ready(v):
+                    return self.early.take(ids, v, master).flatten()
+                t0 = time.perf_counter()
+                with self.rec.span("host-pack", "wait-update", -1, "fwd"):  # a host wait, traced as a load's
+                    out = self.early.take(ids, v, master).flatten()
+                self.io.update_wait_s += time.perf_counter() - t0  # what placement "auto" measures (Search)
+                return out
+            return dst.view(*ids.shape, H), self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", 0)
+        rows = lambda: master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
+        box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", v)
         return dst.view(*ids.shape, H), box
 
     def _plan(self, ops: list[Op], resident: list) -> dict:
@@ -696,14 +720,17 @@ class Engine:
                     self._dE_host = dev.exact_buffer(dE.numel(), dE.dtype)  # pinned: one DMA
                 host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
                 return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
-                                          host_fn=lambda: self._embed_grads(ids, host, dE))[1]
+                                          host_fn=lambda v=self.steps_done: self._embed_grads(ids, host, dE, v))[1]
         raise AssertionError("backward_ops always ends with embed_bwd")
 
-    def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive) -> float:
+    def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive, version: int) -> float:
         """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
         unit = self.store.units[-1]
         H = self.arch.embed.weight.shape[1]
         grad = unit.grad.view(-1, H)
+        # the last step's update of the embedding reads this slab: a forward on early rows did not wait for it
+        # (Note: [Early rows]); a tied head's gradients come in after the head's load, which did
+        self.adam.wait_version(-1, version)
         with self.rec.span("host-unpack", "embed_grad", -1, "bwd", dE.numel() * dE.element_size()):
             if not self.arch.tied and self._embed_rows is not None:
                 grad.index_fill_(0, self._embed_rows, 0)  # only rows an earlier step touched are non-zero

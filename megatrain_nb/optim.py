@@ -98,6 +98,22 @@ class HostAdamW:
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         step.add_(1)
 
+    def updated_rows(self, u: int, rows: torch.Tensor, width: int, lr: float, grad_scale: float = 1.0) -> torch.Tensor:
+        """Rows ``rows`` of unit ``u``'s master (``width`` elements each), fp32 (len(rows), width), as its next
+        ``update`` with these arguments will leave them; computed on gathered copies, the slabs untouched
+        (Note: [Early rows] in early_rows.py: bitwise the slab's values when ``width`` is a multiple of 64)."""
+        unit = self.store.units[u]
+        opt = self.opts[u]
+        state, group = opt.state[unit.master], opt.param_groups[0]
+        take = lambda t: t.view(-1, width).index_select(0, rows).flatten()  # noqa: E731 - a copy
+        p, m, v, g = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq), take(unit.grad).float()
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+        step = state["step"].clone()  # adamw() adds 1, as the update will
+        _adamw([p], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=group["betas"][0],
+               beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        return p.view(-1, width)
+
     def clip_factor(self, norms: dict[int, float]) -> tuple[float, float]:
         """(total norm, factor) from per-unit L2 norms, as ``torch.nn.utils.clip_grad_norm_`` computes them."""
         total = math.sqrt(sum(n * n for n in norms.values()))

@@ -96,6 +96,8 @@ class AdamWorker:
     Note: [Update order] while the backward still produces gradients, units update in the order
     they land (head, L-1, ..., 0); once every unit has landed, the rest go in forward order
     (embedding, 0, 1, ...), so the next step's forward of layer 0 waits for one update, not all.
+    Where the next step has asked for its embedding rows (``early``, Note: [Early rows]), those go
+    first and the embedding's whole update goes last, after every other unit that has landed.
     When ``gate`` is set (gradient clipping, or overlap off) no unit updates before all have landed:
     the global norm needs every gradient.
     """
@@ -115,6 +117,7 @@ class AdamWorker:
         self.closed = False
         self.shared = shared  # shared_store.SharedHost: another local rank updates the units it owns
         self.target: dict[int, int] = {}  # unit owned elsewhere -> updates processed here (its owner's to come)
+        self.early: Callable[[int, int, float, float], bool] | None = None  # Note: [Early rows] (the engine's)
         self.follower = None
         if shared is not None:
             from .shared_store import Follower
@@ -180,12 +183,12 @@ class AdamWorker:
         if self.follower is not None:
             self.follower.close()
 
-    def _next(self, done: set) -> int | None:
+    def _next(self, done: set, deferred: frozenset | set = frozenset()) -> int | None:
         todo = [u for u in self.arrivals if u not in done]
         if not todo:
             return None
         if len(self.landed) == len(self.order):
-            return min(todo, key=self.order.index)
+            return min(todo, key=lambda u: (u in deferred, self.order.index(u)))
         return todo[0]
 
     def _run(self) -> None:
@@ -214,6 +217,7 @@ class AdamWorker:
         skip = not math.isfinite(loss)
         scale, total = 1.0, float("nan")
         done: set = set()
+        deferred: set = set()  # units whose early part went first: their whole update waits for the others
         applied = 0
         if cfg["gate"]:
             with self.cond:
@@ -225,16 +229,20 @@ class AdamWorker:
             skip = skip or not math.isfinite(total)
         while len(done) < len(self.order):
             with self.cond:
-                u = self._next(done)
+                u = self._next(done, deferred)
                 while u is None:
                     if self.abort.is_set():
                         raise Aborted("step abandoned")
                     self.cond.wait(0.05)
-                    u = self._next(done)
+                    u = self._next(done, deferred)
                 norm = self.landed[u]
             if not skip and not math.isfinite(norm):
                 skip = True  # Note: [Non-finite gradients] see docs/engine.md: later units are skipped too
-            if not skip:
+            if (not skip and u not in deferred and self.early is not None and len(self.landed) == len(self.order)
+                    and self.early(u, cfg["step"], cfg["lr"], scale)):
+                deferred.add(u)  # Note: [Early rows] the rows the next forward gathers are out; the rest waits
+                continue
+            if not skip or u in deferred:  # a unit whose rows went out early counts as updated where they did
                 self.update(u, cfg["lr"], scale)
                 applied += 1
             done.add(u)

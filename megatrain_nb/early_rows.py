@@ -1,0 +1,115 @@
+"""The next forward's embedding rows, updated before the rest of the embedding.
+
+Owns: the driver's request for the rows a new step gathers, their values as the embedding's pending
+host update will leave them (computed by the Adam worker on copies), and the packer's wait for them.
+Does not own: the AdamW arithmetic (``optim.HostAdamW.updated_rows``), when the worker updates a
+unit (``workers.AdamWorker``), or the copy to the device (``transfers.Transfers.load``).
+
+Note: [Early rows] the embedding's gradients land last in a backward (its rows' gradients come from
+the last op, the head's, when tied, from the first), and its host AdamW is the largest of any unit
+(311M parameters at the 3B shape: 67-77 ms on the H200's 16 cores). Yet the next forward reads it
+first: traced at 3B under placement "stream", each step's compute idled 92 ms (x 1) and 141 ms (x 4)
+before layer 0 while the host finished that update (``bench/trace_ops.py --stalls``, s5c4). The
+forward needs only the rows its tokens gather (at most one per token: 4096 of 151936 at 1 x 4096).
+So when the driver asks for them before the worker reaches the embedding, the worker first runs
+the same fused AdamW on copies of those rows (master, moments, gradients gathered), hands the
+updated master rows to the gather, updates every other unit that has landed, and only then the
+whole embedding slab, as before: the slabs see exactly the update they always did. The copies are
+bitwise what the slab's update writes when each row is a whole number of the kernel's 64-element
+lanes (hidden % 64 == 0, as in every Qwen, Llama and Mistral shape); other widths skip this. A
+tied head still waits for the whole update (``Engine._load_head``), at the end of the forward, and
+so do its gradients; an untied embedding's gradients of the new step wait for it before they are
+written into the slab that update reads (``Engine._embed_grads``). With a gate (grad_clip, say) the
+worker reaches the embedding the moment the last gradient lands, most often before the next step
+has asked: its rows then wait for the whole update, as before.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+LANES = 64  # rows of a multiple of this many fp32 elements fall on the fused kernel's vector lanes as in the slab
+
+
+class EarlyRows:
+    """Rows of one unit's master (``width`` elements each) requested ahead of its host update.
+
+    Args:
+        width: elements per row (the hidden size); rows that are not a multiple of ``LANES`` are never served.
+        cond: the Adam worker's condition (versions change under it; so do requests and served rows).
+        version: unit -> updates processed (the worker's ``version``, read under ``cond``).
+        abort: set when a step is abandoned (the packer stops waiting).
+    Example:
+        >>> cond = threading.Condition()
+        >>> e = EarlyRows(64, cond=cond, version={-1: 0}, abort=threading.Event())
+        >>> e.request(1, torch.tensor([[5, 3, 5]]))
+        True
+        >>> e.serve(1, lambda rows: torch.stack([rows.float()] * 64, 1))  # the worker's side
+        True
+        >>> e.take(torch.tensor([[5, 3, 5]]), 1, master=None)[:, 0].tolist()
+        [5.0, 3.0, 5.0]
+    """
+
+    def __init__(self, width: int, *, cond: threading.Condition, version: dict, abort: threading.Event):
+        self.width, self.cond, self.version, self.abort = width, cond, version, abort
+        self.on = width % LANES == 0
+        self.wanted: tuple[int, torch.Tensor] | None = None  # (version, sorted unique row ids) asked for
+        self.served: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, ids, fp32 rows)
+        self.count = 0  # requests served (tests, traces)
+
+    def request(self, version: int, ids: torch.Tensor) -> bool:
+        """Driver: the forward of the step that needs ``version`` updates gathers ``ids``. Returns whether
+        the rows may come early (False: the unit is updated already, or rows of this width never do)."""
+        if not self.on:
+            return False
+        with self.cond:
+            if self.version[-1] >= version:
+                return False
+            self.wanted = (version, torch.unique(ids.flatten()))
+            self.cond.notify_all()
+        return True
+
+    def pending(self, version: int) -> bool:
+        """Whether rows were asked for at ``version`` and not served yet (worker: worth a span)."""
+        with self.cond:
+            return self.wanted is not None and self.wanted[0] == version
+
+    def serve(self, version: int, compute) -> bool:
+        """Worker, before the unit's update that brings it to ``version``: ``compute(ids)`` -> the rows as
+        that update leaves them, for the ids asked for. Returns False when nothing was asked for it."""
+        with self.cond:
+            want = self.wanted
+        if want is None or want[0] != version:
+            return False
+        rows = compute(want[1])
+        with self.cond:
+            self.served, self.wanted = (version, want[1], rows), None
+            self.count += 1
+            self.cond.notify_all()
+        return True
+
+    def ready(self, version: int) -> bool:
+        """Whether ``take`` at ``version`` would return at once."""
+        with self.cond:
+            return (self.served is not None and self.served[0] == version) or self.version[-1] >= version
+
+    def take(self, ids: torch.Tensor, version: int, master: torch.Tensor | None) -> torch.Tensor:
+        """Packer: the rows of ``ids`` (flattened) at ``version``, fp32 (n, width): early ones once served,
+        else from ``master`` once the whole update is applied. Raises Aborted when the step is abandoned."""
+        from .workers import Aborted
+
+        with self.cond:
+            while True:
+                if self.served is not None and self.served[0] == version:
+                    _, have, rows = self.served
+                    break
+                if self.version[-1] >= version:
+                    have = rows = None
+                    break
+                if self.abort.is_set():
+                    raise Aborted("step abandoned")
+                self.cond.wait(0.05)
+        if rows is None:
+            return master.view(-1, self.width).index_select(0, ids.flatten())
+        return rows.index_select(0, torch.searchsorted(have, ids.flatten()))

@@ -1,0 +1,150 @@
+"""Note: [Early rows]: the next forward's embedding rows, updated before the rest of the embedding.
+
+The rows computed on copies equal what the whole slab's AdamW writes, bit for bit; a session whose
+forward takes them early trains bit-identically to one that waits for the whole update (which the
+equivalence tests hold equal to HF + torch.optim.AdamW); the worker updates every other landed unit
+before the embedding's whole slab.
+"""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_batches, train_session
+from megatrain_nb import Session
+from megatrain_nb.config import OptimConfig
+from megatrain_nb.early_rows import EarlyRows
+from megatrain_nb.optim import HostAdamW
+
+
+def _store(rows: int, width: int, grad_dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n = rows * width
+    unit = SimpleNamespace(master=torch.randn(n, generator=g), grad=torch.randn(n, generator=g).to(grad_dtype),
+                           exp_avg=torch.randn(n, generator=g) * 0.1, exp_avg_sq=torch.rand(n, generator=g) * 0.01)
+    return SimpleNamespace(units={-1: unit}, step_count=lambda u: torch.tensor(3.0))
+
+
+@pytest.mark.parametrize("width", [64, 192])
+@pytest.mark.parametrize("grad_dtype,scale", [(torch.float32, 1.0), (torch.float32, 0.37), (torch.bfloat16, 1.0),
+                                              (torch.bfloat16, 0.5)])
+def test_updated_rows_equal_the_slab_update_bitwise(width, grad_dtype, scale, monkeypatch):
+    store = _store(997, width, grad_dtype)
+    opt = HostAdamW(store, OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
+    monkeypatch.setattr(HostAdamW, "chunk_numel", 64 * 41)  # chunks that cut rows, as a 151936-row table's do
+    rows = torch.unique(torch.randint(0, 997, (300,), generator=torch.Generator().manual_seed(1)))
+    before = {k: getattr(store.units[-1], k).clone() for k in ("master", "exp_avg", "exp_avg_sq", "grad")}
+    early = opt.updated_rows(-1, rows, width, lr=2e-3, grad_scale=scale)
+    for k, t in before.items():
+        assert torch.equal(getattr(store.units[-1], k), t), f"{k} changed: the rows are computed on copies"
+    opt.update(-1, lr=2e-3, grad_scale=scale)
+    assert torch.equal(early, store.units[-1].master.view(-1, width)[rows])
+    assert opt.steps_done(-1) == 4
+
+
+def test_take_waits_for_the_served_rows_or_the_whole_update():
+    cond, version, abort = threading.Condition(), {-1: 0}, threading.Event()
+    e = EarlyRows(64, cond=cond, version=version, abort=abort)
+    master = torch.arange(10 * 64, dtype=torch.float32)
+    ids = torch.tensor([[7, 2, 7]])
+    assert e.request(1, ids) and not e.ready(1)
+    got = []
+    t = threading.Thread(target=lambda: got.append(e.take(ids, 1, master)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # neither served nor updated: the packer waits
+    with cond:
+        version[-1] = 1  # the whole update landed without serving (a skipped step, say)
+        cond.notify_all()
+    t.join(5)
+    assert torch.equal(got[0], master.view(-1, 64)[[7, 2, 7]])
+    assert not e.request(1, ids)  # already updated: nothing to ask
+    assert not EarlyRows(48, cond=cond, version={-1: 0}, abort=abort).request(1, ids)  # not whole lanes: never
+
+
+@pytest.mark.parametrize("family,grad_clip", [("llama_tied", None), ("llama", None), ("llama", 0.05)])
+def test_a_forward_on_early_rows_trains_equal_to_one_that_waits(hf_dir, family, grad_clip):
+    d = hf_dir(family, hidden_size=64)
+    batches = make_batches(VOCAB, 4)
+    runs = {}
+    for early in (True, False):
+        s = Session.from_pretrained(d, lr=1e-3, weight_decay=0.1, grad_clip=grad_clip)
+        try:
+            s.engine.early.on = early
+            s.engine.delays = {"host-adam": 0.03}  # the next step asks for its rows before the worker gets there
+            losses = train_session(s, batches)  # back to back: reading a trace between steps would wait for updates
+            spans = s.trace.to_dataframe()
+            s.engine.drain()
+            runs[early] = (losses, s.engine.early.count, {u: s.store.units[u].master.clone() for u in s.store.units})
+        finally:
+            s.close()
+        if not grad_clip:
+            assert ("adam-rows" in set(spans[spans.lane == "host-adam"].op)) == early  # traced on the host-adam lane
+    (l1, served, m1), (l0, none, m0) = runs[True], runs[False]
+    assert none == 0 and (served >= len(batches) - 1 or grad_clip)  # gated: the worker most often gets there first
+    assert l1 == l0
+    assert all(torch.equal(m1[u], m0[u]) for u in m1)
+
+
+def test_the_worker_updates_the_others_before_the_embedding_whose_rows_went_first():
+    from megatrain_nb.workers import AdamWorker, Box
+
+    calls = []
+    abort = threading.Event()
+    w = AdamWorker([-1, 0, 1, 2], lambda u, lr, scale: calls.append(("adam", u)), abort)
+    w.early = lambda u, step, lr, scale: u == -1 and not calls.append(("rows", u, step))
+    try:
+        loss = Box(abort)
+        w.begin(step=0, lr=1e-3, gate=True, clip=lambda norms: (0.0, 1.0), loss=loss)  # gate: all land first
+        for u in (2, 1, 0, -1):
+            w.land(u, 1.0)
+        loss.put(1.0)
+        w.wait_all(1)
+    finally:
+        w.close()
+    assert calls == [("rows", -1, 0), ("adam", 0), ("adam", 1), ("adam", 2), ("adam", -1)]
+
+
+def test_a_non_finite_unit_after_the_early_rows_still_lets_the_embedding_update():
+    """Note: [Non-finite gradients] units after a non-finite one are skipped; the embedding, whose rows the
+    next forward already read, counts as updated where its rows went out: its whole update still runs."""
+    from megatrain_nb.workers import AdamWorker, Box
+
+    calls = []
+    abort = threading.Event()
+    w = AdamWorker([-1, 0, 1], lambda u, lr, scale: calls.append(("adam", u)), abort)
+    w.early = lambda u, step, lr, scale: u == -1 and not calls.append(("rows", u))
+    try:
+        loss = Box(abort)
+        w.begin(step=0, lr=1e-3, gate=True, clip=lambda norms: (0.0, 1.0), loss=loss)
+        for u, norm in ((1, 1.0), (0, float("nan")), (-1, 1.0)):
+            w.land(u, norm)
+        loss.put(1.0)
+        w.wait_all(1)
+    finally:
+        w.close()
+    assert calls == [("rows", -1), ("adam", -1)]  # 0 is non-finite: 0 and 1 skipped, the embedding not
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_early_rows_train_equal_to_hf_with_torch_adamw(hf_dir, tmp_path, monkeypatch, family):
+    """The equivalence test's comparison (losses and saved weights against HF + torch.optim.AdamW) with the
+    host AdamW slowed so that every step's forward takes its embedding rows early."""
+    import test_equivalence
+
+    made = []
+
+    class Slowed(Session):
+        @classmethod
+        def from_pretrained(cls, *a, **k):
+            s = Session.from_pretrained(*a, **k)
+            s.engine.delays = {"host-adam": 0.02}
+            made.append(s)
+            return s
+
+    monkeypatch.setattr(test_equivalence, "Session", Slowed)
+    test_equivalence.compare(hf_dir(family, hidden_size=64), family, tmp_path, weight_decay=0.1)
+    assert made and made[0].engine.early.count >= 3  # of 5 steps: the 2nd and later gathered early rows
