@@ -67,6 +67,8 @@ class EarlyRows:
             if self.version[-1] >= version:
                 return False
             self.wanted = (version, torch.unique(ids.flatten()))
+            if self.served is not None and self.served[0] == version:
+                self.served = None  # served for a step that failed: this batch may gather other rows
             self.cond.notify_all()
         return True
 
@@ -110,6 +112,14 @@ class EarlyRows:
                 if self.abort.is_set():
                     raise Aborted("step abandoned")
                 self.cond.wait(0.05)
-        if rows is None:
-            return master.view(-1, self.width).index_select(0, ids.flatten())
-        return rows.index_select(0, torch.searchsorted(have, ids.flatten()))
+        flat = ids.flatten()
+        if rows is not None:
+            at = torch.searchsorted(have, flat).clamp_(max=len(have) - 1)
+            if torch.equal(have[at], flat):
+                return rows.index_select(0, at)
+            with self.cond:  # not the rows asked for: the whole update, as without early rows
+                while self.version[-1] < version:
+                    if self.abort.is_set():
+                        raise Aborted("step abandoned")
+                    self.cond.wait(0.05)
+        return master.view(-1, self.width).index_select(0, flat)

@@ -148,3 +148,19 @@ def test_early_rows_train_equal_to_hf_with_torch_adamw(hf_dir, tmp_path, monkeyp
     monkeypatch.setattr(test_equivalence, "Session", Slowed)
     test_equivalence.compare(hf_dir(family, hidden_size=64), family, tmp_path, weight_decay=0.1)
     assert made and made[0].engine.early.count >= 3  # of 5 steps: the 2nd and later gathered early rows
+
+
+def test_rows_served_for_other_ids_are_not_used():
+    """A step that failed after its rows were served runs again, perhaps on another batch: rows that were
+    not asked for come from the whole update, never from a neighbour in the served set."""
+    cond, version, abort = threading.Condition(), {-1: 0}, threading.Event()
+    e = EarlyRows(64, cond=cond, version=version, abort=abort)
+    master = torch.arange(10 * 64, dtype=torch.float32)
+    assert e.request(1, torch.tensor([2, 7]))
+    assert e.serve(1, lambda ids: -master.view(-1, 64)[ids])  # "updated" rows: negated
+    assert torch.equal(e.take(torch.tensor([7, 2]), 1, master), -master.view(-1, 64)[[7, 2]])
+    with cond:
+        version[-1] = 1
+    assert torch.equal(e.take(torch.tensor([3, 7]), 1, master), master.view(-1, 64)[[3, 7]])  # 3 was not served
+    version[-1] = 0
+    assert e.request(1, torch.tensor([3, 7])) and e.served is None  # asked again for the same step: served dropped
