@@ -63,6 +63,10 @@ def test_take_waits_for_the_served_rows_or_the_whole_update():
     assert torch.equal(got[0], master.view(-1, 64)[[7, 2, 7]])
     assert not e.request(1, ids)  # already updated: nothing to ask
     assert not EarlyRows(48, cond=cond, version={-1: 0}, abort=abort).request(1, ids)  # not whole lanes: never
+    from megatrain_nb import early_rows
+
+    many = torch.arange(early_rows.MAX_BYTES // (64 * 16) + 1)
+    assert not EarlyRows(64, cond=cond, version={-1: 0}, abort=abort).request(1, many)  # copies past MAX_BYTES
 
 
 @pytest.mark.parametrize("family,grad_clip", [("llama_tied", None), ("llama", None), ("llama", 0.05)])
