@@ -56,6 +56,31 @@ def timed(obj, name: str, into: list) -> None:
     setattr(obj, name, wrapper)
 
 
+def breakdown(engine) -> dict:
+    """Wrap the driver's calls of each layer op with timers; returns name -> seconds of each call."""
+    import megatrain_nb.engine as eng
+    from megatrain_nb import binding
+
+    out: dict[str, list] = {}
+    for obj, name in ((engine, "_use"), (engine, "_done"), (engine, "_count_memory"), (engine, "_reduced"),
+                      (engine.io, "grads"), (engine.io, "delay"), (engine.device_updates, "landed"),
+                      (engine.rec, "cuda_begin"), (engine.rec, "cuda_end"), (engine.refs, "hooks"),
+                      (eng, "call"), (eng, "grads_into")):
+        timed(obj, name, out.setdefault(name.lstrip("_"), []))
+    for cls, name in ((binding.Layout, "views"),):
+        fn, into = getattr(cls, name), out.setdefault(name, [])
+
+        def wrapper(self, *a, fn=fn, into=into, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                into.append(time.perf_counter() - t0)
+
+        setattr(cls, name, wrapper)
+    return out
+
+
 def profiled(obj, name: str, prof: cProfile.Profile, on: list) -> None:
     """Wrap ``obj.name`` so that, while ``on[0]``, its calls are profiled in the thread that makes them
     (``Session.step`` runs the engine's step in a driver thread: a profiler of the main thread sees a wait)."""
@@ -107,6 +132,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="0: keep every layer; 1: recompute every layer")
     ap.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True, help="the recorder on / off")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the timed steps; print the top N by tottime")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the driver's calls of each layer op (views, call, hooks, counters, landed, ...)")
     ap.add_argument("--label", default="", help="a tag for the JSON row (e.g. before / after)")
     ap.add_argument("--out", default=None, help="append the JSON line here")
     a = ap.parse_args(argv)
@@ -123,11 +150,15 @@ def main(argv=None) -> dict:
     t = {"forward": [], "loss": [], "backward": []}
     for name in t:
         timed(s.engine, "_" + name, t[name])
+    parts = breakdown(s.engine) if a.breakdown else {}
     steps, prof, on = [], cProfile.Profile(), [False]
     if a.profile:
         profiled(s.engine, "step", prof, on)
     for k, b in enumerate(batches):
         on[0] = k >= a.warmup
+        if k == a.warmup:
+            for v in parts.values():
+                v.clear()  # the timed steps' calls only
         r = s.step(b)
         if a.trace:
             s.trace  # resolved as a notebook would read it (part of the step's host cost, outside the driver)
@@ -152,6 +183,13 @@ def main(argv=None) -> dict:
         print(f"{what:<36}{e:>10.1f}{h:>10.1f}{e - h:>10.1f}")
     print(f"{'loss (once per step)':<36}{row['loss_us']:>10.1f}")
     print(f"{'step (ms)':<36}{row['step_ms']:>10.3f}")
+    if parts:
+        print(f"{'driver call':<24}{'calls/step':>12}{'us/call':>10}{'us/layer':>10}")
+        for name, v in sorted(parts.items(), key=lambda kv: -sum(kv[1])):
+            if v:
+                print(f"{name:<24}{len(v) / a.steps:>12.1f}{1e6 * statistics.mean(v):>10.1f}"
+                      f"{1e6 * sum(v) / a.steps / L:>10.1f}")
+        row["breakdown_us_per_layer"] = {n: round(1e6 * sum(v) / a.steps / L, 1) for n, v in parts.items() if v}
     if a.profile:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.profile)
