@@ -37,6 +37,7 @@ from .binding import Layout, SlotRefs, call, grads_into
 from .config import EngineConfig, OptimConfig
 from .host_store import HostStore
 from .hf import Architecture
+from .hostmem import HostRss
 from .device_updates import DeviceUpdates
 from .early_rows import EarlyRows
 from .optim import HostAdamW, grad_norm
@@ -111,7 +112,7 @@ class Engine:
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
         self.closed = False
         self._dE_host: torch.Tensor | None = None  # (tokens*H,) compute dtype, pinned on CUDA: embedding-row grads
-        self._proc = None  # psutil.Process of this process, made once (memory counters)
+        self._rss = HostRss()  # this process's resident host bytes, read cheaply (memory counters)
         self._pending: tuple | None = None  # last step's raw records and slot uses, until `trace` is read
         self._trace = None
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
@@ -306,10 +307,7 @@ class Engine:
         rec = self.rec
         if not rec.enabled:
             return
-        if self._proc is None:
-            import psutil
-            self._proc = psutil.Process()
-        rec.counter("host_rss_bytes", self._proc.memory_info().rss)  # sampled after every layer op
+        rec.counter("host_rss_bytes", self._rss())  # sampled after every layer op
         if not self.dev.cuda:
             return  # on "cpu" every buffer lives in host RAM: RSS is the whole story
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
@@ -559,7 +557,7 @@ class Engine:
             if kept:
                 params = layout.views(slot, requires_grad=True)
                 xs, outs = [], []
-                with self.refs.hooks(), torch.enable_grad():
+                with self.refs.hooks(slot), torch.enable_grad():
                     for m, calls in enumerate(st["calls"]):
                         x = hs[m].detach().requires_grad_()
                         out = call(self._template(i), params, x, *calls[i][0], **calls[i][1])
@@ -651,7 +649,7 @@ class Engine:
                 params = self.store.units[i].layout.views(slot, requires_grad=True)
                 tok = rec.cuda_begin("compute", "recompute", i, "recompute", 0, dev.compute)
                 xs, outs = [], []
-                with self.refs.hooks(), torch.enable_grad():
+                with self.refs.hooks(slot), torch.enable_grad():
                     for m, calls in enumerate(st["calls"]):
                         x = hs[m].detach().requires_grad_()
                         with self.attn_cache.replay(i, m):  # a cached layer: its attention output from the forward
@@ -668,14 +666,15 @@ class Engine:
                 if res is None:
                     self._occ.append(("grad", gi, i, ("compute", "bwd", i, "bwd"), "computing", "ready"))
                     self._occ.append(("grad", gi, i, ("d2h", "d2h", i, "bwd"), "loading", "free"))
-                    g = self.gslots[gi][:layout.numel]
+                    gbuf = self.gslots[gi]
+                    g = gbuf[:layout.numel]
                     dev.wait(dev.compute, self.gslot_box[gi].get())  # driver waits until that slot's copy-out is enqueued
                 else:
-                    g = res.grad  # resident: gradients stay on the device for its AdamW
+                    g = gbuf = res.grad  # resident: gradients stay on the device for its AdamW
                 self.io.delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
                 g.zero_()
-                grads_into(params, g, layout)
+                grads_into(params, gbuf, layout)  # the buffer itself: its views are made once (binding.py)
                 for m in range(len(outs)):
                     torch.autograd.backward(outs[m], gs[m])
                     gs[m] = xs[m].grad
