@@ -9,8 +9,9 @@
 # peers7b:   issue 12 / 9: the 7B sweep again (s6c1's 7B x 8 followed x 2 and kept 6 layers: the keep-cap fault).
 # depth:     issue 12: depth with every layer recomputed at 72 layers (s6c2 ran 36 and 96), and with every update on
 #            the host as well (megatrain-host-recompute: device memory flat in depth), 36 / 72 / 96.
-# placement: issue 9: 3B x 1 (ten timed steps) and stream 3B x 1 / x 4 again after a change to stream
-#            (s5c4: 273.1, 88.1, 253.3 model TFLOPS against targets of 280, 110, 330).
+# placement: issue 9: 3B x 1 (ten timed steps) and stream 3B x 1 / x 4 after the sixth session's driver-overhead
+#            cut (d7a2315) and early rows (3d53e4a): s5c4 273.1, 88.1, 253.3 model TFLOPS against targets of 280,
+#            110, 330; each batch in a process of its own. Then the GPU tests (tests mode) for both changes.
 # Done: layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s6c2: 31.3 / 63.4 / OOM at 4 / 8 / 16), width (s6c1).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K).
 set -uo pipefail
