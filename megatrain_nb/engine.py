@@ -251,12 +251,13 @@ class Engine:
         with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
             self._count_memory()
+            small = self._small_inputs(mbs)  # before any load of this step is queued
             embeds = [self._gather(mb) for mb in mbs]
             fops = forward_ops(L)
             fboxes = self._plan(fops, [None] * len(self.slots))
             head_box = self._load_head()
-            state = self._forward(mbs, embeds, fops, fboxes)
-            hL_grads = self._loss(mbs, state.pop("hL"), n_valid, head_box, loss_box)
+            state = self._forward(embeds, fops, fboxes, small)
+            hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small)
             blocks = make_blocks(L, self.keep, self.ckpts.block)
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
@@ -528,15 +529,25 @@ class Engine:
         nbytes = sum(h.numel() * h.element_size() for h in hs)
         return self.ckpts.parked(i, nbytes, self._memory if self.dev.cuda else None)
 
-    def _forward(self, mbs, embeds, fops, plan) -> dict:
+    def _small_inputs(self, mbs) -> list[dict]:
+        """Compute stream: each micro-batch's mask, position kwargs and labels on the device.
+
+        Enqueued at the step's start, before its weight and state loads: a small copy from the host
+        that the compute stream reaches later queues behind every copy in on the way then (traced at
+        3B x 4 under "stream": the loss took 206 ms where it takes 74, beside 133 ms of state loads).
+        """
+        dev = self.dev.device
+        return [{"mask": None if mb["attention_mask"] is None else mb["attention_mask"].to(dev, non_blocking=True),
+                 "pos": self.arch.position_kwargs(mb.get("position_ids"), dev),  # packed rows: packing.py
+                 "labels": mb["shift_labels"].to(dev, non_blocking=True)} for mb in mbs]
+
+    def _forward(self, embeds, fops, plan, small) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
         st = {"E": [], "h0": [], "calls": [], "ckpt": {}, "kept": {}}
         hs = []
-        for mb, (E, box) in zip(mbs, embeds):
+        for (E, box), inputs in zip(embeds, small):
             self._ready(box)
-            mask = mb["attention_mask"]
-            mask = None if mask is None else mask.to(dev.device, non_blocking=True)
-            pos = arch.position_kwargs(mb.get("position_ids"), dev.device)  # packed rows: packing.py
+            mask, pos = inputs["mask"], inputs["pos"]
             E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad():
                 h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
@@ -587,7 +598,7 @@ class Engine:
         st["hL"] = hs
         return st
 
-    def _loss(self, mbs, hs, n_valid: int, head_box: Box, loss_box: Box) -> list[torch.Tensor]:
+    def _loss(self, hs, n_valid: int, head_box: Box, loss_box: Box, small) -> list[torch.Tensor]:
         """Final norm + lm_head + cross-entropy in sequence chunks, each with its own backward."""
         arch, dev, L, lay = self.arch, self.dev, self.L, self.head_layout
         self._ready(head_box)
@@ -600,8 +611,8 @@ class Engine:
         grads_into(params, gslot, lay)
         total = torch.zeros((), dtype=torch.float32, device=dev.device)
         grads = []
-        for mb, h in zip(mbs, hs):
-            labels = mb["shift_labels"].to(dev.device, non_blocking=True)
+        for inputs, h in zip(small, hs):
+            labels = inputs["labels"]
             g = torch.empty_like(h)
             for a, b in chunks(h.shape[1], self.cfg.loss_chunk_tokens):
                 with torch.enable_grad():
