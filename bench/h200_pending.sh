@@ -4,11 +4,12 @@
 # tests:     the GPU tests over every module the device imports (plotly-based ones skip).
 # core:      issue 12: the whole core sweep in one run after e80f89a (a search trial's OOM reruns its batch) and
 #            590057f (a new batch size's keep cap leaves out the residents that go): s6c2's batch 16 failed in a
-#            trial and ZeRO-3's batch-4 ratio was 3.44 (target 3.5). ~13 minutes with Twin-Flow at 4-8: run it
-#            detached across two calls as bench/h200_s6.sh does, or in two halves with --skip-done.
+#            trial and ZeRO-3's batch-4 ratio was 3.44 (target 3.5). ~13-16 minutes: detached across two calls,
+#            PYTHONPATH=$PWD bash bench/h200_s6.sh start allcore 560   then   bash bench/h200_s6.sh wait - 560
 # peers7b:   issue 12 / 9: the 7B sweep again (s6c1's 7B x 8 followed x 2 and kept 6 layers: the keep-cap fault).
 # depth:     issue 12: depth with every layer recomputed at 72 layers (s6c2 ran 36 and 96), and with every update on
-#            the host as well (megatrain-host-recompute: device memory flat in depth), 36 / 72 / 96.
+#            the host as well (megatrain-host-recompute: device memory flat in depth), 36 / 72 / 96 (~10 minutes;
+#            or detached: bench/h200_s6.sh start depthflat).
 # placement: issue 9: 3B x 1 (ten timed steps) and stream 3B x 1 / x 4 after the sixth session's driver-overhead
 #            cut (d7a2315) and early rows (3d53e4a): s5c4 273.1, 88.1, 253.3 model TFLOPS against targets of 280,
 #            110, 330; each batch in a process of its own. Then the GPU tests (tests mode) for both changes.
@@ -40,8 +41,7 @@ placement)
     STEPS=10 bench 3b stream 1 4
     pack && rm -rf "$OUT"/tr_* ;;
 core)
-    wheels; python3 bench/peers.py --sweep core --host-reserve-gib 4 --job-timeout 300 --budget-s 560 \
-        --skip-done "$OUT/peers.jsonl" --out "$OUT/peers.jsonl" --log "$OUT/peers.log" | cut -c1-400 ;;
+    echo "run it detached: PYTHONPATH=\$PWD bash bench/h200_s6.sh start allcore 560, then bash bench/h200_s6.sh wait - 560" ;;
 peers7b)
     wheels; python3 bench/peers.py --sweep 7b --systems megatrain-auto native --budget-s 540 --out "$OUT/peers.jsonl" \
         --log "$OUT/peers.log" | cut -c1-400 ;;

@@ -3,7 +3,9 @@
 #   sweeps: depth (3B width, 36 / 72 / 96 layers: 108 needs ~129 GiB of host RAM at 16 B/param), width
 #           (18 layers, hidden x1 / x1.5 / x2), then the 7B sweep (megatrain auto, native), batch 8 / 2 and 8.
 #   core:   megatrain auto and ZeRO-3 offload at batch 1-16, Twin-Flow at 4-16 (its batch 1 ran in s4c1), then the
-#           depth sweep with every layer recomputed (megatrain-recompute: the setting whose memory is flat in depth).
+#           depth sweep with every layer recomputed (megatrain-recompute: TFLOPS flat in depth).
+#   allcore: the whole core sweep, every system at batch 1-16 (issue 12's one run; next session).
+#   depthflat: depth 36 / 72 / 96 with every layer recomputed, with auto and with host placement (flat memory).
 # Each runs detached (setsid: it outlives the call) across device calls made within 30 s of each other:
 #     PYTHONPATH=$PWD bash bench/h200_s6.sh start sweeps 560    then    bash bench/h200_s6.sh wait - 560
 # Carry .whl (DeepSpeed and its requirements, bench/peers_wheels.sh).
@@ -24,6 +26,11 @@ if [ "$1" = start ]; then
         CMD="$P --sweep core --systems megatrain-auto zero3-offload --budget-s 320; \
         $P --sweep core --systems zero3-twinflow --batch 4 8 16 --job-timeout 200 --budget-s 200; \
         $P --sweep depth --sweep-systems megatrain-recompute --depths 36 96 72 --budget-s 240" ;;
+    allcore) CMD="python3 bench/peers.py --sweep core --host-reserve-gib 4 --job-timeout 300 --budget-s ${4:-1000} \
+        --out $D/peers.jsonl --log $D/peers.log" ;;  # every system, batch 1-16: ~13-16 minutes
+    depthflat) CMD="python3 bench/peers.py --sweep depth --sweep-systems megatrain-recompute megatrain-host-recompute \
+        --depths 36 72 96 --host-reserve-gib 4 --budget-s ${4:-900} --out $D/peers.jsonl --log $D/peers.log" ;;
+    *) echo "unknown mode $2: sweeps, core, allcore, depthflat"; exit 2 ;;
     esac
     setsid nohup bash -c "$CMD" > "$D/run.log" 2>&1 < /dev/null &
     echo $! > "$D/pid"
