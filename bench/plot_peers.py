@@ -189,11 +189,16 @@ def figures(df: pd.DataFrame) -> dict:
     if len(core):
         models = list(dict.fromkeys(core.model))
         fig = make_subplots(rows=1, cols=len(models), subplot_titles=models)
+        palette = px_colors()
+        color = {s: palette[k % len(palette)] for k, s in enumerate(dict.fromkeys(core.system))}  # one per system
+        shown = set()
         for i, m in enumerate(models, 1):
             for system, g in core[core.model == m].groupby("system", sort=False):
                 g = g.sort_values("batch")
                 fig.add_trace(go.Scatter(x=g.batch, y=g.model_tflops, name=system, legendgroup=system,
-                                         showlegend=i == 1, mode="lines+markers"), row=1, col=i)
+                                         showlegend=system not in shown, mode="lines+markers",
+                                         line=dict(color=color[system]), marker=dict(color=color[system])), row=1, col=i)
+                shown.add(system)
             fig.update_xaxes(title_text="batch (sequences of %d tokens)" % int(core.seq.iloc[0]), type="log",
                              tickvals=sorted(set(core[core.model == m].batch)), row=1, col=i)
             fig.update_yaxes(title_text="model TFLOPS (6·N·tokens/s)", row=1, col=i)
@@ -217,6 +222,13 @@ def figures(df: pd.DataFrame) -> dict:
                           template="plotly_white")
         figs[sweep] = fig
     return figs
+
+
+def px_colors() -> list[str]:
+    """Plotly's default qualitative colours: a system keeps one across every panel of a figure."""
+    import plotly.express as px
+
+    return list(px.colors.qualitative.Plotly)
 
 
 def write(figs: dict, docs: str, name: str, *, png: bool = True) -> list[str]:

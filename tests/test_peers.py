@@ -263,3 +263,18 @@ def test_megatrain_recompute_recomputes_every_layer_with_auto_placement():
         assert host.settings == {"placement": "host", "default_settings": False, "checkpoint_every": 1}
     finally:
         host.session.close()
+
+
+def test_batch_figure_keeps_one_colour_and_one_legend_entry_per_system_across_panels():
+    """A system seen first in the second panel still gets a legend entry, and a system's colour is the same
+    in both panels (s6's 3B panel drew ZeRO-3 and Twin-Flow without a name, megatrain in another colour)."""
+    rows = [dict(r, system=s, shape=shape, layers=L) for shape, L, systems in
+            (("7b", 28, ("megatrain-auto", "native")), ("3b", 36, ("megatrain-auto", "zero3-offload")))
+            for s in systems for r in _synthetic()[:1]]
+    fig = plot_peers.figures(plot_peers.frame(rows))["batch"]
+    legend = [t.name for t in fig.data if t.showlegend]
+    assert legend == ["megatrain-auto", "native", "zero3-offload"]
+    colours = {}
+    for t in fig.data:
+        colours.setdefault(t.name, set()).add(t.line.color)
+    assert all(len(c) == 1 for c in colours.values()) and len({c.pop() for c in colours.values()}) == 3
