@@ -117,3 +117,23 @@ def test_kept_activations_equal_recompute(tmp_path):
     c = _run(tmp_path, {}, checkpoint_every=3)
     assert a[0] == b[0] == c[0]
     assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a[1], b[1], c[1]))
+
+
+@pytest.mark.parametrize("placement", ["host", STREAMED])
+def test_early_rows_train_bit_identical_to_waiting_for_the_embedding(model_dir, placement):
+    """Note: [Early rows] on CUDA: with the host AdamW slowed, each forward takes its embedding rows ahead of
+    the embedding's whole update (served every step after the first), bitwise as when it waits."""
+    runs = {}
+    for early in (True, False):
+        s = Session.from_pretrained(model_dir, device="cuda", lr=1e-3, weight_decay=0.1, placement=placement)
+        try:
+            s.engine.early.on = early
+            s.engine.delays = {"host-adam": 0.02}
+            losses = [s.step({"input_ids": ids}).loss for ids in _batches(4, seed=2)]
+            s.engine.drain()
+            runs[early] = (losses, s.engine.early.count, [s.store.units[u].master.clone() for u in s.store.order])
+        finally:
+            s.close()
+    (l1, n1, w1), (l0, n0, w0) = runs[True], runs[False]
+    assert n1 >= 3 and n0 == 0
+    assert l1 == l0 and all(torch.equal(a, b) for a, b in zip(w1, w0))
