@@ -40,11 +40,12 @@ class EarlyRows:
     Args:
         width: elements per row (the hidden size); rows that are not a multiple of ``LANES`` are never served.
         cond: the Adam worker's condition (versions change under it; so do requests and served rows).
-        version: unit -> updates processed (the worker's ``version``, read under ``cond``).
+        updated: () -> the unit's updates processed (the worker's ``version[-1]``, read under ``cond``; a
+            callable, since the worker replaces its dict on resume).
         abort: set when a step is abandoned (the packer stops waiting).
     Example:
         >>> cond = threading.Condition()
-        >>> e = EarlyRows(64, cond=cond, version={-1: 0}, abort=threading.Event())
+        >>> e = EarlyRows(64, cond=cond, updated=lambda: 0, abort=threading.Event())
         >>> e.request(1, torch.tensor([[5, 3, 5]]))
         True
         >>> e.serve(1, lambda rows: torch.stack([rows.float()] * 64, 1))  # the worker's side
@@ -53,8 +54,8 @@ class EarlyRows:
         [5.0, 3.0, 5.0]
     """
 
-    def __init__(self, width: int, *, cond: threading.Condition, version: dict, abort: threading.Event):
-        self.width, self.cond, self.version, self.abort = width, cond, version, abort
+    def __init__(self, width: int, *, cond: threading.Condition, updated, abort: threading.Event):
+        self.width, self.cond, self.updated, self.abort = width, cond, updated, abort
         self.on = width % LANES == 0
         self.wanted: tuple[int, torch.Tensor] | None = None  # (version, sorted unique row ids) asked for
         self.served: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, ids, fp32 rows)
@@ -66,7 +67,7 @@ class EarlyRows:
         if not self.on:
             return False
         with self.cond:
-            if self.version[-1] >= version:
+            if self.updated() >= version:
                 return False
             want = torch.unique(ids.flatten())
             if len(want) * self.width * 16 > MAX_BYTES:
@@ -99,7 +100,7 @@ class EarlyRows:
     def ready(self, version: int) -> bool:
         """Whether ``take`` at ``version`` would return at once."""
         with self.cond:
-            return (self.served is not None and self.served[0] == version) or self.version[-1] >= version
+            return (self.served is not None and self.served[0] == version) or self.updated() >= version
 
     def take(self, ids: torch.Tensor, version: int, master: torch.Tensor | None) -> torch.Tensor:
         """Packer: the rows of ``ids`` (flattened) at ``version``, fp32 (n, width): early ones once served,
@@ -111,7 +112,7 @@ class EarlyRows:
                 if self.served is not None and self.served[0] == version:
                     _, have, rows = self.served
                     break
-                if self.version[-1] >= version:
+                if self.updated() >= version:
                     have = rows = None
                     break
                 if self.abort.is_set():
@@ -123,7 +124,7 @@ class EarlyRows:
             if torch.equal(have[at], flat):
                 return rows.index_select(0, at)
             with self.cond:  # not the rows asked for: the whole update, as without early rows
-                while self.version[-1] < version:
+                while self.updated() < version:
                     if self.abort.is_set():
                         raise Aborted("step abandoned")
                     self.cond.wait(0.05)

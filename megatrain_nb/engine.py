@@ -85,7 +85,7 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
-        self.early = EarlyRows(arch.embed.weight.shape[1], cond=self.adam.cond, version=self.adam.version,
+        self.early = EarlyRows(arch.embed.weight.shape[1], cond=self.adam.cond, updated=lambda: self.adam.version[-1],
                                abort=self.abort)  # the next forward's embedding rows first (Note: [Early rows])
         self.adam.early = self._early_rows
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)

@@ -47,7 +47,7 @@ def test_updated_rows_equal_the_slab_update_bitwise(width, grad_dtype, scale, mo
 
 def test_take_waits_for_the_served_rows_or_the_whole_update():
     cond, version, abort = threading.Condition(), {-1: 0}, threading.Event()
-    e = EarlyRows(64, cond=cond, version=version, abort=abort)
+    e = EarlyRows(64, cond=cond, updated=lambda: version[-1], abort=abort)
     master = torch.arange(10 * 64, dtype=torch.float32)
     ids = torch.tensor([[7, 2, 7]])
     assert e.request(1, ids) and not e.ready(1)
@@ -62,11 +62,11 @@ def test_take_waits_for_the_served_rows_or_the_whole_update():
     t.join(5)
     assert torch.equal(got[0], master.view(-1, 64)[[7, 2, 7]])
     assert not e.request(1, ids)  # already updated: nothing to ask
-    assert not EarlyRows(48, cond=cond, version={-1: 0}, abort=abort).request(1, ids)  # not whole lanes: never
+    assert not EarlyRows(48, cond=cond, updated=lambda: 0, abort=abort).request(1, ids)  # not whole lanes: never
     from megatrain_nb import early_rows
 
     many = torch.arange(early_rows.MAX_BYTES // (64 * 16) + 1)
-    assert not EarlyRows(64, cond=cond, version={-1: 0}, abort=abort).request(1, many)  # copies past MAX_BYTES
+    assert not EarlyRows(64, cond=cond, updated=lambda: 0, abort=abort).request(1, many)  # copies past MAX_BYTES
 
 
 @pytest.mark.parametrize("family,grad_clip", [("llama_tied", None), ("llama", None), ("llama", 0.05)])
@@ -158,7 +158,7 @@ def test_rows_served_for_other_ids_are_not_used():
     """A step that failed after its rows were served runs again, perhaps on another batch: rows that were
     not asked for come from the whole update, never from a neighbour in the served set."""
     cond, version, abort = threading.Condition(), {-1: 0}, threading.Event()
-    e = EarlyRows(64, cond=cond, version=version, abort=abort)
+    e = EarlyRows(64, cond=cond, updated=lambda: version[-1], abort=abort)
     master = torch.arange(10 * 64, dtype=torch.float32)
     assert e.request(1, torch.tensor([2, 7]))
     assert e.serve(1, lambda ids: -master.view(-1, 64)[ids])  # "updated" rows: negated
@@ -168,3 +168,29 @@ def test_rows_served_for_other_ids_are_not_used():
     assert torch.equal(e.take(torch.tensor([3, 7]), 1, master), master.view(-1, 64)[[3, 7]])  # 3 was not served
     version[-1] = 0
     assert e.request(1, torch.tensor([3, 7])) and e.served is None  # asked again for the same step: served dropped
+
+
+def test_a_resumed_run_takes_early_rows_and_equals_the_uninterrupted_one(hf_dir, tmp_path):
+    """Resume replaces the worker's version counts (``AdamWorker.set_version``): early rows read them through
+    the worker, never a stale copy (which would wait forever for rows no update serves)."""
+    d = hf_dir("llama_tied", hidden_size=64)
+    batches = make_batches(VOCAB, 4)
+    whole = Session.from_pretrained(d, lr=1e-3)
+    try:
+        want = train_session(whole, batches)
+    finally:
+        whole.close()
+    first = Session.from_pretrained(d, lr=1e-3)
+    try:
+        head = train_session(first, batches[:2])
+        first.save_checkpoint(tmp_path / "ck")
+    finally:
+        first.close()
+    s = Session.resume(tmp_path / "ck")
+    try:
+        s.engine.delays = {"host-adam": 0.03}
+        tail = train_session(s, batches[2:])
+        assert s.engine.early.count >= 1
+    finally:
+        s.close()
+    assert head + tail == want
