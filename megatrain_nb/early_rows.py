@@ -25,8 +25,6 @@ has asked: its rows then wait for the whole update, as before.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 LANES = 64  # rows of a multiple of this many fp32 elements fall on the fused kernel's vector lanes as in the slab
@@ -35,31 +33,40 @@ MAX_BYTES = 1 << 30  # host bytes of the copies (master, moments, gradients: 16 
 
 
 class EarlyRows:
-    """Rows of one unit's master (``width`` elements each) requested ahead of its host update.
+    """Rows of the embedding's master (``width`` elements each) requested ahead of its host update.
 
     Args:
         width: elements per row (the hidden size); rows that are not a multiple of ``LANES`` are never served.
-        cond: the Adam worker's condition (versions change under it; so do requests and served rows).
-        updated: () -> the unit's updates processed (the worker's ``version[-1]``, read under ``cond``; a
-            callable, since the worker replaces its dict on resume).
-        abort: set when a step is abandoned (the packer stops waiting).
+        worker: the ``workers.AdamWorker`` that updates the embedding: its ``cond`` guards requests and served
+            rows as it does its ``version`` counts, and its ``wait_until`` is every wait here.
     Example:
-        >>> cond = threading.Condition()
-        >>> e = EarlyRows(64, cond=cond, updated=lambda: 0, abort=threading.Event())
+        >>> import threading
+        >>> from megatrain_nb.workers import AdamWorker
+        >>> w = AdamWorker([-1], lambda *a: None, threading.Event())
+        >>> e = EarlyRows(64, w)
         >>> e.request(1, torch.tensor([[5, 3, 5]]))
         True
         >>> e.serve(1, lambda rows: torch.stack([rows.float()] * 64, 1))  # the worker's side
         True
         >>> e.take(torch.tensor([[5, 3, 5]]), 1, master=None)[:, 0].tolist()
         [5.0, 3.0, 5.0]
+        >>> w.close()
     """
 
-    def __init__(self, width: int, *, cond: threading.Condition, updated, abort: threading.Event):
-        self.width, self.cond, self.updated, self.abort = width, cond, updated, abort
+    def __init__(self, width: int, worker):
+        self.width, self.worker, self.cond = width, worker, worker.cond
         self.on = width % LANES == 0
         self.wanted: tuple[int, torch.Tensor] | None = None  # (version, sorted unique row ids) asked for
         self.served: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, ids, fp32 rows)
         self.count = 0  # requests served (tests, traces)
+
+    def _updated(self, version: int) -> bool:
+        """Under ``cond``: the embedding's whole update to ``version`` is applied (or skipped)."""
+        return self.worker.version[-1] >= version
+
+    def _served(self, version: int) -> tuple | None:
+        """Under ``cond``: (ids, rows) served for ``version``, or None."""
+        return self.served[1:] if self.served is not None and self.served[0] == version else None
 
     def request(self, version: int, ids: torch.Tensor) -> bool:
         """Driver: the forward of the step that needs ``version`` updates gathers ``ids``. Returns whether
@@ -67,21 +74,16 @@ class EarlyRows:
         if not self.on:
             return False
         with self.cond:
-            if self.updated() >= version:
+            if self._updated(version):
                 return False
             want = torch.unique(ids.flatten())
             if len(want) * self.width * 16 > MAX_BYTES:
                 return False
             self.wanted = (version, want)
-            if self.served is not None and self.served[0] == version:
+            if self._served(version) is not None:
                 self.served = None  # served for a step that failed: this batch may gather other rows
             self.cond.notify_all()
         return True
-
-    def pending(self, version: int) -> bool:
-        """Whether rows were asked for at ``version`` and not served yet (worker: worth a span)."""
-        with self.cond:
-            return self.wanted is not None and self.wanted[0] == version
 
     def serve(self, version: int, compute) -> bool:
         """Worker, before the unit's update that brings it to ``version``: ``compute(ids)`` -> the rows as
@@ -100,32 +102,23 @@ class EarlyRows:
     def ready(self, version: int) -> bool:
         """Whether ``take`` at ``version`` would return at once."""
         with self.cond:
-            return (self.served is not None and self.served[0] == version) or self.updated() >= version
+            return self._served(version) is not None or self._updated(version)
+
+    def wait(self, version: int) -> None:
+        """Packer: block until the rows at ``version`` are served or the whole update is applied."""
+        self.worker.wait_until(lambda: self._served(version) is not None or self._updated(version))
 
     def take(self, ids: torch.Tensor, version: int, master: torch.Tensor | None) -> torch.Tensor:
         """Packer: the rows of ``ids`` (flattened) at ``version``, fp32 (n, width): early ones once served,
-        else from ``master`` once the whole update is applied. Raises Aborted when the step is abandoned."""
-        from .workers import Aborted
-
+        else from ``master`` once the whole update is applied. Raises as ``AdamWorker.wait_until``."""
+        self.wait(version)
         with self.cond:
-            while True:
-                if self.served is not None and self.served[0] == version:
-                    _, have, rows = self.served
-                    break
-                if self.updated() >= version:
-                    have = rows = None
-                    break
-                if self.abort.is_set():
-                    raise Aborted("step abandoned")
-                self.cond.wait(0.05)
+            got = self._served(version)
         flat = ids.flatten()
-        if rows is not None:
+        if got is not None:
+            have, rows = got
             at = torch.searchsorted(have, flat).clamp_(max=len(have) - 1)
             if torch.equal(have[at], flat):
                 return rows.index_select(0, at)
-            with self.cond:  # not the rows asked for: the whole update, as without early rows
-                while self.updated() < version:
-                    if self.abort.is_set():
-                        raise Aborted("step abandoned")
-                    self.cond.wait(0.05)
+            self.worker.wait_until(lambda: self._updated(version))  # not the rows asked for: the whole update
         return master.view(-1, self.width).index_select(0, flat)

@@ -85,8 +85,7 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)  # head slot / head grad slot free
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
-        self.early = EarlyRows(arch.embed.weight.shape[1], cond=self.adam.cond, updated=lambda: self.adam.version[-1],
-                               abort=self.abort)  # the next forward's embedding rows first (Note: [Early rows])
+        self.early = EarlyRows(arch.embed.weight.shape[1], self.adam)  # the next forward's rows first (Note: [Early rows])
         self.adam.early = self._early_rows
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
@@ -150,11 +149,13 @@ class Engine:
     def _early_rows(self, unit: int, step: int, lr: float, grad_scale: float) -> bool:
         """Worker, before ``unit``'s update of step ``step``: serve the embedding rows the next forward
         asked for (Note: [Early rows]); False where this process does not update it on the host."""
-        if unit != -1 or -1 in self.dev_opt.of or not self.store.owns(-1) or not self.early.pending(step + 1):
+        if unit != -1 or -1 in self.dev_opt.of or not self.store.owns(-1):
             return False
-        H = self.early.width
-        with self.rec.span("host-adam", "adam-rows", -1, "optim"):
-            return self.early.serve(step + 1, lambda ids: self.optim.updated_rows(-1, ids, H, lr, grad_scale))
+
+        def rows(ids):
+            with self.rec.span("host-adam", "adam-rows", -1, "optim"):
+                return self.optim.updated_rows(-1, ids, self.early.width, lr, grad_scale)
+        return self.early.serve(step + 1, rows)
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -360,13 +361,9 @@ class Engine:
         master, v = self.store.units[-1].master, self.steps_done
         if self.early.request(v, ids):  # Note: [Early rows] its host update is pending: these rows come first
             def rows():
-                if self.early.ready(v):
-                    return self.early.take(ids, v, master).flatten()
-                t0 = time.perf_counter()
-                with self.rec.span("host-pack", "wait-update", -1, "fwd"):  # a host wait, traced as a load's
-                    out = self.early.take(ids, v, master).flatten()
-                self.io.update_wait_s += time.perf_counter() - t0  # what placement "auto" measures (Search)
-                return out
+                if not self.early.ready(v):
+                    self.io.wait_update(-1, "fwd", lambda: self.early.wait(v))  # traced as a load's wait
+                return self.early.take(ids, v, master).flatten()
             return dst.view(*ids.shape, H), self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", 0)
         rows = lambda: master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
         box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", v)

@@ -39,6 +39,13 @@ def grad_norm(t: torch.Tensor) -> torch.Tensor:
 _ROW = 4096
 
 
+def _fused(group: dict, lr: float, p, g, m, v, step: torch.Tensor) -> None:
+    """torch's fused AdamW on one fp32 piece of a host slab (and its moments) with ``group``'s betas, eps
+    and weight decay; ``step`` (0-dim) is advanced by one first, as ``torch.optim.AdamW.step`` does."""
+    _adamw([p], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=group["betas"][0],
+           beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
 class HostAdamW:
     """AdamW over every unit of a HostStore."""
 
@@ -93,9 +100,7 @@ class HostAdamW:
             if grad_scale != 1.0:
                 gs.mul_(grad_scale)
             self._step.copy_(step)  # adamw() adds 1 to each chunk's step: every chunk sees step + 1
-            _adamw([p[a:b]], [gs], [state["exp_avg"][a:b]], [state["exp_avg_sq"][a:b]], [], [self._step],
-                   fused=True, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=lr,
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            _fused(group, lr, p[a:b], gs, state["exp_avg"][a:b], state["exp_avg_sq"][a:b], self._step)
         step.add_(1)
 
     def updated_rows(self, u: int, rows: torch.Tensor, width: int, lr: float, grad_scale: float = 1.0) -> torch.Tensor:
@@ -109,9 +114,7 @@ class HostAdamW:
         p, m, v, g = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq), take(unit.grad).float()
         if grad_scale != 1.0:
             g.mul_(grad_scale)
-        step = state["step"].clone()  # adamw() adds 1, as the update will
-        _adamw([p], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=group["betas"][0],
-               beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        _fused(group, lr, p, g, m, v, state["step"].clone())  # adamw() adds 1 to the copy, as the update will
         return p.view(-1, width)
 
     def clip_factor(self, norms: dict[int, float]) -> tuple[float, float]:

@@ -144,11 +144,8 @@ class Transfers:
 
         def job():
             for unit, _, _ in segments:
-                if self.adam.version[unit] < version:  # host wait: the unit's last update (a traced span)
-                    t0 = time.perf_counter()
-                    with self.rec.span("host-pack", "wait-update", layer, phase):
-                        self.adam.wait_version(unit, version)
-                    self.update_wait_s += time.perf_counter() - t0  # what placement "auto" measures (Search)
+                if self.adam.version[unit] < version:  # host wait: the unit's last update
+                    self.wait_update(layer, phase, lambda u=unit: self.adam.wait_version(u, version))
             prev = after.get()  # host wait until the driver recorded the slot's release
             self.delay("host-pack")
             srcs = [(src_fn(), off) for _, src_fn, off in segments]
@@ -182,6 +179,14 @@ class Transfers:
                 return self.dev.record(self.dev.h2d)
 
         return self.packer.submit(job)
+
+    def wait_update(self, layer: int, phase: str, wait) -> None:
+        """Packer: ``wait()`` for a host update that a load needs, traced as a ``wait-update`` span and
+        counted in ``update_wait_s`` (what placement "auto" measures, ``placement.Search``)."""
+        t0 = time.perf_counter()
+        with self.rec.span("host-pack", "wait-update", layer, phase):
+            wait()
+        self.update_wait_s += time.perf_counter() - t0
 
     def delay(self, lane: str) -> None:
         """Test hook: a deliberate delay on one stream (GPU cycles) or host worker (seconds)."""

@@ -144,8 +144,13 @@ class AdamWorker:
 
     def wait_version(self, unit: int, version: int) -> None:
         """Block until ``unit`` has processed ``version`` updates (the next forward may read it)."""
+        self.wait_until(lambda: self.version[unit] >= version)
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Block until ``done()``, read under ``cond``, holds (the worker notifies at each update); raises the
+        worker's error, or Aborted when the step is abandoned."""
         with self.cond:
-            while self.version[unit] < version:
+            while not done():
                 if self.error is not None:
                     raise self.error
                 if self.abort.is_set():
@@ -183,7 +188,7 @@ class AdamWorker:
         if self.follower is not None:
             self.follower.close()
 
-    def _next(self, done: set, deferred: frozenset | set = frozenset()) -> int | None:
+    def _next(self, done: set, deferred: set) -> int | None:
         todo = [u for u in self.arrivals if u not in done]
         if not todo:
             return None

@@ -45,9 +45,19 @@ def test_updated_rows_equal_the_slab_update_bitwise(width, grad_dtype, scale, mo
     assert opt.steps_done(-1) == 4
 
 
-def test_take_waits_for_the_served_rows_or_the_whole_update():
-    cond, version, abort = threading.Condition(), {-1: 0}, threading.Event()
-    e = EarlyRows(64, cond=cond, updated=lambda: version[-1], abort=abort)
+@pytest.fixture
+def worker():
+    """An Adam worker whose versions the tests set by hand (no step ever opens)."""
+    from megatrain_nb.workers import AdamWorker
+
+    w = AdamWorker([-1], lambda *a: None, threading.Event())
+    yield w
+    w.close()
+
+
+def test_take_waits_for_the_served_rows_or_the_whole_update(worker):
+    cond, version = worker.cond, worker.version
+    e = EarlyRows(64, worker)
     master = torch.arange(10 * 64, dtype=torch.float32)
     ids = torch.tensor([[7, 2, 7]])
     assert e.request(1, ids) and not e.ready(1)
@@ -62,11 +72,13 @@ def test_take_waits_for_the_served_rows_or_the_whole_update():
     t.join(5)
     assert torch.equal(got[0], master.view(-1, 64)[[7, 2, 7]])
     assert not e.request(1, ids)  # already updated: nothing to ask
-    assert not EarlyRows(48, cond=cond, updated=lambda: 0, abort=abort).request(1, ids)  # not whole lanes: never
+    with cond:
+        version[-1] = 0
+    assert not EarlyRows(48, worker).request(1, ids)  # not whole lanes: never
     from megatrain_nb import early_rows
 
     many = torch.arange(early_rows.MAX_BYTES // (64 * 16) + 1)
-    assert not EarlyRows(64, cond=cond, updated=lambda: 0, abort=abort).request(1, many)  # copies past MAX_BYTES
+    assert not EarlyRows(64, worker).request(1, many)  # copies past MAX_BYTES
 
 
 @pytest.mark.parametrize("family,grad_clip", [("llama_tied", None), ("llama", None), ("llama", 0.05)])
@@ -154,11 +166,11 @@ def test_early_rows_train_equal_to_hf_with_torch_adamw(hf_dir, tmp_path, monkeyp
     assert made and made[0].engine.early.count >= 3  # of 5 steps: the 2nd and later gathered early rows
 
 
-def test_rows_served_for_other_ids_are_not_used():
+def test_rows_served_for_other_ids_are_not_used(worker):
     """A step that failed after its rows were served runs again, perhaps on another batch: rows that were
     not asked for come from the whole update, never from a neighbour in the served set."""
-    cond, version, abort = threading.Condition(), {-1: 0}, threading.Event()
-    e = EarlyRows(64, cond=cond, updated=lambda: version[-1], abort=abort)
+    cond, version = worker.cond, worker.version
+    e = EarlyRows(64, worker)
     master = torch.arange(10 * 64, dtype=torch.float32)
     assert e.request(1, torch.tensor([2, 7]))
     assert e.serve(1, lambda ids: -master.view(-1, 64)[ids])  # "updated" rows: negated

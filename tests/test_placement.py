@@ -331,9 +331,9 @@ def test_search_takes_a_at_once_when_the_step_hides_the_host():
     assert (s.phase, s.winner, s.candidate) == ("done", "A", "A")  # long context: no trial steps
 
 
-@pytest.mark.parametrize("where", ["_forward", "_loss"])
-def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losing_the_step(hf_dir, where):
-    """An OOM before any update of a B trial step: the same batch runs again as activations first."""
+def _in_trial(hf_dir, phase: str):
+    """(a twin's losses over three batches, the batches, a session one step in whose next step is the
+    search's trial ``phase``, with activations first's policy to fall back to)."""
     d = hf_dir("llama")
     batches = make_batches(VOCAB, 3)
     twin = Session.from_pretrained(d, lr=LR)
@@ -344,8 +344,20 @@ def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losi
     s = Session.from_pretrained(d, lr=LR)
     try:
         train_session(s, batches[:1])
+    except BaseException:
+        s.close()
+        raise
+    s.engine.device_updates.search = placing.Search(phase=phase, free={"A": 0, "B": 0, "C": 0},
+                                                    keep={"A": [True] * s.engine.L})
+    return want, batches, s
+
+
+@pytest.mark.parametrize("where", ["_forward", "_loss"])
+def test_a_residency_first_trial_that_runs_out_of_memory_falls_back_without_losing_the_step(hf_dir, where):
+    """An OOM before any update of a B trial step: the same batch runs again as activations first."""
+    want, batches, s = _in_trial(hf_dir, "B1")
+    try:
         L_ = s.engine.L
-        s.engine.device_updates.search = placing.Search(phase="B1", free={"A": 0, "B": 0}, keep={"A": [True] * L_})
         real, calls = getattr(s.engine, where), []
 
         def oom_once(*a, **k):
@@ -405,19 +417,9 @@ def test_a_trial_that_runs_out_of_memory_in_its_backward_runs_the_batch_again(hf
     the last layers' gradients already on the host) applies nothing, and the batch runs again as the best
     candidate so far. Before, the updates had started with the loss, and the error ended the run (3B x 16,
     s6c2)."""
-    d = hf_dir("llama")
-    batches = make_batches(VOCAB, 3)
-    twin = Session.from_pretrained(d, lr=LR)
+    want, batches, s = _in_trial(hf_dir, phase)
     try:
-        want = train_session(twin, batches)
-    finally:
-        twin.close()
-    s = Session.from_pretrained(d, lr=LR)
-    try:
-        train_session(s, batches[:1])
         L_ = s.engine.L
-        s.engine.device_updates.search = placing.Search(phase=phase, free={"A": 0, "B": 0, "C": 0},
-                                                        keep={"A": [True] * L_})
         real, calls = s.engine._reduced, []
 
         def oom_in_backward(unit, *a, **k):
