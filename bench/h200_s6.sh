@@ -6,6 +6,9 @@
 #           depth sweep with every layer recomputed (megatrain-recompute: TFLOPS flat in depth).
 #   allcore: the whole core sweep, every system at batch 1-16 (issue 12's one run; next session).
 #   depthflat: depth 36 / 72 / 96 with every layer recomputed, with auto and with host placement (flat memory).
+#   s7:     (seventh session) the whole core sweep, Twin-Flow last; then megatrain-host-recompute (host updates,
+#           block inputs in host memory: device memory flat in depth) at 36 / 72 / 84 layers (96 would need
+#           ~12 GiB of pinned inputs beside its 114 GiB of host RAM); then the GPU tests. ~26 minutes, three calls.
 # Each runs detached (setsid: it outlives the call) across device calls made within 30 s of each other:
 #     PYTHONPATH=$PWD bash bench/h200_s6.sh start sweeps 560    then    bash bench/h200_s6.sh wait - 560
 # Carry .whl (DeepSpeed and its requirements, bench/peers_wheels.sh).
@@ -30,7 +33,12 @@ if [ "$1" = start ]; then
         --out $D/peers.jsonl --log $D/peers.log" ;;  # every system, batch 1-16: ~13-16 minutes
     depthflat) CMD="python3 bench/peers.py --sweep depth --sweep-systems megatrain-recompute megatrain-host-recompute \
         --depths 36 72 96 --host-reserve-gib 4 --budget-s ${4:-900} --out $D/peers.jsonl --log $D/peers.log" ;;
-    *) echo "unknown mode $2: sweeps, core, allcore, depthflat"; exit 2 ;;
+    s7) P="python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log"
+        CMD="$P --sweep core --systems megatrain-auto native fsdp2-offload zero3-offload megatrain-stream megatrain-host \
+        zero3-twinflow --job-timeout 300 --budget-s ${4:-1000}; \
+        $P --sweep depth --sweep-systems megatrain-host-recompute --depths 36 72 84 --budget-s 330; \
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts='' -m gpu --continue-on-collection-errors tests/ -rA > $D/gpu_tests.log 2>&1" ;;
+    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7"; exit 2 ;;
     esac
     setsid nohup bash -c "$CMD" > "$D/run.log" 2>&1 < /dev/null &
     echo $! > "$D/pid"

@@ -18,8 +18,9 @@ all that one measuring process runs; keeping them together keeps each system's s
 - ``Megatrain``: ``megatrain_nb.Session`` with default settings, plus ``placement`` when given;
   "megatrain-recompute" recomputes every layer (``checkpoint_every=1``, placement "auto"): the paper's
   regime, whose TFLOPS do not fall with depth; "megatrain-host-recompute" also keeps every update on the
-  host (``placement="host"``): nothing but weight slots, checkpoints and one layer's working set on the
-  device, whose memory is then flat in depth (the depth sweep's fixed settings).
+  host (``placement="host"``) and every recompute block's input in host memory (``offload_checkpoints=True``):
+  nothing but weight slots and one layer's working set on the device, whose memory is then flat in depth
+  (the depth sweep's fixed settings; B*T*H*2 bytes of pinned host RAM per layer, 128 MiB at 3B x 8).
 """
 from __future__ import annotations
 
@@ -333,8 +334,10 @@ def _build(spec: dict, config, device):
     if name in ("zero3-offload", "zero3-twinflow"):
         ratio = spec["twinflow_ratio"] if name == "zero3-twinflow" else None
         return ZeRO3Offload(config, device, batch=batch, ratio=ratio, sub_group_size=spec["sub_group_size"])
-    if name in ("megatrain-recompute", "megatrain-host-recompute"):  # the depth sweep's fixed settings
-        return Megatrain(config, device, placement="host" if "host" in name else "auto", checkpoint_every=1)
+    if name == "megatrain-recompute":  # the depth sweep's fixed settings
+        return Megatrain(config, device, placement="auto", checkpoint_every=1)
+    if name == "megatrain-host-recompute":  # ... with device memory flat in depth: block inputs wait on the host
+        return Megatrain(config, device, placement="host", checkpoint_every=1, offload_checkpoints=True)
     if name.startswith("megatrain"):
         return Megatrain(config, device, placement=name.split("-", 1)[1] if "-" in name else None)
     raise ValueError(f"unknown system {name!r}")

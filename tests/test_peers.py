@@ -260,7 +260,9 @@ def test_megatrain_recompute_recomputes_every_layer_with_auto_placement():
                                                                                "megatrain-host-recompute"]
     host = peer_systems._build({"system": "megatrain-host-recompute", "batches": [1]}, cfg, torch.device("cpu"))
     try:
-        assert host.settings == {"placement": "host", "default_settings": False, "checkpoint_every": 1}
+        assert host.settings == {"placement": "host", "default_settings": False, "checkpoint_every": 1,
+                                 "offload_checkpoints": True}
+        assert host.session.engine.cfg.offload_checkpoints is True
     finally:
         host.session.close()
 
