@@ -271,19 +271,23 @@ class Search:
     activations give their memory back (less one layer's working set and a checkpoint per layer),
     units become resident in that, and the activation policy keeps what is still free. A is right
     when the host's AdamW hides behind a long step; C when only its tail shows; B when the host's
-    AdamW is what the step waits for. The engine runs one measuring step (nothing resident), then
-    each candidate for two steps (the second is timed: it carries the first's trailing host
-    updates, as every later step will), and keeps the fastest (C or B only if 3% faster than A).
+    AdamW is what the step waits for. The engine runs one measuring step (nothing resident), then A
+    for two steps and C and B for three each; the last is timed: it carries the step before's
+    trailing host updates, as every later step will. A trial's first step is gated (below), so its
+    host AdamW all runs after its backward and the next step's forward waits for it: that step is
+    untimed, and the one after it is as every later step will be (s7c4, 7B x 8: C timed in the step
+    after its gated one took 4.15 s, A 3.71; s3c1, before the gate, ran C at 3.23). The fastest
+    wins (C or B only if 3% faster than A).
     C is not tried when A's forward waited under 3% of its step, or when its budget would reach B's.
     When A already makes every unit resident, or the measuring step lasted over three times the
     host AdamW of every unit (long context: the host hides), nothing else is tried: A at once.
     A trial's first step (C1, B1; untimed) is gated: no update starts before its backward has run, so
     an out-of-memory error anywhere in it leaves nothing applied and the engine runs the batch again
-    as the best candidate so far (``abandon``). Its second, timed step overlaps as every later one
-    will; it peaks where the first did, bar the device AdamW's fp32 copy of one unit's gradients
-    beside the backward. (s6c2, 3B x 16: C1 ran out in its backward after the loss had started the
-    updates, and the error ended the run.)
-    Phases: measure -> A1 -> A2 -> C1 -> C2 -> B1 -> B2 -> done.
+    as the best candidate so far (``abandon``). Its later steps overlap as every later one will; they
+    peak where the first did, bar the device AdamW's fp32 copy of one unit's gradients beside the
+    backward. (s6c2, 3B x 16: C1 ran out in its backward after the loss had started the updates, and
+    the error ended the run.)
+    Phases: measure -> A1 -> A2 -> C1 -> C2 -> C3 -> B1 -> B2 -> B3 -> done (timed: A2, C3, B3).
     """
 
     phase: str = "measure"
@@ -295,7 +299,8 @@ class Search:
     winner: str | None = None
 
     NAMES = {"A": "activations first", "C": "the forward's head resident", "B": "residency first"}
-    ORDER = ("A1", "A2", "C1", "C2", "B1", "B2", "done")
+    ORDER = ("A1", "A2", "C1", "C2", "C3", "B1", "B2", "B3", "done")
+    TIMED = ("A2", "C3", "B3")  # a candidate's last step: as every later step will be
 
     @classmethod
     def done_with(cls, free: int) -> "Search":
@@ -312,7 +317,7 @@ class Search:
     @property
     def trial(self) -> bool:
         """This step tries C or B: an out-of-memory error in it is the trial's, not the run's."""
-        return self.phase in ("C1", "C2", "B1", "B2")
+        return self.phase in self.ORDER[2:-1]
 
     def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool,
                  host_bound: bool = True, head: list | None = None) -> None:
@@ -330,9 +335,9 @@ class Search:
             self.phase = "A1"
 
     def stepped(self, seconds: float, keep: list, waited: float = 0.0) -> None:
-        """After a step of a candidate: time it (the second of two) and move on. ``waited``: seconds the
-        step's forward waited for host updates (the packer's wait)."""
-        if self.phase in ("A2", "C2", "B2"):
+        """After a step of a candidate: time it (its last step, ``TIMED``) and move on. ``waited``: seconds
+        the step's forward waited for host updates (the packer's wait)."""
+        if self.phase in self.TIMED:
             self.seconds[self.phase[0]] = seconds
             self.waited[self.phase[0]] = waited
         if self.phase in ("C1", "B1"):

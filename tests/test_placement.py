@@ -255,7 +255,7 @@ def _searched(a_s: float, b_s: float, *, kept=3, fits=False) -> placing.Search:
     s = placing.Search()
     assert s.candidate is None  # measuring: nothing resident
     s.measured(free=10, keep=[True] * kept + [False], layer_bytes=4, checkpoint_bytes=1, everything_fits=fits)
-    for phase, t in (("A1", 9.0), ("A2", a_s), ("B1", 9.0), ("B2", b_s)):
+    for phase, t in (("A1", 9.0), ("A2", a_s), ("B1", 9.0), ("B2", 9.0), ("B3", b_s)):
         if s.phase == "done":
             break
         assert s.phase == phase and s.candidate == phase[0]
@@ -297,12 +297,15 @@ def test_search_tries_the_forwards_head_resident_when_as_forward_waited():
     # the reserve (A overshot nothing: 1 GiB < 2 GiB reserve) plus the head group and three layers: 0.10 + 3 * 0.02 >= 0.15
     assert s.free["C"] == placing.RESERVE_BYTES + 6 * GiB + 3 * GiB
     s.stepped(0.95, keep=[True] * 35 + [False] * 6)  # C1: its policy was decided around the residents
-    assert s.keep["C"] == [True] * 35 + [False] * 6 and s.phase == "C2"
-    s.stepped(0.90, keep=s.keep["C"], waited=0.0)
-    assert s.phase == "B1"
-    s.stepped(1.5, keep=[False] * 41)
-    s.stepped(1.3, keep=[False] * 41)
-    assert (s.phase, s.winner, s.candidate) == ("done", "C", "C")
+    assert s.keep["C"] == [True] * 35 + [False] * 6 and s.phase == "C2" and s.trial
+    # C2 carries gated C1's whole host AdamW (its forward waits for it): untimed, however slow
+    s.stepped(1.40, keep=s.keep["C"], waited=0.45)
+    assert s.phase == "C3" and "C" not in s.seconds
+    s.stepped(0.90, keep=s.keep["C"], waited=0.0)  # C3: as every later step will be
+    assert s.phase == "B1" and s.seconds["C"] == 0.90 and s.waited["C"] == 0.0
+    for t in (1.5, 2.0, 1.3):
+        s.stepped(t, keep=[False] * 41)
+    assert (s.phase, s.winner, s.candidate) == ("done", "C", "C") and s.seconds["B"] == 1.3
     assert "the forward's head resident won" in s.summary() and "0.900 s" in s.summary()
 
 
@@ -319,8 +322,9 @@ def test_a_trial_that_runs_out_of_memory_leaves_the_best_of_what_ran():
     assert (s.phase, s.winner) == ("done", "A") and not s.trial
     assert "the forward's head resident (ran out of device memory)" in s.summary()
     s = _with_head(0.15)
-    for t in (0.95, 0.90):
+    for t in (0.95, 1.4, 0.90):
         s.stepped(t, keep=[True] * 41, waited=0.0)
+    assert s.phase == "B1" and s.trial
     s.abandon()  # B1 ran out: C, timed and faster, wins
     assert s.winner == "C" and s.seconds["B"] == float("inf")
 
