@@ -209,12 +209,14 @@ def figures(df: pd.DataFrame) -> dict:
         if not len(g):
             continue
         fig = make_subplots(specs=[[{"secondary_y": True}]])
-        for system, s in g.groupby("system", sort=False):
-            s = s.sort_values(x)
-            fig.add_trace(go.Scatter(x=s[x], y=s.model_tflops, name=f"{system} TFLOPS", mode="lines+markers"),
-                          secondary_y=False)
-            fig.add_trace(go.Scatter(x=s[x], y=s.peak_gpu_gib, name=f"{system} peak GPU GiB",
-                                     mode="lines+markers", line=dict(dash="dot")), secondary_y=True)
+        palette = px_colors()
+        for k, (system, s) in enumerate(g.groupby("system", sort=False)):
+            s, c = s.sort_values(x), palette[k % len(palette)]  # a system's two lines share its colour
+            fig.add_trace(go.Scatter(x=s[x], y=s.model_tflops, name=f"{system} TFLOPS", mode="lines+markers",
+                                     line=dict(color=c), marker=dict(color=c)), secondary_y=False)
+            fig.add_trace(go.Scatter(x=s[x], y=s.peak_gpu_gib, name=f"{system} peak GPU GiB", mode="lines+markers",
+                                     line=dict(dash="dot", color=c), marker=dict(color=c, symbol="diamond")),
+                          secondary_y=True)
         fig.update_xaxes(title_text=label, tickvals=sorted(set(g[x])))
         fig.update_yaxes(title_text="model TFLOPS", rangemode="tozero", secondary_y=False)
         fig.update_yaxes(title_text="peak GPU GiB", rangemode="tozero", secondary_y=True)

@@ -280,3 +280,17 @@ def test_batch_figure_keeps_one_colour_and_one_legend_entry_per_system_across_pa
     for t in fig.data:
         colours.setdefault(t.name, set()).add(t.line.color)
     assert all(len(c) == 1 for c in colours.values()) and len({c.pop() for c in colours.values()}) == 3
+
+
+def test_sweep_figure_draws_a_systems_tflops_and_memory_in_one_colour_and_systems_apart():
+    """Depth: each system's TFLOPS (solid) and peak GPU memory (dotted, right axis) share its colour; two systems
+    differ (the s7 depth figure drew four colours for two systems' pairs, so a reader could not pair them)."""
+    depth = [r for r in _synthetic() if r["sweep"] == "depth"]
+    rows = depth + [dict(r, system="megatrain-host-recompute", peak_gpu_gib=19.0) for r in depth]
+    fig = plot_peers.figures(plot_peers.frame(rows))["depth"]
+    by = {t.name: t for t in fig.data}
+    for s, gib in (("megatrain-auto", 60.0), ("megatrain-host-recompute", 19.0)):
+        tf, mem = by[f"{s} TFLOPS"], by[f"{s} peak GPU GiB"]
+        assert tf.line.color == mem.line.color and tf.line.dash is None and mem.line.dash == "dot"
+        assert mem.yaxis == "y2" and list(mem.y) == [gib] * 3
+    assert by["megatrain-auto TFLOPS"].line.color != by["megatrain-host-recompute TFLOPS"].line.color
