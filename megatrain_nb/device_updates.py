@@ -140,7 +140,7 @@ class DeviceUpdates:
                                        dtype_bytes=size, tied=self.arch.tied,
                                        adam_params_per_s=self.agree(params / seconds if seconds else 3e9, "min"))
             self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
-                                 host_bound=elapsed < 3 * self.agree(adam_s, "max"), head=head,
+                                 host_bound=placing.host_bound(elapsed, self.agree(adam_s, "max")), head=head,
                                  checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
             self.io.take_update_wait()
         elif self.search.phase != "done":

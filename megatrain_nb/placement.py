@@ -258,6 +258,24 @@ def head_budget(free_a: int, free_b: int, head: list, wait: float, step: float) 
     return free if free < free_b else None
 
 
+HOST_HIDES = 5  # a measuring step this many times the host AdamW of every unit hides it (Note: [Auto search])
+
+
+def host_bound(step_s: float, adam_s: float) -> bool:
+    """Whether the host's AdamW could hold a step of this batch size back, so that the "auto" search's
+    trials are worth their steps: the measuring step (nothing resident, first-step costs included) took
+    under ``HOST_HIDES`` times the host AdamW of every unit. Long context hides the host: 7B at 128K
+    tokens steps ~40 s against ~3 s of AdamW. The bound was 3 until s7c1: 3B x 16's measuring step took
+    5.07 s against 1.38 s of AdamW, so no trial ran, and A's forward then waited 149 ms a step for host
+    AdamW at 304.2 TFLOPS, where s4c1's trial winner ran 330.2.
+
+    Example:
+        >>> host_bound(5.07, 1.38), host_bound(40.0, 3.0)
+        (True, False)
+    """
+    return step_s < HOST_HIDES * adam_s
+
+
 @dataclasses.dataclass
 class Search:
     """The "auto" mode's choice between ways to share the device, made by timing them.
@@ -279,8 +297,9 @@ class Search:
     after its gated one took 4.15 s, A 3.71; s3c1, before the gate, ran C at 3.23). The fastest
     wins (C or B only if 3% faster than A).
     C is not tried when A's forward waited under 3% of its step, or when its budget would reach B's.
-    When A already makes every unit resident, or the measuring step lasted over three times the
-    host AdamW of every unit (long context: the host hides), nothing else is tried: A at once.
+    When A already makes every unit resident, or the measuring step lasted over ``HOST_HIDES`` times
+    the host AdamW of every unit (long context: the host hides; ``host_bound``), nothing else is
+    tried: A at once.
     A trial's first step (C1, B1; untimed) is gated: no update starts before its backward has run, so
     an out-of-memory error anywhere in it leaves nothing applied and the engine runs the batch again
     as the best candidate so far (``abandon``). Its later steps overlap as every later one will; they
