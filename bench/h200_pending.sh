@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-02's sixth session). Writes under $OUT.
+# What is still to measure on the H200 (pending after 2026-12-02's seventh session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
-# tests:     the GPU tests over every module the device imports (plotly-based ones skip).
-# core:      issue 12: the whole core sweep in one run after e80f89a (a search trial's OOM reruns its batch) and
-#            590057f (a new batch size's keep cap leaves out the residents that go): s6c2's batch 16 failed in a
-#            trial and ZeRO-3's batch-4 ratio was 3.44 (target 3.5). ~13-16 minutes: detached across two calls,
-#            PYTHONPATH=$PWD bash bench/h200_s6.sh start allcore 560   then   bash bench/h200_s6.sh wait - 560
-# peers7b:   issue 12 / 9: the 7B sweep again (s6c1's 7B x 8 followed x 2 and kept 6 layers: the keep-cap fault).
-# depth:     issue 12: depth with every layer recomputed at 72 layers (s6c2 ran 36 and 96), and with every update on
-#            the host as well (megatrain-host-recompute: device memory flat in depth), 36 / 72 / 96 (~10 minutes;
-#            or detached: bench/h200_s6.sh start depthflat).
-# placement: issue 9: 3B x 1 (ten timed steps) and stream 3B x 1 / x 4 after the sixth session's driver-overhead
-#            cut (d7a2315) and early rows (3d53e4a): s5c4 273.1, 88.1, 253.3 model TFLOPS against targets of 280,
-#            110, 330; each batch in a process of its own. Then the GPU tests (tests mode) for both changes.
-# Done: layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s6c2: 31.3 / 63.4 / OOM at 4 / 8 / 16), width (s6c1).
-# The modes kept for re-runs: layers, long (the 32K cache compare and 256K).
+# search:    issue 9: the auto search after 1c056e5 (a trial is timed on its third step: s7c4's 7B x 8 timed C in the
+#            step after its gated one, 4.15 s, and ran A at 396.7 against a target of 420; s3c1's C: 463.8) and
+#            d611724 (trials unless the step is 5x the host AdamW: s7c1's 3B x 16 skipped them, 304.2; s4c1 330.2).
+#            7B x 8 and 3B x 16, each in a process of its own, with traces (~6 minutes).
+# placement: issue 9: 3B x 1 and stream 3B x 1 / x 4 with ten timed steps and traces: s7c1 294.4, 88.9, 266.0
+#            against targets of 280, 110, 330 (the traces say whether early rows fired and where stream waits).
+# tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
+# peers7b:   the 7B sweep (megatrain auto, native) in one run.
+# Done: core (s7c1: every issue-12 target met), depth with flat memory (s7c1: megatrain-host-recompute 36 / 72 / 84),
+# layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1), tests (s7c1: 41 passed).
+# The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -35,6 +32,11 @@ long)
     timeout 380 python3 bench/long_context.py --seq 256k --steps 1 --out "$OUT/long_context.jsonl" \
         --save-trace "$OUT/tr_long" 2>&1 | tail -3 | cut -c1-400
     tar czf "$OUT/traces.tgz" -C "$OUT" tr_long && rm -rf "$OUT/tr_long" ;;
+search)
+    . bench/h200_lib.sh
+    STEPS=5 bench 7b auto 8
+    STEPS=5 bench 3b auto 16
+    pack && rm -rf "$OUT"/tr_* ;;
 placement)
     . bench/h200_lib.sh
     STEPS=10 bench 3b auto 1 4
