@@ -8,7 +8,8 @@
 # placement: issue 9: 3B x 1 and stream 3B x 1 / x 4 with ten timed steps and traces: s7c1 294.4, 88.9, 266.0
 #            against targets of 280, 110, 330 (the traces say whether early rows fired and where stream waits).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
-# peers7b:   the 7B sweep (megatrain auto, native) in one run.
+# peers7b:   issue 12: the 7B sweep with Twin-Flow too (its host estimate, 14.8 B/param x 7.6B = 105 GiB, fits the
+#            machine's 126; FSDP2 and ZeRO-3 offload do not: 155 and 182 GiB). s7c4 ran megatrain and native only.
 # Done: core (s7c1: every issue-12 target met), depth with flat memory (s7c1: megatrain-host-recompute 36 / 72 / 84),
 # layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1), tests (s7c1: 41 passed).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth.
@@ -45,7 +46,7 @@ placement)
 core)
     echo "run it detached: PYTHONPATH=\$PWD bash bench/h200_s6.sh start allcore 560, then bash bench/h200_s6.sh wait - 560" ;;
 peers7b)
-    wheels; python3 bench/peers.py --sweep 7b --systems megatrain-auto native --budget-s 540 --out "$OUT/peers.jsonl" \
+    wheels; python3 bench/peers.py --sweep 7b --systems megatrain-auto native zero3-twinflow --host-reserve-gib 4 --budget-s 540 --out "$OUT/peers.jsonl" \
         --log "$OUT/peers.log" | cut -c1-400 ;;
 depth)
     python3 bench/peers.py --sweep depth --sweep-systems megatrain-recompute megatrain-host-recompute --depths 36 72 96 \
