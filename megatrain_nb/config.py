@@ -77,8 +77,10 @@ class EngineConfig:
     micro_batch_size: int | None = None
     """Split the batch into micro-batches of this many sequences inside each layer (its weights are
     loaded once for all of them). None: the whole batch at once."""
-    loss_chunk_tokens: int = 1024
-    """Sequence positions per chunk of final norm + lm_head + cross-entropy: the full logits never exist."""
+    loss_chunk_tokens: int | None = None
+    """Sequence positions per chunk of final norm + lm_head + cross-entropy: the full logits never exist.
+    None: 1024 tokens a chunk across the micro-batch's rows (1024 positions at batch 1, 128 at batch 8), so
+    that the chunk's logits do not grow with the batch (``shape.loss_positions``)."""
     weight_slots: int | None = None
     """Device buffers for streamed layer weights (>= 2: one computes while the next loads). None: 2, or
     one per layer under placement="stream" where they take at most a tenth of device memory (the
@@ -174,8 +176,9 @@ class EngineConfig:
             raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: an int >= 1, 0 (keep all) or None (auto)")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: must be >= 1 or None")
-        if self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r}: must be >= 1")
+        if self.loss_chunk_tokens is not None and (not isinstance(self.loss_chunk_tokens, int)
+                                                   or self.loss_chunk_tokens < 1):
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r}: an int >= 1 (positions) or None (auto)")
         if self.weight_slots is not None and (not isinstance(self.weight_slots, int) or self.weight_slots < 2):
             raise ValueError(f"weight_slots={self.weight_slots!r}: need at least 2 (one computing, one loading)")
         if self.transfer_chunk_bytes < (1 << 20):

@@ -44,6 +44,7 @@ from .optim import HostAdamW, grad_norm
 from . import distributed
 from . import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .shape import loss_positions
 from .longcontext import Checkpoints, host_free_bytes, layer_bytes, pinned_bytes
 from .tiling import SequenceTiling
 from . import lean
@@ -611,7 +612,7 @@ class Engine:
         for inputs, h in zip(small, hs):
             labels = inputs["labels"]
             g = torch.empty_like(h)
-            for a, b in chunks(h.shape[1], self.cfg.loss_chunk_tokens):
+            for a, b in chunks(h.shape[1], loss_positions(self.cfg.loss_chunk_tokens, h.shape[0])):
                 with torch.enable_grad():
                     x = h[:, a:b].detach().requires_grad_()
                     logits = arch.logits(params, x)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .binding import call
+from .shape import loss_positions
 from .transfers import chunks
 from .trace import Recorder
 
@@ -76,7 +77,7 @@ def _loss_sum(engine, mbs: list[dict]) -> float:
             continue
         for mb, h in zip(mbs, hs):
             labels = mb["shift_labels"].to(dev.device, non_blocking=True)
-            for a, b in chunks(h.shape[1], engine.cfg.loss_chunk_tokens):
+            for a, b in chunks(h.shape[1], loss_positions(engine.cfg.loss_chunk_tokens, h.shape[0])):
                 logits = arch.logits(params, h[:, a:b])
                 total += F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(), ignore_index=-100,
                                          reduction="sum")

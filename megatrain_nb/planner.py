@@ -143,7 +143,7 @@ CPU_LAPTOP = Hardware(
 
 # model_shape and the per-token activation estimate live in shape.py (a leaf: tiling, lean and the
 # engine read them without importing the planner); re-exported here, where callers found them first.
-from .shape import _act_bytes_per_token, model_shape  # noqa: E402,F401
+from .shape import _act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
 
 
 @dataclass(kw_only=True)
@@ -299,7 +299,7 @@ class Plan:
 
 def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
          checkpoint_every: int | None = None, weight_slots: int | None = None, pinned_budget_bytes: int = 2 << 30,
-         transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int = 1024, activation_budget: float | None = None,
+         transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int | None = None, activation_budget: float | None = None,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
          offload_checkpoints: bool | None = None, lean_activations: bool | None = None,
@@ -328,7 +328,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         pinned_budget_bytes: pinned staging pool; below two chunks means pageable copies of everything,
             pin_store / cast_on_device included (what-if: the engine always pins at least 4 chunks).
         transfer_chunk_bytes: size of one staging chunk.
-        loss_chunk_tokens: sequence positions per lm_head + cross-entropy chunk.
+        loss_chunk_tokens: sequence positions per lm_head + cross-entropy chunk; None as `EngineConfig`
+            (1024 tokens across the batch's rows: `shape.loss_positions`).
         activation_budget: with checkpoint_every=None, fraction of device memory allocations may fill; None:
             0.85, and up to 0.95 for recompute-block inputs that fit nowhere else (as `EngineConfig`).
         overlap_optimizer: run AdamW on each unit as its grads land.
@@ -385,7 +386,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     for name, value, low in (("batch", batch, 1), ("seq", seq, 1), ("dtype_bytes", dtype_bytes, 1),
                              ("weight_slots", weight_slots, 2), ("pinned_budget_bytes", pinned_budget_bytes, 0),
                              ("checkpoint_every", 0 if checkpoint_every is None else checkpoint_every, 0),
-                             ("transfer_chunk_bytes", transfer_chunk_bytes, 1), ("loss_chunk_tokens", loss_chunk_tokens, 1)):
+                             ("transfer_chunk_bytes", transfer_chunk_bytes, 1),
+                             ("loss_chunk_tokens", 1 if loss_chunk_tokens is None else loss_chunk_tokens, 1)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     if activation_budget is not None and not 0 < activation_budget <= 1:
@@ -483,7 +485,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         parts = dict(checkpoints=(len(blocks) - parked) * boundary, attention_cache=cached * cache_b,
                      recompute_workspace=max((b.end - b.start for b in blocks), default=0) * act)
     device.update(activations_kept=sum(keep) * act, **parts,
-                  logits=batch * min(seq, loss_chunk_tokens) * V * (d + 8), reserve=DEVICE_RESERVE)
+                  logits=batch * min(seq, loss_positions(loss_chunk_tokens, batch)) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,

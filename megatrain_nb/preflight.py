@@ -17,6 +17,7 @@ import torch
 from .binding import Layout
 from .config import EngineConfig
 from .host_store import unit_layouts
+from .shape import loss_positions
 
 _GIB = 1 << 30
 _CUDA_WORKSPACE = 512 << 20  # cuBLAS / attention workspaces and allocator slack; the CUDA context is
@@ -184,7 +185,7 @@ def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
         acts = math.ceil(L / K) * boundary + K * act
     mb = min(batch, cfg.micro_batch_size or batch)
     return {"embedding_rows": 2 * boundary, "activations": acts,
-            "logits": mb * min(seq, cfg.loss_chunk_tokens) * V * (d + 8)}  # compute + fp32 logits + fp32 grad
+            "logits": mb * min(seq, loss_positions(cfg.loss_chunk_tokens, mb)) * V * (d + 8)}  # compute + fp32 logits + grad
 
 
 def _count(n: int) -> str:
@@ -245,9 +246,9 @@ def _device_advice_settings(st: dict) -> list[str]:
         out.append(f"micro_batch_size={max(1, (mbs or B) // 2)} (now {mbs}: smaller logits and per-layer temporaries)")
     if st["checkpoint_every"] != 1:
         out.append(f"checkpoint_every=1 (now {st['checkpoint_every']}: recompute every layer, keep only its input)")
-    if st["seq"] is not None and min(st["seq"], st["loss_chunk_tokens"]) > 128:
-        out.append(f"loss_chunk_tokens={max(128, min(st['seq'], st['loss_chunk_tokens']) // 2)} "
-                   f"(now {st['loss_chunk_tokens']})")
+    pos = st["seq"] and min(st["seq"], loss_positions(st["loss_chunk_tokens"], min(B or 1, mbs or B or 1)))
+    if pos and pos > 128:
+        out.append(f"loss_chunk_tokens={max(128, pos // 2)} (now {st['loss_chunk_tokens']}: {pos} positions a chunk)")
     if B is not None:
         out.append(f"a smaller batch or seq (now {B} x {st['seq']})")
     return out

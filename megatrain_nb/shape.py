@@ -93,3 +93,22 @@ def _act_bytes_per_token(s: dict, d: int, lean: bool = True) -> int:
     inter = s["intermediate"] * (s["experts_per_tok"] or 1)
     norms = 2 * (2 * d if lean else 4 + 2 * d) * s["hidden"]
     return norms + d * (3 * q + 2 * kv) + (2 if lean and not s["experts"] else 4) * d * inter
+
+
+LOSS_CHUNK_TOKENS = 1024  # loss_chunk_tokens=None: tokens (rows x positions) per chunk of the loss
+
+
+def loss_positions(setting: int | None, rows: int) -> int:
+    """Sequence positions per chunk of final norm + lm_head + cross-entropy (``EngineConfig.loss_chunk_tokens``).
+
+    A chunk's logits exist in the compute dtype, in fp32 and as an fp32 gradient at once: rows x positions x
+    vocab x (dtype + 8) bytes. With a fixed 1024 positions that grew with the batch: at 3B x 16 x 4096, 16K
+    tokens of a 151,936-word vocabulary, ~30 GiB beside the kept activations (the loss chunk was the 9.3 GiB
+    allocation "stream" ran out of memory on in s7c1). ``None`` keeps a chunk at ``LOSS_CHUNK_TOKENS`` tokens
+    across the rows, at least one position; an int is the positions, as set.
+
+    Example:
+        >>> loss_positions(None, 1), loss_positions(None, 8), loss_positions(None, 4096), loss_positions(512, 8)
+        (1024, 128, 1, 512)
+    """
+    return setting if setting is not None else max(1, LOSS_CHUNK_TOKENS // max(1, rows))

@@ -1,4 +1,5 @@
 """Engine behaviour that the equivalence tests do not pin down: the activation policy's lifetime."""
+import pytest
 import torch
 
 from conftest import make_config
@@ -76,3 +77,31 @@ def test_small_inputs_go_to_the_device_before_any_load_of_the_step(hf_dir, monke
     finally:
         monkeypatch.undo()
         s.close()
+
+
+def test_the_default_loss_chunk_holds_1024_tokens_across_the_rows(monkeypatch):
+    """loss_chunk_tokens=None: a chunk's logits stay at 1024 tokens however many rows (shape.loss_positions);
+    before, 1024 positions times the rows (3B x 16: 16K tokens of logits, ~30 GiB beside the activations).
+    An int stays positions, in training and in evaluate; the loss is the same either way."""
+    cfg = make_config("llama", num_hidden_layers=2)
+    batch = _batch(cfg.vocab_size, 4, 600)  # 2400 tokens: 256 positions a chunk by default, 3 chunks
+    losses = {}
+    for setting, want in ((None, [(4, 256), (4, 256), (4, 88)]), (1024, [(4, 600)]), (250, [(4, 250), (4, 250), (4, 100)])):
+        s = Session.from_config(cfg, seed=0, loss_chunk_tokens=setting)
+        seen = []
+        real = s.engine.arch.logits
+
+        def spy(params, x, real=real, seen=seen):
+            seen.append(tuple(x.shape[:2]))
+            return real(params, x)
+
+        monkeypatch.setattr(s.engine.arch, "logits", spy)
+        try:
+            losses[setting] = s.step(batch).loss
+            assert seen == want, (setting, seen)
+            seen.clear()
+            s.evaluate([batch])
+            assert seen == want, (setting, seen)
+        finally:
+            s.close()
+    assert losses[None] == pytest.approx(losses[1024], rel=1e-6) == losses[250]

@@ -140,13 +140,17 @@ def test_fits_returns_the_estimate():
 
 def test_oom_advice():
     err = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n(details)")
-    cfg = EngineConfig(micro_batch_size=8, checkpoint_every=0, weight_slots=3)
+    cfg = EngineConfig(micro_batch_size=8, checkpoint_every=0, weight_slots=3, loss_chunk_tokens=1024)
     text = oom_advice(err, cfg, (8, 4096))
     assert "batch 8 x seq 4096" in text and "Tried to allocate 2.00 GiB" in text and "(details)" not in text
     for advice in ("micro_batch_size=4 (now 8", "checkpoint_every=1 (now 0", "weight_slots=2 (now 3",
-                   "loss_chunk_tokens=512"):
+                   "loss_chunk_tokens=512 (now 1024: 1024 positions a chunk)"):
         assert advice in text, (advice, text)
     assert "device='cpu'" not in text  # already there
+    # the default (None) takes 1024 tokens a chunk: 128 positions at 8 rows, nothing to halve; 1024 at one row
+    auto = dataclasses.replace(cfg, loss_chunk_tokens=None)
+    assert "loss_chunk_tokens" not in oom_advice(err, auto, (8, 4096))
+    assert "loss_chunk_tokens=512 (now None: 1024 positions" in oom_advice(err, auto, (1, 4096))
     assert oom_advice(err, dataclasses.replace(cfg, micro_batch_size=1), torch.Size([1, 16])).count("micro_batch") == 0
 
 
