@@ -81,7 +81,7 @@ def test_small_inputs_go_to_the_device_before_any_load_of_the_step(hf_dir, monke
 
 def test_the_default_loss_chunk_holds_1024_tokens_across_the_rows(monkeypatch):
     """loss_chunk_tokens=None: a chunk's logits stay at 1024 tokens however many rows (shape.loss_positions);
-    before, 1024 positions times the rows (3B x 16: 16K tokens of logits, ~30 GiB beside the activations).
+    before, 1024 positions times the rows (3B x 16: 16K tokens of logits, ~23 GiB beside the activations).
     An int stays positions, in training and in evaluate; the loss is the same either way."""
     cfg = make_config("llama", num_hidden_layers=2)
     batch = _batch(cfg.vocab_size, 4, 600)  # 2400 tokens: 256 positions a chunk by default, 3 chunks
