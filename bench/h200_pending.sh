@@ -5,7 +5,7 @@
 #            step after its gated one, 4.15 s, and ran A at 396.7 against a target of 420; s3c1's C: 463.8) and
 #            d611724 (trials unless the step is 5x the host AdamW: s7c1's 3B x 16 skipped them, 304.2; s4c1 330.2).
 #            7B x 8 and 3B x 16, each in a process of its own, with traces (~6 minutes). Both also after 08fef7e
-#            (the loss's chunk holds 1024 tokens at any batch: ~12 GiB more device memory at batch 8, ~21 at 16);
+#            (the loss's chunk holds 1024 tokens at any batch: ~10 GiB more device memory at batch 8, ~22 at 16);
 #            then the core sweep's megatrain rows again (bench/h200_s6.sh start s7: it re-runs every system).
 # placement: issue 9: 3B x 1 and stream 3B x 1 / x 4 with ten timed steps and traces: s7c1 294.4, 88.9, 266.0
 #            against targets of 280, 110, 330 (the traces say whether early rows fired and where stream waits).
