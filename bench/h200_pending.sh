@@ -46,7 +46,7 @@ placement)
     STEPS=10 bench 3b stream 1 4
     pack && rm -rf "$OUT"/tr_* ;;
 core)
-    echo "run it detached: PYTHONPATH=\$PWD bash bench/h200_s6.sh start allcore 560, then bash bench/h200_s6.sh wait - 560" ;;
+    echo "run it detached: PYTHONPATH=\$PWD bash bench/h200_s6.sh start s7 540 1000, then bash bench/h200_s6.sh wait - 585 (twice)" ;;
 peers7b)
     wheels; python3 bench/peers.py --sweep 7b --systems megatrain-auto native zero3-twinflow --host-reserve-gib 4 --budget-s 540 --out "$OUT/peers.jsonl" \
         --log "$OUT/peers.log" | cut -c1-400 ;;

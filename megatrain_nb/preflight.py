@@ -246,7 +246,8 @@ def _device_advice_settings(st: dict) -> list[str]:
         out.append(f"micro_batch_size={max(1, (mbs or B) // 2)} (now {mbs}: smaller logits and per-layer temporaries)")
     if st["checkpoint_every"] != 1:
         out.append(f"checkpoint_every=1 (now {st['checkpoint_every']}: recompute every layer, keep only its input)")
-    pos = st["seq"] and min(st["seq"], loss_positions(st["loss_chunk_tokens"], min(B or 1, mbs or B or 1)))
+    rows = min(B, mbs or B) if B else 1  # a micro-batch's rows: what a loss chunk spans
+    pos = st["seq"] and min(st["seq"], loss_positions(st["loss_chunk_tokens"], rows))
     if pos and pos > 128:
         out.append(f"loss_chunk_tokens={max(128, pos // 2)} (now {st['loss_chunk_tokens']}: {pos} positions a chunk)")
     if B is not None:
