@@ -9,6 +9,8 @@
 #   s7:     (seventh session) the whole core sweep, Twin-Flow last; then megatrain-host-recompute (host updates,
 #           block inputs in host memory: device memory flat in depth) at 36 / 72 / 84 layers (96 would need
 #           ~12 GiB of pinned inputs beside its 114 GiB of host RAM); then the GPU tests. ~26 minutes, three calls.
+#   s8a:    (eighth session) the 7B sweep's Twin-Flow (issue 12's last peer: its host estimate, 105 GiB, fits), then
+#           megatrain auto at 7B x 2 / x 8 in the same run (issue 9's 7B x 8 after 1c056e5). ~9 minutes, two calls.
 # Each runs detached (setsid: it outlives the call) across device calls made within 30 s of each other:
 #     PYTHONPATH=$PWD bash bench/h200_s6.sh start sweeps 560    then    bash bench/h200_s6.sh wait - 560
 # Carry .whl (DeepSpeed and its requirements, bench/peers_wheels.sh).
@@ -38,7 +40,9 @@ if [ "$1" = start ]; then
         zero3-twinflow --job-timeout 300 --budget-s ${4:-1000}; \
         $P --sweep depth --sweep-systems megatrain-host-recompute --depths 36 72 84 --budget-s 330; \
         timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts='' -m gpu --continue-on-collection-errors tests/ -rA > $D/gpu_tests.log 2>&1" ;;
-    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7"; exit 2 ;;
+    s8a) P="python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log --sweep 7b"
+        CMD="$P --systems zero3-twinflow --steps 2 --job-timeout 480 --budget-s 480; $P --systems megatrain-auto --budget-s 330" ;;
+    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7, s8a"; exit 2 ;;
     esac
     setsid nohup bash -c "$CMD" > "$D/run.log" 2>&1 < /dev/null &
     echo $! > "$D/pid"
