@@ -40,7 +40,8 @@ if [ "$1" = start ]; then
         zero3-twinflow --job-timeout 300 --budget-s ${4:-1000}; \
         $P --sweep depth --sweep-systems megatrain-host-recompute --depths 36 72 84 --budget-s 330; \
         timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts='' -m gpu --continue-on-collection-errors tests/ -rA > $D/gpu_tests.log 2>&1" ;;
-    s8a) P="python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log --sweep 7b"
+    s8a) rm -rf /tmp/s8code && mkdir -p /tmp/s8code && cp -r megatrain_nb bench /tmp/s8code/  # later calls' trees don't leak in
+        P="cd /tmp/s8code && PYTHONPATH=/tmp/s8code:/tmp/site python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log --sweep 7b"
         CMD="$P --systems zero3-twinflow --steps 2 --job-timeout 480 --budget-s 480; $P --systems megatrain-auto --budget-s 330" ;;
     *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7, s8a"; exit 2 ;;
     esac
