@@ -12,6 +12,9 @@
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
 # peers7b:   issue 12: the 7B sweep with Twin-Flow too (its host estimate, 14.8 B/param x 7.6B = 105 GiB, fits the
 #            machine's 126; FSDP2 and ZeRO-3 offload do not: 155 and 182 GiB). s7c4 ran megatrain and native only.
+# s8b:       (eighth session) placement "stream" after held weights (a "device" unit's update refills its weight
+#            slot: the next forward loads none of it), 3B x 1 / x 4 traced; 3B x 16 auto (after d611724 and 08fef7e);
+#            then the GPU tests (~7 minutes).
 # Done: core (s7c1: every issue-12 target met), depth with flat memory (s7c1: megatrain-host-recompute 36 / 72 / 84),
 # layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1), tests (s7c1: 41 passed).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth.
@@ -44,6 +47,13 @@ placement)
     . bench/h200_lib.sh
     STEPS=10 bench 3b auto 1 4
     STEPS=10 bench 3b stream 1 4
+    pack && rm -rf "$OUT"/tr_* ;;
+s8b)
+    . bench/h200_lib.sh
+    STEPS=6 bench 3b stream 1 4
+    STEPS=5 bench 3b auto 16
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA \
+        > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
     pack && rm -rf "$OUT"/tr_* ;;
 core)
     echo "run it detached: PYTHONPATH=\$PWD bash bench/h200_s6.sh start s7 540 1000, then bash bench/h200_s6.sh wait - 585 (twice)" ;;

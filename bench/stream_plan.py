@@ -36,8 +36,8 @@ def steady(cfg, batch: int, streamed: int) -> float:
 def state_in_forward() -> dict:
     """The simulator's namespace with streamed layers' state loaded in the forward (none in the backward)."""
     src = inspect.getsource(simulate)
-    src = src.replace('s = self.use(k, op, at, self.f_slot, t["h2d"], end)',
-                      's = self.use(k, op, at, self.f_slot, t["h2d"] * (3 if op.layer in self.streamed else 1), end)')
+    src = src.replace('s = self.use(k, op, at, f_slot, t["h2d"], end)',
+                      's = self.use(k, op, at, f_slot, t["h2d"] * (3 if op.layer in self.streamed else 1), end)')
     src = src.replace('got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],',
                       'got = 0.0 if True else self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], '
                       'self.sslot_free[j],')
@@ -62,8 +62,8 @@ def main(argv=None) -> None:
         print(f"3B x {b}, 15 streamed, state slots  " + ", ".join(row))
         sweep = {n: steady(cfg, b, n) for n in range(0, L + 1, 2)}
         best = min(sweep, key=sweep.get)
-        pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, weight_bytes=4))
-        old = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_BYTES_PER_S, weight_bytes=4))
+        pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=True))
+        old = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_BYTES_PER_S, cached=True))
         print(f"3B x {b}, share: best {best} streamed ({sweep[best]:.0f} ms, "
               f"{6 * 3.0859e9 * 4096 * b / sweep[best] / 1e9:.1f} model TFLOPS); the in-step rule picks {pick} "
               f"({steady(cfg, b, pick):.0f} ms), the isolated rate {old} ({steady(cfg, b, old):.0f} ms)")

@@ -91,7 +91,7 @@ class DeviceUpdates:
         if self.mode == "stream" and not self.share and self.agree(seconds > 0, "min"):  # after the first step's updates
             cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
             self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S,
-                                                         weight_bytes=4 if cached else 8), "min")
+                                                         cached=cached), "min")
         cand = self.search.candidate
         want = self.choose(None if cand is None else self.search.free[cand])
         if self.search.phase in ("B1", "C1"):
@@ -194,13 +194,16 @@ class DeviceUpdates:
             self.rec.cuda_end(tok, dev.optim)
             self.updated = dev.record(dev.optim)
 
-    def stream_update(self, i: int, g: torch.Tensor, done, lr: float, j: int, loaded: Box, written: Box) -> Box:
+    def stream_update(self, i: int, g: torch.Tensor, done, lr: float, j: int, loaded: Box, written: Box, *,
+                      weights: torch.Tensor | None = None) -> tuple[Box, object]:
         """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
 
         The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
         copies master and moments back once the update is done, and the unit lands (its norm) after
-        that, so the next forward's load of it reads the updated master. Returns the grad slot's box:
-        free once the update has read the gradients.
+        that, so that a later load of it reads the updated master. ``weights``: the weight slot that
+        keeps this unit into the next step, refilled here from the new master in the compute dtype
+        (Note: [Held weights] in placement.py). Returns the grad slot's box (free once the update has
+        read the gradients) and the event after the update (and the refill).
         """
         dev, n = self.dev, g.numel()
         state = self.sslots[j][:3 * n]
@@ -213,12 +216,14 @@ class DeviceUpdates:
                 found.record_stream(dev.optim)
             tok = self.rec.cuda_begin("device-adam", "adam", i, "bwd", n * 16, dev.optim)
             self.opt.update_streamed(i, state, g, lr, found)
+            if weights is not None:
+                weights[:n].copy_(state[:n])  # the cast a load would do: the next forward loads nothing of it
             self.rec.cuda_end(tok, dev.optim)
             self.updated = updated = dev.record(dev.optim)
         u = self.store.units[i]
         self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)], updated, "bwd",
                       op="state-out", enqueued=written)  # fills ``written``: the state slot's next load waits for it
-        return Box(ready=True, value=updated)
+        return Box(ready=True, value=updated), updated
 
     def state_loads(self, ops, steps_done: int, abort) -> list:
         """(op index, submit) for each "device" unit's backward: its state's load into a free state slot.

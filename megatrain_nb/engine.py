@@ -80,6 +80,7 @@ class Engine:
         self.gslots = [mk(n_layer) for _ in range(2)]
         self.head_slot, self.head_gslot = mk(self.head_layout.numel), mk(self.head_layout.numel)
         self.slot_layer: list[int | None] = [None] * len(self.slots)  # driver's view of what each slot holds
+        self.slot_current = [False] * len(self.slots)  # it holds its layer's current weights (Note: [Held weights])
         self.refs = SlotRefs(self.slots, self)
         self.norm_dev = torch.zeros(L + 2, dtype=torch.float32, device=dev.device)  # per-unit grad norms
         self.slot_box = [Box(ready=True) for _ in self.slots]  # event of each slot's latest use
@@ -219,6 +220,7 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
+        self.slot_current = [False] * len(self.slots)
         self.offload.reset()
         self.attn_cache.clear()  # the failed step's backward will not come for them
         self.adam.error = None
@@ -256,7 +258,7 @@ class Engine:
             small = self._small_inputs(mbs)  # before any load of this step is queued
             embeds = [self._gather(mb) for mb in mbs]
             fops = forward_ops(L)
-            fboxes = self._plan(fops, [None] * len(self.slots))
+            fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
             head_box = self._load_head()
             state = self._forward(embeds, fops, fboxes, small)
             hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small)
@@ -264,6 +266,7 @@ class Engine:
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
+            self.slot_current = [s in bboxes["cast"] for s in range(len(self.slots))]  # the rest: updated since loaded
             self._committed = True  # gated: no update starts before every gradient has landed, after this
             du.end_backward()  # the next step's compute follows this step's device updates
             self._count_memory()
@@ -375,13 +378,14 @@ class Engine:
 
         Returns {"loads": op index -> (Load, box), "rel": op index -> Box of that op's slot release,
         "slot": op index -> slot, "state": bwd op index -> (state slot, its load's box, its write-back's
-        box)}. A load waits for the release of its slot's previous use: in this plan (``Load.after``)
+        box), "after": the layer each slot holds once ``ops`` are done, "cast": slots that a "device"
+        unit's update refilled from its new master (``_backward``)}. A load waits for the release of its slot's previous use: in this plan (``Load.after``)
         or in an earlier one (``self.slot_box``). The backward of a "device" unit also needs its
         optimizer state: loaded right after its weights, into the state slot whose last write-back
         has been copied out (Note: [Streamed updates] in placement.py).
         """
         slot_ops = [Op("resident", op.layer, op.phase) if op.layer in self.dev_opt.of else op for op in ops]
-        loads, _, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
+        loads, after, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
         rel = {k: Box(self.abort) for k in slot_of_op}
         jobs = [(ld.before, 0, ld) for ld in loads]
         jobs += [(k, 1, submit) for k, submit in self.device_updates.state_loads(ops, self.steps_done, self.abort)]
@@ -397,7 +401,7 @@ class Engine:
             boxes[ld.before] = (ld, box)
         for k, s in sorted(slot_of_op.items()):
             self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
-        return {"loads": boxes, "rel": rel, "slot": slot_of_op, "state": state}
+        return {"loads": boxes, "rel": rel, "slot": slot_of_op, "state": state, "after": after, "cast": set()}
 
     def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
         """Driver: the weight slot op k computes from; the compute stream waits for its load."""
@@ -408,6 +412,7 @@ class Engine:
             ld, box = plan["loads"][k]
             self._ready(box)
             self.slot_layer[ld.slot] = ld.layer
+            self.slot_current[ld.slot] = True  # a load waits for its unit's last update: current until the next
             self._occ.append(("weight", s, op.layer, ("h2d", "h2d", op.layer, op.phase), "loading", "ready"))
         self._occ.append(("weight", s, op.layer, ("compute", op.kind, op.layer, op.phase), "computing", "ready"))
         return self.slots[s]
@@ -690,18 +695,25 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 done = self._reduced(i, g, g.numel(), dev.record(dev.compute))  # summed over ranks, its norm
                 self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done), done)
-                self._done(plan, k)
                 self._count_memory()
+                held = None  # the weight slot a "device" unit's update refills (Note: [Held weights])
                 if res is not None:
                     self.io.grads(i, g, [], done, "bwd")  # only its norm goes to the host (clip, report)
                 elif k in plan["state"]:
-                    self.gslot_box[gi] = self.device_updates.stream_update(i, g, done, self.ocfg.lr_at(self.steps_done),
-                                                                           *plan["state"][k])
+                    s = plan["slot"][k]
+                    held = self.slots[s] if plan["after"][s] == i else None  # it keeps layer i past this plan
+                    self.gslot_box[gi], cast = self.device_updates.stream_update(
+                        i, g, done, self.ocfg.lr_at(self.steps_done), *plan["state"][k], weights=held)
                     gi ^= 1
+                    if held is not None:
+                        plan["rel"][k].put(cast)  # the slot's next load waits for the cast too
+                        plan["cast"].add(s)
                 else:
                     segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
                     self.gslot_box[gi], _ = self.io.grads(i, g, segs, done, "bwd")
                     gi ^= 1
+                if held is None:
+                    self._done(plan, k)
                 del params, xs, outs
             else:
                 tok = rec.cuda_begin("compute", "embed_bwd", -1, "bwd", 0, dev.compute)

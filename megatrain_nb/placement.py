@@ -30,9 +30,19 @@ Note: [Streamed updates] a "device" unit moves 12 more bytes per parameter in (m
 and 10 more out than a "host" one (12 out instead of 2 bytes of gradients), and takes its update off
 the host cores. With host AdamW at A params/s and PCIe at B bytes/s each way, a share f of the
 parameters on the device balances the two when (w + 12 f) / B = (1 - f) / A (w = 8: the weights, in
-twice, as fp32 for the device cast; w = 4 when every layer has a weight slot and the backward reuses
-the forward's weights, which "stream" arranges where they take under a tenth of device memory:
-measured on the H200 at 3B x 1, the h2d lane was busy 931 ms of a 1097 ms step, 502 of them weights).
+twice, as fp32 for the device cast). When every layer has a weight slot, which "stream" arranges where
+they take under a tenth of device memory (measured on the H200 at 3B x 1 before: the h2d lane busy 931
+ms of a 1097 ms step, 502 of them weights), the backward reuses the forward's weights and a "device"
+unit's weights do not cross at all (Note: [Held weights]): 4 (1 - f) + 12 f bytes in per parameter.
+
+Note: [Held weights] a "device" unit's update has its new fp32 master on the device; where the unit's
+weight slot keeps it past the step (``schedule.plan_loads``'s slots after the backward), the update
+casts the master into that slot, as a load would, and the next forward computes from it without a
+load: no reload of what the device has just written, and no wait for the state's write-back before
+the next step's first layers (which "stream" places "device"). The engine tracks which slots hold
+their layer's current weights (``Engine.slot_current``): a load makes a slot current, the end of a
+step leaves current only the slots refilled this way, a failed step none. The host store stays the
+authority: the state still goes back, and any other load reads it.
 A is the rate measured in the first step (the host's AdamW beside the gradients' DMA), B the in-step
 rate of a copy in beside copies out (``PCIE_IN_STEP_BYTES_PER_S``): with the isolated 55 GB/s the s3c1
 run streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10 (x 4); this rule
@@ -112,19 +122,21 @@ def resident_bytes(unit: int, numel: int, dtype_bytes: int, tied: bool) -> int:
     return numel * (12 + 2 * dtype_bytes)
 
 
-def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, weight_bytes: float = 8) -> float:
+def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached: bool = False) -> float:
     """The share of parameters placed "device" that balances PCIe against host AdamW (Note: [Streamed updates]).
 
-    ``weight_bytes``: bytes per parameter of weights in over a step: 8 (fp32 for the device cast, in
-    for the forward and again for the backward), 4 when every layer has its own weight slot
-    (``weight_slots``: the backward reuses the forward's weights).
+    ``cached``: every layer has its own weight slot (``weight_slots``): the weights come in once a step
+    (4 bytes per parameter, fp32 for the device cast), not twice, and a "device" unit's not at all
+    (its update refills its slot, Note: [Held weights]): per parameter 4 (1 - f) + 12 f bytes in,
+    else 8 + 12 f.
 
     Example:
-        >>> round(stream_share(3.5e9, 55e9), 2), round(stream_share(3.5e9, 55e9, weight_bytes=4), 2)
-        (0.28, 0.42)
+        >>> round(stream_share(3.5e9, 55e9), 2), round(stream_share(3.5e9, 55e9, cached=True), 2)
+        (0.28, 0.49)
     """
     a, b = host_adam_params_per_s, pcie_bytes_per_s
-    return min(1.0, max(0.0, (1 / a - weight_bytes / b) / (1 / a + 12 / b)))
+    w, device_in = (4, 12) if cached else (8, 20)  # weights in per "host" parameter; all bytes in per "device" one
+    return min(1.0, max(0.0, (1 / a - w / b) / (1 / a + (device_in - w) / b)))
 
 
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share

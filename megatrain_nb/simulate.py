@@ -106,8 +106,14 @@ class _Sim:
         self.head_free = self.head_copied = 0.0  # last loss compute end; last head grad copy end
         self.fops, self.bops = forward_ops(L), backward_ops(make_blocks(L, keep, block))
         mask = lambda ops: [Op("resident", o.layer, o.phase) if o.layer in self.resident else o for o in ops]  # noqa: E731
-        self.f_loads, held, self.f_slot = plan_loads(mask(self.fops), S, [None] * S)  # as Engine._plan does
-        self.b_loads, _, self.b_slot = plan_loads(mask(self.bops), S, held)
+        f_loads, held, f_slot = plan_loads(mask(self.fops), S, [None] * S)  # as Engine._plan does
+        b_loads, after, b_slot = plan_loads(mask(self.bops), S, held)
+        self.cold = self.warm = (f_loads, f_slot, b_loads, b_slot, after)
+        kept = [x if x in self.streamed else None for x in after]  # Note: [Held weights] in placement.py
+        if steady and any(x is not None for x in kept):  # the steps after the first start from these slots
+            f_loads, held, f_slot = plan_loads(mask(self.fops), S, kept)
+            b_loads, after, b_slot = plan_loads(mask(self.bops), S, held)
+            self.warm = (f_loads, f_slot, b_loads, b_slot, after)
 
     def put(self, lane, op, layer, phase, a, b, nbytes=0, busy=None):
         self.free[lane] = b
@@ -179,13 +185,14 @@ class _Sim:
     def step(self) -> float:
         """Simulates one step from `t0`; returns when its driver returns (the embedding's grads landed)."""
         L, t, units, compute, slot_end, res = self.L, self.t, self.units, self.compute, self.slot_end, self.resident
+        f_loads, f_slot, b_loads, b_slot, after = self.warm if self.n else self.cold
         self.landed = []
         rows = self.t0 if -1 in res else self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # host-gathered rows
         have = lambda s: 0.0 if s is None else self.have[s]  # noqa: E731  (a resident layer: always there)
         end: dict[int, float] = {}
-        at = {ld.before: ld for ld in self.f_loads}
+        at = {ld.before: ld for ld in f_loads}
         for k, op in enumerate(self.fops[:-1]):
-            s = self.use(k, op, at, self.f_slot, t["h2d"], end)
+            s = self.use(k, op, at, f_slot, t["h2d"], end)
             end[k] = compute("fwd", op.layer, "fwd", t["fwd"], have(s), rows)
             if s is not None:
                 slot_end[s] = end[k]
@@ -197,9 +204,9 @@ class _Sim:
         if L not in res:
             self.grads(L, "loss", self.head_free, *units[L][3:])
             self.head_copied = self.free["d2h"]
-        end, at, gi = {}, {ld.before: ld for ld in self.b_loads}, 0
+        end, at, gi = {}, {ld.before: ld for ld in b_loads}, 0
         for k, op in enumerate(self.bops[:-1]):
-            s = self.use(k, op, at, self.b_slot, t["h2d_bwd"], end)
+            s = self.use(k, op, at, b_slot, t["h2d_bwd"], end)
             if op.kind == "recompute":
                 dur = t["recompute_cached"] if op.layer in self.cached else t["fwd"]
                 end[k] = compute("recompute", op.layer, "recompute", dur, have(s))
@@ -217,6 +224,8 @@ class _Sim:
                 o0 = max(upd, self.free.get("d2h", 0.0))
                 self.sslot_free[j] = self.put("d2h", "state-out", op.layer, "bwd", o0, o0 + t["state_out"])
                 self.landed.append((op.layer, self.sslot_free[j], 0.0))  # the host's update is a no-op
+                if s is not None and after[s] == op.layer:  # refilled from the new master (Note: [Held weights])
+                    self.have[s] = end[k] = upd  # its next use waits for the cast, and so does the slot's next load
             else:
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])
                 self.gslot_free[gi] = self.grads(op.layer, "bwd", end[k], self.g_bytes, t["d2h"], t["unpack"],

@@ -46,6 +46,8 @@ def test_stream_share_balances_pcie_against_host_adam():
     a, b = 3.5e9, 55e9
     f = placing.stream_share(a, b)
     assert (8 + 12 * f) / b == pytest.approx((1 - f) / a)  # Note: [Streamed updates]
+    held = placing.stream_share(a, b, cached=True)  # weights in once; a "device" unit's not at all (Note: [Held weights])
+    assert (4 * (1 - held) + 12 * held) / b == pytest.approx((1 - held) / a)
     assert placing.stream_share(1e15, b) == 0.0 and placing.stream_share(1.0, b) == pytest.approx(1.0)
 
 
@@ -104,18 +106,50 @@ def test_resident_with_clip_decay_schedule_and_recompute(hf_dir, family, tmp_pat
 @pytest.mark.parametrize("family", families("llama", "mixtral"))
 def test_a_weight_slot_per_layer_reuses_the_forwards_weights_and_trains_equal(hf_dir, family, tmp_path):
     """What placement "stream" resolves weight_slots=None to on a GPU with room (placement.weight_slots):
-    every layer keeps its slot from the forward to the backward, so the backward loads no weights."""
+    every layer keeps its slot from the forward to the backward, so the backward loads no weights; and a
+    "device" unit's update refills its slot, so the next forward loads none of it (Note: [Held weights])."""
     d = hf_dir(family)
     L_ = _head(d)
     compare(d, family, tmp_path, placement={0: "device", L_ - 1: "device"}, weight_slots=L_)
     s = Session.from_pretrained(d, lr=LR, weight_slots=L_, placement={0: "device"})
     try:
-        s.step(make_batches(VOCAB, 1)[0])
-        df = s.trace.to_dataframe()
-        loads = df[(df.lane == "h2d") & (df.op == "h2d") & df.layer.between(0, L_ - 1)]  # decoder layers' weights
-        assert sorted(loads.layer) == list(range(L_)) and set(loads.phase) == {"fwd"}, loads[["layer", "phase"]]
+        for n, batch in enumerate(make_batches(VOCAB, 3)):
+            s.step(batch)
+            df = s.trace.to_dataframe()
+            loads = df[(df.lane == "h2d") & (df.op == "h2d") & df.layer.between(0, L_ - 1)]  # decoder layers' weights
+            assert set(loads.phase) == {"fwd"}, loads[["layer", "phase"]]
+            assert sorted(loads.layer) == list(range(0 if n == 0 else 1, L_)), (n, sorted(loads.layer))
+        e = s.engine
+        slot = e.slot_of(0)
+        assert e.slot_current[slot] and not any(c for k, c in enumerate(e.slot_current) if k != slot)
+        e.device_updates.settle()
+        n0 = e.store.units[0].layout.numel
+        assert torch.equal(e.slots[slot][:n0], e.store.units[0].master.to(e.dtype))  # the held slot is the new master
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("family", families("llama_tied"))
+def test_held_weights_survive_a_generation_between_steps(hf_dir, family):
+    """A forward-only pass between steps loads into the weight slots (``Engine.stream_layers``): what it
+    leaves there is current, the next step computes from it, and the training is the same as without it."""
+    d = hf_dir(family)
+    L_ = _head(d)
+    batches = make_batches(VOCAB, 4)
+    masters = []
+    for between in (False, True):
+        s = Session.from_pretrained(d, lr=LR, weight_slots=L_, placement={0: "device", 1: "device"})
+        try:
+            for n, b in enumerate(batches):
+                s.step(b)
+                if between and n == 1:
+                    assert s.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2).shape[-1] == 5
+            s.engine.device_updates.settle()
+            s.engine.adam.wait_all(len(batches))
+            masters.append({u: unit.master.clone() for u, unit in s.engine.store.units.items()})
+        finally:
+            s.close()
+    assert all(torch.equal(masters[0][u], masters[1][u]) for u in masters[0])
 
 
 def test_stream_gets_a_slot_per_layer_where_they_fit():
@@ -125,7 +159,7 @@ def test_stream_gets_a_slot_per_layer_where_they_fit():
     assert placing.weight_slots(None, "stream", 36, 154 << 20, None) == 2  # no device figure (the CPU)
     assert placing.weight_slots(None, "auto", 36, 154 << 20, 140 * G) == 2
     assert placing.weight_slots(5, "stream", 36, 154 << 20, 140 * G) == 5
-    assert placing.stream_share(2.1e9, 49e9, weight_bytes=4) > placing.stream_share(2.1e9, 49e9)
+    assert placing.stream_share(2.1e9, 49e9, cached=True) > placing.stream_share(2.1e9, 49e9)
 
 
 def _head(d) -> int:
