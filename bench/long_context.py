@@ -57,7 +57,7 @@ def config_of(a):
 
 def settings_of(a) -> dict:
     return dict(device=a.device, lr=a.lr, tile_tokens=a.tile_tokens, attention_backend=a.attention,
-                activation_budget=a.activation_budget, pinned_budget_bytes=int(a.pinned_gb * (1 << 30)),
+                activation_budget=a.activation_budget, pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)),
                 offload_checkpoints={"auto": None, "all": True, "none": False}[a.offload],
                 checkpoint_every=a.checkpoint_every, placement=a.placement, trace=bool(a.save_trace),
                 attention_cache={"auto": None, "on": True, "off": False}[a.attention_cache])
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
                     help="EngineConfig.placement (auto: resident units where the activations leave room)")
     ap.add_argument("--activation-budget", type=float, default=None,
                     help="EngineConfig.activation_budget (None: 0.85, up to 0.95 for recompute-block inputs)")
-    ap.add_argument("--pinned-gb", type=float, default=2.0)
+    ap.add_argument("--pinned-gb", type=float, default=None, help="staging pool, GiB (default: the engine's, config.pinned_budget)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="append each JSON row here as soon as it is made")

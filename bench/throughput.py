@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--slots", type=int, default=None, help="weight_slots (default: the engine's choice)")
-    ap.add_argument("--pinned-gb", type=float, default=2.0)
+    ap.add_argument("--pinned-gb", type=float, default=None, help="staging pool, GiB (default: the engine's, config.pinned_budget)")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--pinning", choices=["auto", "cast", "shadow", "none"], default="auto",
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, checkpoint_every=a.checkpoint_every,
                             micro_batch_size=a.micro_batch, weight_slots=a.slots,
-                            pinned_budget_bytes=int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
+                            pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
                             offload_checkpoints=a.offload_checkpoints, placement=a.placement,
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])

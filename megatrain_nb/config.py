@@ -9,6 +9,23 @@ import torch
 from .longcontext import keep_share
 
 SCHEDULES = ("constant", "linear", "cosine")
+PINNED_BUDGET_BYTES = 2 << 30  # the staging pool when the store's slabs are pageable: every load is packed through it
+PINNED_BUDGET_PINNED_STORE = 512 << 20  # when they are pinned: only the embedding's rows and fp32 gradients pass
+
+
+def pinned_budget(setting: int | None, store_pinned: bool) -> int:
+    """``EngineConfig.pinned_budget_bytes`` resolved: an int as given; None: 2 GiB, or 512 MiB where the
+    store's slabs are pinned themselves (``cast_on_device`` or ``pin_store``: weights, gradients and
+    streamed state then cross in one DMA each, and only the gathered embedding rows and the embedding's
+    fp32 gradients pass through staging). Pinned memory is host RAM: the 1.5 GiB saved count in RSS.
+
+    Example:
+        >>> pinned_budget(None, False) >> 20, pinned_budget(None, True) >> 20, pinned_budget(0, True)
+        (2048, 512, 0)
+    """
+    if setting is not None:
+        return setting
+    return PINNED_BUDGET_PINNED_STORE if store_pinned else PINNED_BUDGET_BYTES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -85,8 +102,9 @@ class EngineConfig:
     """Device buffers for streamed layer weights (>= 2: one computes while the next loads). None: 2, or
     one per layer under placement="stream" where they take at most a tenth of device memory (the
     backward then reuses the forward's weights: ``placement.weight_slots``)."""
-    pinned_budget_bytes: int = 2 << 30
-    """Host pinned staging for transfers (CUDA only), split into ``transfer_chunk_bytes`` buffers."""
+    pinned_budget_bytes: int | None = None
+    """Host pinned staging for transfers (CUDA only), split into ``transfer_chunk_bytes`` buffers. None: 2 GiB,
+    or 512 MiB where the store's slabs are pinned (``cast_on_device``, ``pin_store``: see ``pinned_budget``)."""
     transfer_chunk_bytes: int = 64 << 20
     """Size of one staging buffer; >= 16 MB reaches full PCIe bandwidth."""
     pin_store: bool | None = None
@@ -183,7 +201,7 @@ class EngineConfig:
             raise ValueError(f"weight_slots={self.weight_slots!r}: need at least 2 (one computing, one loading)")
         if self.transfer_chunk_bytes < (1 << 20):
             raise ValueError(f"transfer_chunk_bytes={self.transfer_chunk_bytes!r}: use at least 1 MiB")
-        if self.pinned_budget_bytes < 2 * self.transfer_chunk_bytes:
+        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 2 * self.transfer_chunk_bytes:
             raise ValueError(f"pinned_budget_bytes={self.pinned_budget_bytes!r}: must hold at least two "
                              f"transfer chunks of {self.transfer_chunk_bytes} bytes")
         if self.cast_on_device and dev.type != "cuda":

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
+from .config import pinned_budget
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
 from .schedule import make_blocks
@@ -298,7 +299,7 @@ class Plan:
 
 
 def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes: int = 2,
-         checkpoint_every: int | None = None, weight_slots: int | None = None, pinned_budget_bytes: int = 2 << 30,
+         checkpoint_every: int | None = None, weight_slots: int | None = None, pinned_budget_bytes: int | None = None,
          transfer_chunk_bytes: int = 64 << 20, loss_chunk_tokens: int | None = None, activation_budget: float | None = None,
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
@@ -325,8 +326,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         checkpoint_every: as `EngineConfig.checkpoint_every`: k >= 1 recomputes every layer in blocks
             of k, 0 keeps all, None keeps layers from the first while `activation_budget` allows.
         weight_slots: device weight slots (>= 2); None as `EngineConfig.weight_slots` (`placement.weight_slots`).
-        pinned_budget_bytes: pinned staging pool; below two chunks means pageable copies of everything,
-            pin_store / cast_on_device included (what-if: the engine always pins at least 4 chunks).
+        pinned_budget_bytes: pinned staging pool (None: as `EngineConfig`, `config.pinned_budget`); below two
+            chunks means pageable copies of everything, pin_store / cast_on_device included (what-if: the
+            engine always pins at least 4 chunks).
         transfer_chunk_bytes: size of one staging chunk.
         loss_chunk_tokens: sequence positions per lm_head + cross-entropy chunk; None as `EngineConfig`
             (1024 tokens across the batch's rows: `shape.loss_positions`).
@@ -383,6 +385,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         shape0 = model_shape(config)
         weight_slots = placing.weight_slots(None, placement, shape0["layers"], shape0["params_per_layer"] * dtype_bytes,
                                             hardware.device_mem_bytes)
+    pinned_budget_bytes = pinned_budget(pinned_budget_bytes, bool(pin_store or cast_on_device))  # as the engine
     for name, value, low in (("batch", batch, 1), ("seq", seq, 1), ("dtype_bytes", dtype_bytes, 1),
                              ("weight_slots", weight_slots, 2), ("pinned_budget_bytes", pinned_budget_bytes, 0),
                              ("checkpoint_every", 0 if checkpoint_every is None else checkpoint_every, 0),

@@ -15,7 +15,7 @@ import math
 import torch
 
 from .binding import Layout
-from .config import EngineConfig
+from .config import EngineConfig, pinned_budget
 from .host_store import unit_layouts
 from .shape import loss_positions
 
@@ -81,7 +81,8 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     largest = max(numel.values())
     n_layer = max(numel[i] for i in range(arch.num_layers))
     chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
-    staging = max(4, cfg.pinned_budget_bytes // cfg.transfer_chunk_bytes) * chunk * d
+    budget = pinned_budget(cfg.pinned_budget_bytes, pin or cast)
+    staging = max(4, budget // cfg.transfer_chunk_bytes) * chunk * d
     head = Layout.build(arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else []))
     slots = resolve_weight_slots(cfg, arch)
     dev = {"weight_slots": slots * n_layer * d, "grad_slots": 2 * n_layer * d,
@@ -101,7 +102,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     fits_device = dev["available"] is None or dev["needed"] <= dev["available"]
     settings = dict(device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."), pin_store=pin, cast_on_device=cast,
                     weight_slots=slots, micro_batch_size=cfg.micro_batch_size,
-                    checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=cfg.pinned_budget_bytes,
+                    checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=budget,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq)
     return {"store": store, "host": host, "device": dev, "fits_host": fits_host, "fits_device": fits_device,
             "fits": fits_host and fits_device, "settings": settings}

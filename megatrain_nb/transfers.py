@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, pinned_budget
 from .longcontext import PARK_CHUNK
 from .host_store import HostStore
 from .workers import AdamWorker, Box, Worker
@@ -111,7 +111,8 @@ class Transfers:
         chunk = ecfg.transfer_chunk_bytes // torch.tensor([], dtype=dtype).element_size()
         # Note: [Staging] a fixed pool of transfer_chunk_bytes buffers (pinned on CUDA; plain on the CPU,
         # where the same code runs and copies complete at once): 3/4 for weights in, 1/4 for grads out.
-        n_chunks = max(4, ecfg.pinned_budget_bytes // ecfg.transfer_chunk_bytes)
+        budget = pinned_budget(ecfg.pinned_budget_bytes, bool(ecfg.cast_on_device or ecfg.pin_store))
+        n_chunks = max(4, budget // ecfg.transfer_chunk_bytes)
         n_out = max(2, n_chunks // 4)
         largest = max(u.layout.numel for u in store.units.values())
         self.chunk = min(chunk, -(-largest // 64) * 64)  # no buffer larger than the largest unit

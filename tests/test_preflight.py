@@ -112,8 +112,8 @@ def test_short_host_ram_with_pinned_store_suggests_pin_store_false(monkeypatch):
     cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16, pin_store=True)
     _fake_ram(monkeypatch, available=1 << 20)
     est = estimate(arch, cfg)
-    assert est["host"]["staging"] > (1 << 30)  # 32 chunks of the embedding's size (Note: [Staging])
-    with pytest.raises(PreflightError, match=r"pin_store=False \(saves .* GiB\).*pinned_budget_bytes=536870912"):
+    assert est["settings"]["pinned_budget_bytes"] == 512 << 20 and est["host"]["staging"] > 256 << 20  # 8 chunks (config.pinned_budget)
+    with pytest.raises(PreflightError, match=r"pin_store=False \(saves .* GiB\).*pinned_budget_bytes=134217728"):
         check(arch, cfg)
 
 
