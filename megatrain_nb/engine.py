@@ -395,8 +395,8 @@ class Engine:
                 state[k] = what()  # a "device" unit's state: after its backward's weights, in packer order
                 continue
             ld = what
-            after = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
-            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], after,
+            freed = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
+            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], freed,
                                ops[ld.before].phase, self.steps_done)
             boxes[ld.before] = (ld, box)
         for k, s in sorted(slot_of_op.items()):
