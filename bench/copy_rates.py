@@ -1,10 +1,13 @@
-"""PCIe rates inside recorded steps: each copy lane's bytes over its spans' time, by kind of copy.
+"""PCIe rates inside recorded steps: each copy lane's bytes over its spans' time, by kind of copy; and the
+host's AdamW rate there.
 
 The planner's `Hardware.h2d_beside_d2h_GBps` / `d2h_beside_h2d_GBps` come from here: in a
 `placement="stream"` step the streamed layers' state goes in (h2d "state-in") while the previous one's
 goes out (d2h "state-out") and the host's AdamW runs, so neither direction gets the isolated rate.
     python bench/copy_rates.py bench/traces/s3c1/tr_stream/trace_3b_b1.json.gz bench/traces/s3c1/tr_stream/trace_3b_b4.json.gz
-One JSON row per trace and kind: GB/s, spans, GB.
+One JSON row per trace and kind: GB/s, spans, GB. Then one row per trace for the host's AdamW (its "adam"
+spans, 16 bytes per parameter as the engine records them): G params/s, spans. `Hardware.host_adam_beside_stream_params_per_s`
+comes from this row on s8c2's `stream` traces: the host's AdamW beside the state's copies, not alone.
 """
 from __future__ import annotations
 
@@ -31,6 +34,12 @@ def main(argv=None) -> None:
         for (lane, kind), (nbytes, ms, n) in sorted(by.items()):
             print(json.dumps(dict(trace=path, lane=lane, kind=kind, GBps=round(nbytes / ms / 1e6, 1), spans=n,
                                   GB=round(nbytes / 1e9, 2))))
+        adam = [(nbytes / 16, t1 - t0) for lane, name, _, _, t0, t1, nbytes in tr.spans
+                if lane == "host-adam" and name == "adam" and nbytes and t1 > t0]
+        if adam:
+            params, ms = sum(p for p, _ in adam), sum(m for _, m in adam)
+            print(json.dumps(dict(trace=path, lane="host-adam", kind="adam", G_params_per_s=round(params / ms / 1e6, 2),
+                                  spans=len(adam), G_params=round(params / 1e9, 2))))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ Each bench/throughput.py row is re-planned with the settings it ran with (shape,
 slots, cast_on_device, placement) on the `H200` profile; for "auto" the planner makes its own choice
 of resident units, printed beside the engine's. The error is planner / measured - 1.
 Rows record the state slots they streamed through (`state_slots`, since 78fd0e9); those without
-ran with two, and the planner models what each row ran with.
+ran with two, and the planner models what each row ran with. Rows that record the host's AdamW rate inside
+their steps (`host_adam_G_params_per_s`, since the eighth session) are planned with it: the H200 profile's
+is the rate alone (3.48 G params/s), and s8c2's steps ran it at 1.7-2.0.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,7 +46,9 @@ def main(argv=None) -> None:
         placement = r["placement"]
         if placement == "stream" and r.get("streamed_units") is not None:  # the share the engine measured its way to
             placement = dict.fromkeys(range(r["streamed_units"]), "device")
-        p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=H200, weight_slots=r.get("slots", 2),
+        rate = r.get("host_adam_G_params_per_s")  # the host's AdamW in the row's own steps (throughput.py, since s8)
+        hw = H200 if not rate else dataclasses.replace(H200, host_adam_params_per_s=rate * 1e9)
+        p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=hw, weight_slots=r.get("slots", 2),
                  cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
                  placement=placement, lean_activations=bool(r.get("lean_activations", False)))
         got, want = p.steady_step_ms / 1e3, r["step_s"]

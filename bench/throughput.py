@@ -95,6 +95,8 @@ def main(argv=None) -> None:
         if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
             df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
             summaries.append(summarize(df))
+            adam = df[(df.lane == "host-adam") & (df.op == "adam") & (df.bytes > 0)]  # 16 bytes a parameter (Engine._update)
+            summaries[-1]["host_adam_G_params_per_s"] = adam.bytes.sum() / 16 / adam.dur_ms.sum() / 1e6 if len(adam) else None
             st = find_stalls(df)
             waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
         t = statistics.median(times)
@@ -121,6 +123,8 @@ def main(argv=None) -> None:
             row["trace_step_ms"] = round(sm.get("step_ms", float("nan")), 1)
             row["waits_ms"] = {k: round(v, 1) for k, v in waits[-1].items()}
             row["h2d_GBps"] = round(sm.get("h2d_GBps", float("nan")), 1)
+            rate = sm.get("host_adam_G_params_per_s")  # the host's AdamW inside the step: what the planner needs for it
+            row["host_adam_G_params_per_s"] = None if rate is None else round(rate, 2)
         emit(row, a.out)
         if a.save_trace and s.trace is not None:
             os.makedirs(a.save_trace, exist_ok=True)

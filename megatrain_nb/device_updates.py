@@ -34,8 +34,9 @@ class DeviceUpdates:
         self.gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
         self.search = placing.Search()  # "auto": a measuring step, then timed candidates (Note: [Auto search])
-        self.share = 0.0  # "stream": share of the layers placed "device", from the first step's host AdamW rate
-        self.adam_rate = (0, 0.0)  # host AdamW so far: (params, seconds)
+        self.share = 0.0  # "stream": share of the layers placed "device", from the host's AdamW rate (stream_rate)
+        self.rated = 0  # "stream": steps whose host AdamW rate set the share: the first one, then one that streamed
+        self.adam_rate = (0, 0.0)  # host AdamW since the share was last set: (params, seconds)
         self.sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
         self.sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
         self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
@@ -87,11 +88,8 @@ class DeviceUpdates:
         timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
         run places as the first did from its first step (bit-identical results).
         """
-        params, seconds = self.adam_rate
-        if self.mode == "stream" and not self.share and self.agree(seconds > 0, "min"):  # after the first step's updates
-            cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
-            self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S,
-                                                         cached=cached), "min")
+        if self.mode == "stream" and self.rated < 2 and (self.rated == 0 or self.opt.streamed):
+            self.stream_rate()
         cand = self.search.candidate
         want = self.choose(None if cand is None else self.search.free[cand])
         if self.search.phase in ("B1", "C1"):
@@ -122,6 +120,28 @@ class DeviceUpdates:
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
         self.choice = want
         return keep
+
+    def stream_rate(self) -> None:
+        """Placement "stream": the share placed "device", from the host's AdamW rate since it was last set.
+
+        Note: [Stream rate] set twice: after the first step (nothing streamed yet), then after the first
+        step that streamed, whose host AdamW ran beside the state's copies and is slower: on the H200,
+        s8c2's 3B steps ran it at 1.8-2.0 G params/s where the first step's rate had put 20 of 36 layers
+        on the device, and the share from the slower rate is 24. The embedding and head update on the host
+        whatever the share, and the head loads each step (``stream_share``'s extras).
+        """
+        params, seconds = self.adam_rate
+        if not self.agree(seconds > 0, "min"):
+            return  # no host update has finished yet
+        numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
+        layers = sum(numel[i] for i in range(self.L))
+        head = numel[self.L] + (numel[-1] if self.arch.tied else 0)  # the head slot's load: fp32, cast on the device
+        cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
+        self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
+                                                     host_extra=(numel[-1] + numel[self.L]) / layers,
+                                                     in_extra=4 * head / layers), "min")
+        self.rated += 1
+        self.adam_rate = (0, 0.0)
 
     def after_step(self, *, keep, act_bytes: int, mbs) -> None:
         """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""

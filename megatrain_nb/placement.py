@@ -122,21 +122,28 @@ def resident_bytes(unit: int, numel: int, dtype_bytes: int, tied: bool) -> int:
     return numel * (12 + 2 * dtype_bytes)
 
 
-def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached: bool = False) -> float:
-    """The share of parameters placed "device" that balances PCIe against host AdamW (Note: [Streamed updates]).
+def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached: bool = False, *,
+                 host_extra: float = 0.0, in_extra: float = 0.0) -> float:
+    """The share of the layers' parameters placed "device" that balances PCIe against host AdamW
+    (Note: [Streamed updates]).
 
     ``cached``: every layer has its own weight slot (``weight_slots``): the weights come in once a step
     (4 bytes per parameter, fp32 for the device cast), not twice, and a "device" unit's not at all
     (its update refills its slot, Note: [Held weights]): per parameter 4 (1 - f) + 12 f bytes in,
-    else 8 + 12 f.
+    else 8 + 12 f. ``host_extra``: parameters the host updates whatever the share (the embedding and
+    head), and ``in_extra``: bytes in a step whatever the share (the head's load), both per parameter
+    of the layers: the host's time is then (host_extra + 1 - f) / A, PCIe's (in_extra + ...) / B.
 
     Example:
         >>> round(stream_share(3.5e9, 55e9), 2), round(stream_share(3.5e9, 55e9, cached=True), 2)
         (0.28, 0.49)
+        >>> round(stream_share(1.8e9, 40.2e9, cached=True, host_extra=0.112, in_extra=0.447), 2)  # 3B: 24 of 36
+        0.67
     """
-    a, b = host_adam_params_per_s, pcie_bytes_per_s
+    a, b = 1 / host_adam_params_per_s, 1 / pcie_bytes_per_s
     w, device_in = (4, 12) if cached else (8, 20)  # weights in per "host" parameter; all bytes in per "device" one
-    return min(1.0, max(0.0, (1 / a - w / b) / (1 / a + (device_in - w) / b)))
+    f = (a * (1 + host_extra) - b * (w + in_extra)) / (a + b * (device_in - w))
+    return min(1.0, max(0.0, f))
 
 
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share

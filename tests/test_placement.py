@@ -507,3 +507,25 @@ def test_a_new_batch_size_caps_kept_layers_without_the_residents_that_leave(hf_d
     finally:
         monkeypatch.undo()
         s.close()
+
+
+def test_stream_rate_balances_the_host_rate_with_the_embedding_and_head_and_starts_over(hf_dir):
+    """Note: [Stream rate]: the share comes from the host's AdamW rate since it was last set, counting the
+    embedding and head (updated on the host whatever the share) and the head's load; the count restarts."""
+    d = hf_dir("llama_tied")
+    s = Session.from_pretrained(d, lr=LR, placement="stream")
+    try:
+        du, L = s.engine.device_updates, s.engine.L
+        numel = {u: unit.layout.numel for u, unit in s.engine.store.units.items()}
+        layers = sum(numel[i] for i in range(L))
+        du.adam_rate = (2_000_000, 1e-3)  # 2 G params/s
+        du.stream_rate()
+        cached = s.engine.cfg.weight_slots >= L  # a tiny model's two layers fill its two slots
+        want = placing.stream_share(2e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
+                                    host_extra=(numel[-1] + numel[L]) / layers, in_extra=4 * (numel[L] + numel[-1]) / layers)
+        assert du.share == pytest.approx(want) and du.rated == 1 and du.adam_rate == (0, 0.0)
+        assert want > placing.stream_share(2e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached)  # the host has the embedding
+        du.stream_rate()  # nothing updated since: the share stands
+        assert du.share == pytest.approx(want) and du.rated == 1
+    finally:
+        s.close()
