@@ -11,6 +11,8 @@
 #           ~12 GiB of pinned inputs beside its 114 GiB of host RAM); then the GPU tests. ~26 minutes, three calls.
 #   s8a:    (eighth session) the 7B sweep's Twin-Flow (issue 12's last peer: its host estimate, 105 GiB, fits), then
 #           megatrain auto at 7B x 2 / x 8 in the same run (issue 9's 7B x 8 after 1c056e5). ~9 minutes, two calls.
+#   s8c:    (eighth session) the GPU tests; stream 3B x 1 / x 4 traced (held weights, the stream rate); megatrain auto
+#           at 3B x 1-16 and 7B x 8 (host RSS with the 512 MiB staging pool). ~10 minutes, two calls.
 # Each runs detached (setsid: it outlives the call) across device calls made within 30 s of each other:
 #     PYTHONPATH=$PWD bash bench/h200_s6.sh start sweeps 560    then    bash bench/h200_s6.sh wait - 560
 # Carry .whl (DeepSpeed and its requirements, bench/peers_wheels.sh).
@@ -43,7 +45,14 @@ if [ "$1" = start ]; then
     s8a) rm -rf /tmp/s8code && mkdir -p /tmp/s8code && cp -r megatrain_nb bench /tmp/s8code/  # later calls' trees don't leak in
         P="cd /tmp/s8code && PYTHONPATH=/tmp/s8code:/tmp/site python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log --sweep 7b"
         CMD="$P --systems zero3-twinflow --steps 2 --job-timeout 480 --budget-s 480; $P --systems megatrain-auto --budget-s 330" ;;
-    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7, s8a"; exit 2 ;;
+    s8c) rm -rf /tmp/s8code && mkdir -p /tmp/s8code && cp -r megatrain_nb bench tests pyproject.toml /tmp/s8code/
+        P="cd /tmp/s8code && PYTHONPATH=/tmp/s8code python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log"
+        CMD="cd /tmp/s8code && timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts='' -m gpu --continue-on-collection-errors \
+        tests/ -rA > $D/gpu_tests.log 2>&1; \
+        cd /tmp/s8code && PYTHONPATH=/tmp/s8code OUT=$D timeout 200 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 \
+        --placement stream --out $D/bench.jsonl --save-trace $D/tr_stream > $D/steps.log 2>&1; \
+        $P --sweep core --systems megatrain-auto --budget-s 200; $P --sweep 7b --systems megatrain-auto --batch-7b 8 --budget-s 250" ;;
+    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7, s8a, s8c"; exit 2 ;;
     esac
     setsid nohup bash -c "$CMD" > "$D/run.log" 2>&1 < /dev/null &
     echo $! > "$D/pid"
@@ -53,7 +62,8 @@ fi
 t0=$(date +%s)
 while kill -0 "$(cat "$D/pid")" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "${3:-560}" ]; do sleep 5; done
 kill -0 "$(cat "$D/pid")" 2>/dev/null && echo "still running after $(( $(date +%s) - t0 )) s" || echo "process ended"
-cp "$D"/peers.jsonl "$D"/peers.log "$D"/run.log "$D"/mem.log "$D"/gpu_tests.log "$OUT"/ 2>/dev/null
+cp "$D"/peers.jsonl "$D"/peers.log "$D"/run.log "$D"/mem.log "$D"/gpu_tests.log "$D"/bench.jsonl "$D"/steps.log "$OUT"/ 2>/dev/null
+[ -d "$D/tr_stream" ] && tar czf "$OUT/traces.tgz" -C "$D" tr_stream
 tail -25 "$D/run.log" | cut -c1-300
 grep -h "passed\|failed" "$D/gpu_tests.log" 2>/dev/null | tail -2
 python3 -c "
