@@ -26,7 +26,7 @@ def main(argv=None) -> None:
         tr = Trace.load(path)
         by = collections.defaultdict(lambda: [0, 0.0, 0])  # (lane, name) -> bytes, ms, spans
         for lane, name, unit, phase, t0, t1, nbytes in tr.spans:
-            if lane in ("h2d", "d2h") and nbytes and t1 > t0:
+            if lane in ("h2d", "d2h", "d2h-state") and nbytes and t1 > t0:
                 b = by[(lane, name if name != lane else f"{lane} ({phase})")]
                 b[0] += nbytes
                 b[1] += t1 - t0

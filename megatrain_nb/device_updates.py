@@ -42,6 +42,7 @@ class DeviceUpdates:
         self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
+        self.written: Box | None = None  # this step's last state write-back's landing (Note: [State write-backs])
         self.t_start = 0.0
 
     def agree(self, value: float, op: str) -> float:
@@ -175,7 +176,7 @@ class DeviceUpdates:
         self.t_start = time.perf_counter()
         overlap = bool(self.opt.groups or self.opt.streamed) and not gate  # Note: [Device updates]
         self.bad = torch.zeros((), dtype=torch.bool, device=self.dev.device) if overlap else None
-        self.seen, self.updated = set(), None
+        self.seen, self.updated, self.written = set(), None, None
 
     def loss_known(self, total: torch.Tensor) -> None:
         """Compute stream: the step's loss (0-dim, device); a non-finite one skips every device update."""
@@ -241,8 +242,9 @@ class DeviceUpdates:
             self.rec.cuda_end(tok, dev.optim)
             self.updated = updated = dev.record(dev.optim)
         u = self.store.units[i]
-        self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)], updated, "bwd",
-                      op="state-out", enqueued=written)  # fills ``written``: the state slot's next load waits for it
+        _, self.written = self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)],
+                                        updated, "bwd", op="state-out",
+                                        enqueued=written)  # fills ``written``: the state slot's next load waits for it
         return Box(ready=True, value=updated), updated
 
     def state_loads(self, ops, steps_done: int, abort) -> list:

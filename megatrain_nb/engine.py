@@ -13,6 +13,8 @@ Three streams (CUDA; on "cpu" they are the calling thread and copies are synchro
              enqueues their copies into a device weight slot;
   d2h      — gradients out: a host *unpacker* thread enqueues the copy of a grad slot into pinned
              chunks and moves them into the host grad slab, then tells the Adam worker.
+Placement adds two (device_updates.py): optim (AdamW on the device) and d2h_state (a "device" unit's
+state back to the host, with a *writer* thread of its own: Note: [State write-backs] in transfers.py).
 Every dependency is an event: the compute stream waits for a slot's "loaded" event; a load waits
 (on the h2d stream) for the "released" event of the slot's previous layer; a grad slot is reused
 only after its "copied out" event. The CPU waits only in worker threads, and in the driver at the
@@ -270,7 +272,9 @@ class Engine:
             self._committed = True  # gated: no update starts before every gradient has landed, after this
             du.end_backward()  # the next step's compute follows this step's device updates
             self._count_memory()
-        last.get()  # driver waits: the embedding's gradients landed, so every unit's have
+        last.get()  # driver waits: the embedding's gradients landed, so every unit's have that the unpacker took
+        if du.written is not None:
+            du.written.get()  # ... and the last state write-back (its own thread: Note: [State write-backs])
         loss = float(loss_box.get())
         with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
             norms = dict(adam_step["landed"])

@@ -18,7 +18,7 @@ STALL_COLOR = "#D62728"
 OTHER_COLOR = "#888888"
 
 LANE_LABELS = {"compute": "compute", "device-adam": "device-adam · AdamW on the device",
-               "h2d": "h2d · weights in", "d2h": "d2h · grads out",
+               "h2d": "h2d · weights in", "d2h": "d2h · grads out", "d2h-state": "d2h-state · device units' state back",
                "host-pack": "host-pack · staging", "host-unpack": "host-unpack · grads",
                "host-adam": "host-adam · AdamW"}
 SLOT_LABELS = {"weight": "weight slot", "grad": "grad slot", "pinned": "pinned buffer"}

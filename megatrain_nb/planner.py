@@ -556,7 +556,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     cached_layers = frozenset(range(L - cached, L))  # the last recomputed ones, as Checkpoints._place
     spans, busy = simulate(*sim, s["tied"], frozenset(resident), dev_adam_ms, frozenset(streamed), cached_layers, sslots)
     step_ms = max(b for *_, b, _ in spans)
-    work = {"compute": busy.get("compute", 0.0), "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0)),
+    work = {"compute": busy.get("compute", 0.0),
+            "pcie": max(busy.get("h2d", 0.0), busy.get("d2h", 0.0) + busy.get("d2h-state", 0.0)),
             "host-pack": busy.get("host-pack", 0.0), "host-unpack": busy.get("host-unpack", 0.0),
             "host-adam": busy.get("host-adam", 0.0)}
     matmul_params = L * s["active_params_per_layer"] + V * h

@@ -153,8 +153,8 @@ class _Sim:
     def grads(self, unit, phase, ready, nbytes, d2h_ms, unpack_ms, adam_ms, op="unpack"):
         free, put = self.free, self.put
         c = max(1, math.ceil(nbytes / self.chunk))
-        a = max(ready, free.get("host-unpack", 0.0))  # the unpacker finishes one unit before the next
-        b = put("d2h", "d2h", unit, phase, a, a + d2h_ms, nbytes)
+        a = max(ready, free.get("host-unpack", 0.0), free.get("d2h", 0.0))  # the unpacker finishes one unit before
+        b = put("d2h", "d2h", unit, phase, a, a + d2h_ms, nbytes)  # the next, and copies out leave in turn
         u0 = a + d2h_ms / c
         if unpack_ms == 0:  # pinned grad slab: the unpacker only waits for the copy
             u = free["host-unpack"] = b
@@ -221,8 +221,8 @@ class _Sim:
                 upd = self.put("device-adam", "adam", op.layer, "bwd", a, a + t["dev_adam"])
                 self.gslot_free[gi] = upd
                 gi ^= 1
-                o0 = max(upd, self.free.get("d2h", 0.0))
-                self.sslot_free[j] = self.put("d2h", "state-out", op.layer, "bwd", o0, o0 + t["state_out"])
+                o0 = max(upd, self.free.get("d2h-state", 0.0))  # its own stream and thread (Note: [State write-backs])
+                self.sslot_free[j] = self.put("d2h-state", "state-out", op.layer, "bwd", o0, o0 + t["state_out"])
                 self.landed.append((op.layer, self.sslot_free[j], 0.0))  # the host's update is a no-op
                 if s is not None and after[s] == op.layer:  # refilled from the new master (Note: [Held weights])
                     self.have[s] = end[k] = upd  # its next use waits for the cast, and so does the slot's next load
@@ -237,6 +237,7 @@ class _Sim:
                 self.device_update((op.layer,), end[k])
         e = compute("embed_bwd", -1, "bwd", 0.0)
         back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
+        back = max(back, self.free.get("d2h-state", 0.0))  # the driver waits for the last write-back too
         self.device_update((L, -1) if self.tied else (-1,), e)
         if res and not self.overlap:  # gated: the driver enqueues every update once every gradient landed
             self.device_update(tuple(sorted(res)), max(back, self.free["compute"]), gated=True)

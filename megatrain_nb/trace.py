@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-LANES = ("compute", "device-adam", "h2d", "d2h", "host-pack", "host-unpack", "host-adam")  # known lanes; others allowed
+LANES = ("compute", "device-adam", "h2d", "d2h", "d2h-state", "host-pack", "host-unpack",
+         "host-adam")  # known lanes; others allowed
 PHASES = ("fwd", "loss", "recompute", "bwd", "optim", "io")
 SPAN_COLUMNS = ("lane", "op", "layer", "phase", "start_ms", "end_ms", "bytes")
 SPAN_FRAME_COLUMNS = ("step", "lane", "op", "layer", "phase", "start_ms", "end_ms", "dur_ms", "bytes")
@@ -410,8 +411,8 @@ def summarize(spans: pd.DataFrame) -> dict:
     out = {"step_ms": step_ms, "compute_busy_ms": busy,
            "compute_busy_share": busy / step_ms if step_ms else 0.0,
            "stall_ms": float(stalls.dur_ms.sum()), "wait_ms_by_cause": by_cause}
-    for lane in ("h2d", "d2h"):
-        sel = spans[spans.lane == lane]
+    for lane, lanes in (("h2d", ("h2d",)), ("d2h", ("d2h", "d2h-state"))):  # d2h: gradients and device units' state
+        sel = spans[spans.lane.isin(lanes)]
         nbytes, ms = int(sel.bytes.sum()), _union_ms(sel)
         out[f"bytes_{lane}"] = nbytes
         out[f"{lane}_GBps"] = nbytes / ms / 1e6 if ms else 0.0

@@ -24,8 +24,8 @@ from .workers import AdamWorker, Box, Worker
 
 
 class Streams:
-    """The compute, h2d, d2h (and optim) streams and event helpers; every method is a no-op or a plain
-    call on the CPU."""
+    """The compute, h2d, d2h (and optim, d2h_state) streams and event helpers; every method is a no-op or
+    a plain call on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -36,6 +36,7 @@ class Streams:
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.optim = torch.cuda.Stream(device) if self.cuda else None  # resident units' AdamW beside the backward
+        self.d2h_state = torch.cuda.Stream(device) if self.cuda else None  # Note: [State write-backs]
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
@@ -128,6 +129,7 @@ class Transfers:
         self.loss_host = dev.host_buffer(1, torch.float32)
         self.packer = Worker("host-pack", abort)
         self.unpacker = Worker("host-unpack", abort)
+        self.writer = Worker("host-writeback", abort)  # Note: [State write-backs]
 
     def take_update_wait(self) -> float:
         """Seconds loads waited for host AdamW since the last call (Note: [Auto search] in placement.py)."""
@@ -208,8 +210,19 @@ class Transfers:
 
         Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
         and of the unit's arrival in host memory.
+
+        Note: [State write-backs] a "device" unit's master and moments (``op="state-out"``, 12 bytes a
+        parameter into pinned slabs) go out on a stream and a host thread of their own, lane "d2h-state":
+        on the shared d2h stream and unpacker they queued the gradients behind them, and each waits for
+        its unit's device update, which waits for its state's copy in. Traced on the H200 (s8c2, 3B
+        under "stream"), the embedding's row gradients left 110 ms after the backward's last layer at
+        batch 4, behind six write-backs, and only then were scattered on the host; the step ends when
+        they have landed. ``Engine._step`` waits for the last write-back as well (``DeviceUpdates.written``):
+        every landing belongs to its step.
         """
         enqueued = Box(self.abort) if enqueued is None else enqueued  # a caller's box: filled here
+        state = op == "state-out"
+        lane, stream = ("d2h-state", self.dev.d2h_state) if state else ("d2h", self.dev.d2h)
 
         def job():
             try:
@@ -220,15 +233,15 @@ class Transfers:
 
         def copy_out():
             self.delay("host-unpack")
-            with self.dev.on(self.dev.d2h):
-                self.dev.wait(self.dev.d2h, done_event)
+            with self.dev.on(stream):
+                self.dev.wait(stream, done_event)
                 self.delay("d2h")
                 nbytes = sum(n for _, n, _ in segments) * src.element_size()
-                tok = self.rec.cuda_begin("d2h", op, unit, phase, nbytes, self.dev.d2h)
+                tok = self.rec.cuda_begin(lane, op, unit, phase, nbytes, stream)
                 pending: list = []
                 for off, n, host in segments:
-                    if host.dtype == src.dtype and host.is_pinned():  # pinned grad slab: one DMA, no unpacking
-                        host.copy_(src[off:off + n], non_blocking=True)
+                    if state or (host.dtype == src.dtype and host.is_pinned()):  # one DMA, no unpacking: a pinned
+                        host.copy_(src[off:off + n], non_blocking=True)  # grad slab; fp32 state (pinned on CUDA)
                         continue
                     for a, b in chunks(n, self.chunk):
                         if len(pending) == len(self.gstaging):
@@ -239,8 +252,8 @@ class Transfers:
                         pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
                 if host_fn is None:
                     self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
-                self.rec.cuda_end(tok, self.dev.d2h)
-                done = self.dev.record(self.dev.d2h)
+                self.rec.cuda_end(tok, stream)
+                done = self.dev.record(stream)
             enqueued.put(done)
             for p in pending:
                 self._flush(p, unit, phase)
@@ -250,7 +263,7 @@ class Transfers:
             self.adam.land(unit, norm)
             return done
 
-        return enqueued, self.unpacker.submit(job)
+        return enqueued, (self.writer if state else self.unpacker).submit(job)
 
     def _flush(self, item, unit, phase) -> None:
         ev, buf, host = item
@@ -273,10 +286,10 @@ class Transfers:
         box.put(float(self.loss_host[0]))
 
     def drain_quietly(self) -> None:
-        self.packer.drain_quietly(), self.unpacker.drain_quietly()
+        self.packer.drain_quietly(), self.unpacker.drain_quietly(), self.writer.drain_quietly()
 
     def close(self) -> None:
-        self.packer.close(), self.unpacker.close()
+        self.packer.close(), self.unpacker.close(), self.writer.close()
 
 
 class HostChunks:

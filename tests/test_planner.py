@@ -95,7 +95,7 @@ def test_simulate_has_trace_columns_and_ends_at_step_ms():
     p = plan(QWEN25_3B, batch=4, seq=4096)
     df = p.simulate()
     assert list(df.columns) == list(Trace(step=0).to_dataframe().columns)
-    assert set(df.lane) == set(LANES) - {"device-adam"}  # nothing resident in this plan: no device updates
+    assert set(df.lane) == set(LANES) - {"device-adam", "d2h-state"}  # nothing resident or streamed in this plan
     assert df.end_ms.max() == pytest.approx(p.step_ms) and (df.dur_ms >= 0).all()
     comp = df[df.lane == "compute"]
     assert comp.op.value_counts().to_dict() == {"fwd": 36, "bwd": 36, "loss": 1, "embed_bwd": 1}
@@ -433,3 +433,15 @@ def test_auto_placement_chooses_as_the_engine_search_does():
     assert a.steady_step_ms < 0.97 * first.steady_step_ms and a.settings["placement"] == "auto"
     small = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, placement="auto")
     assert n(small) == 38 and small.recomputed_layers == 0  # everything fits: nothing to search
+
+
+def test_a_streamed_plan_writes_state_back_on_its_own_lane_and_the_step_waits_for_it():
+    """Note: [State write-backs]: "device" units' state goes out on lane d2h-state, not behind (or ahead of) the
+    gradients on d2h, and the step's end (the driver's return) is after the last write-back."""
+    p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, weight_slots=36, placement=dict.fromkeys(range(10), "device"))
+    df = p.simulate()
+    state = df[df.lane == "d2h-state"]
+    assert sorted(state.layer) == list(range(10)) and set(state.op) == {"state-out"}
+    assert set(df[df.lane == "d2h"].op) == {"d2h"}  # gradients only
+    rows = df[(df.lane == "d2h") & (df.layer == -1)]  # the embedding rows' gradients: not queued behind the state
+    assert rows.start_ms.min() < state.end_ms.max()
