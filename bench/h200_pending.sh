@@ -55,6 +55,12 @@ s8b)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA \
         > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
     pack && rm -rf "$OUT"/tr_* ;;
+s8d)  # a109a71 (state write-backs on their own stream and thread): tests/test_gpu.py, then stream x 1 / x 4 (~3 minutes)
+    timeout 80 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    . bench/h200_lib.sh
+    STEPS=3 bench 3b stream 1 4
+    pack && rm -rf "$OUT"/tr_* ;;
 core)
     echo "run it detached: PYTHONPATH=\$PWD bash bench/h200_s6.sh start s7 540 1000, then bash bench/h200_s6.sh wait - 585 (twice)" ;;
 peers7b)
