@@ -35,7 +35,7 @@ class DeviceUpdates:
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
         self.search = placing.Search()  # "auto": a measuring step, then timed candidates (Note: [Auto search])
         self.share = 0.0  # "stream": share of the layers placed "device", from the host's AdamW rate (stream_rate)
-        self.rated = 0  # "stream": steps whose host AdamW rate set the share: the first one, then one that streamed
+        self.rated = 0  # "stream": times the share was set from a host AdamW rate (Note: [Stream rate])
         self.adam_rate = (0, 0.0)  # host AdamW since the share was last set: (params, seconds)
         self.sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
         self.sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
@@ -89,7 +89,7 @@ class DeviceUpdates:
         timed (Note: [Auto search] in placement.py). A checkpoint keeps the winner's bytes, so a resumed
         run places as the first did from its first step (bit-identical results).
         """
-        if self.mode == "stream" and self.rated < 2 and (self.rated == 0 or self.opt.streamed):
+        if self.mode == "stream" and self.rated < placing.STREAM_RATE_STEPS and (self.rated == 0 or self.opt.streamed):
             self.stream_rate()
         cand = self.search.candidate
         want = self.choose(None if cand is None else self.search.free[cand])
@@ -125,11 +125,14 @@ class DeviceUpdates:
     def stream_rate(self) -> None:
         """Placement "stream": the share placed "device", from the host's AdamW rate since it was last set.
 
-        Note: [Stream rate] set twice: after the first step (nothing streamed yet), then after the first
-        step that streamed, whose host AdamW ran beside the state's copies and is slower: on the H200,
-        s8c2's 3B steps ran it at 1.8-2.0 G params/s where the first step's rate had put 20 of 36 layers
-        on the device, and the share from the slower rate is 24. The embedding and head update on the host
-        whatever the share, and the head loads each step (``stream_share``'s extras).
+        Note: [Stream rate] set after the first step (nothing streamed yet), then after each of the next
+        steps that streamed, ``placement.STREAM_RATE_STEPS`` times in all: inside a streamed step the host's
+        AdamW runs beside the state's copies, slower. On the H200, s8c2's 3B steps ran it at 1.8-2.0 G
+        params/s where the first step's rate had put 20 of 36 layers on the device; from s8c2's rate the
+        share is 24. s8c3 set it twice and ended at 21: the first streamed step's rate (2.3 G params/s,
+        implied) still counted the first step's own updates, which ran on into it without state copies
+        beside them; its trace's rate was 1.79. Hence a third time. The embedding and head update on the
+        host whatever the share, and the head loads each step (``stream_share``'s extras).
         """
         params, seconds = self.adam_rate
         if not self.agree(seconds > 0, "min"):

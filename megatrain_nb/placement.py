@@ -146,6 +146,7 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
     return min(1.0, max(0.0, f))
 
 
+STREAM_RATE_STEPS = 3  # "stream" sets its share from the host's AdamW rate this many times (Note: [Stream rate])
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share
 STATE_SLOT_SHARE = 0.05  # "device" units' state slots: as many as this share of device memory holds (>= 2)
 
