@@ -129,6 +129,15 @@ def test_a_weight_slot_per_layer_reuses_the_forwards_weights_and_trains_equal(hf
         s.close()
 
 
+def test_held_weights_with_recompute_micro_batches_and_clip(hf_dir, tmp_path):
+    """Held weights (Note: [Held weights]) under every layer recomputed and two micro-batches, and with a gate
+    (grad_clip: "device" units update on the host, so nothing is held) train equal to the reference."""
+    d = hf_dir("llama", num_hidden_layers=4)
+    compare(d, "llama", tmp_path, placement={0: "device", 1: "device", 3: "device"}, weight_slots=4,
+            checkpoint_every=1, micro_batch_size=1)
+    compare(d, "llama", tmp_path, placement={0: "device", 1: "device"}, weight_slots=4, grad_clip=0.5)
+
+
 @pytest.mark.parametrize("slots", [2, 3])
 def test_streamed_units_with_fewer_slots_than_layers_train_equal(hf_dir, slots, tmp_path):
     """More layers than weight slots: the backward loads weights again, and only the units its slots keep at
