@@ -1,23 +1,16 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-02's seventh session). Writes under $OUT.
+# What is still to measure on the H200 (pending after 2026-12-02's eighth session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
-# search:    issue 9: the auto search after 1c056e5 (a trial is timed on its third step: s7c4's 7B x 8 timed C in the
-#            step after its gated one, 4.15 s, and ran A at 396.7 against a target of 420; s3c1's C: 463.8) and
-#            d611724 (trials unless the step is 5x the host AdamW: s7c1's 3B x 16 skipped them, 304.2; s4c1 330.2).
-#            7B x 8 and 3B x 16, each in a process of its own, with traces (~6 minutes). Both also after 08fef7e
-#            (the loss's chunk holds 1024 tokens at any batch: ~10 GiB more device memory at batch 8, ~22 at 16);
-#            then the core sweep's megatrain rows again (bench/h200_s6.sh start s7: it re-runs every system).
-# placement: issue 9: 3B x 1 and stream 3B x 1 / x 4 with ten timed steps and traces: s7c1 294.4, 88.9, 266.0
-#            against targets of 280, 110, 330 (the traces say whether early rows fired and where stream waits).
+# placement: issue 9, first: stream 3B x 1 / x 4 with ten timed steps and traces, after a109a71 (state write-backs on
+#            their own stream and thread) and dbbd8c8 (the stream share set three times: s8c3 ended at 21 streamed
+#            layers where its trace's host rate, 1.79 G params/s, balances at 24); s8c3: 79.5 / 265.2 against 110 / 330.
+#            Then compare with the planner: python bench/planner_placement.py --results ROWS (each row's host rate).
+# s8d:       the same stream rows, three timed steps, after tests/test_gpu.py (~3 minutes; s8c4 ran out of time in it).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
-# peers7b:   issue 12: the 7B sweep with Twin-Flow too (its host estimate, 14.8 B/param x 7.6B = 105 GiB, fits the
-#            machine's 126; FSDP2 and ZeRO-3 offload do not: 155 and 182 GiB). s7c4 ran megatrain and native only.
-# s8b:       (eighth session) placement "stream" after held weights (a "device" unit's update refills its weight
-#            slot: the next forward loads none of it), 3B x 1 / x 4 traced; 3B x 16 auto (after d611724 and 08fef7e);
-#            then the GPU tests (~7 minutes).
-# Done: core (s7c1: every issue-12 target met), depth with flat memory (s7c1: megatrain-host-recompute 36 / 72 / 84),
-# layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1), tests (s7c1: 41 passed).
-# The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth.
+# Done: search (s8c1: 7B x 8 420.7; s8c2: 3B x 16 326.9), peers7b (s8c1: Twin-Flow 19.9 at 7B x 2, OOM at 8),
+# s8b (s8c2), host RSS (s8c3: within 14.2 B/param + 4 GiB), core (s7c1: every issue-12 target met), depth with
+# flat memory (s7c1), layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1), tests (s8c3: 41).
+# The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth, search, peers7b, s8b.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
