@@ -1,11 +1,12 @@
 """Host <-> device movement of one step: weights in, gradients out, on their own streams and threads.
 
-Owns: the three CUDA streams and the event helpers (``Streams``), the staging pools (pinned on
-CUDA, plain on the CPU, where the same code runs and copies complete at once), the packer thread
-(casts fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy) and the
-unpacker thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then
-tells the Adam worker). Every host wait here happens in a worker thread; the driver only waits on
-the boxes these methods return.
+Owns: the CUDA streams and the event helpers (``Streams``), the staging pools (pinned on CUDA,
+plain on the CPU, where the same code runs and copies complete at once), the packer thread (casts
+fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy), the unpacker
+thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then tells the Adam
+worker) and the writer thread (a "device" unit's state back, Note: [State write-backs]). Every host
+wait here happens in a worker thread; the driver only waits on the boxes these methods return.
+A little over 400 lines: the three workers share the staging pools, the chunking and the delay hooks.
 Does not own: what to load when (schedule.py, engine.py), compute, or the optimizer's arithmetic.
 """
 from __future__ import annotations
