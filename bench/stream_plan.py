@@ -69,9 +69,9 @@ def main(argv=None) -> None:
         print(f"3B x {b}, 15 streamed, state slots  " + ", ".join(row))
         sweep = {n: steady(cfg, b, n) for n in range(0, L + 1, 2)}
         best = min(sweep, key=sweep.get)
-        p0 = planner.plan(cfg, batch=b, seq=4096, cast_on_device=True, weight_slots=L)
-        E, P, head = p0.shape["embed_params"], p0.shape["params_per_layer"], p0.shape["head_params"]
-        extras = dict(host_extra=(E + head) / (L * P), in_extra=4 * (E + head) / (L * P))  # as DeviceUpdates.stream_rate
+        sh = planner.plan(cfg, batch=b, seq=4096, cast_on_device=True, weight_slots=L).shape
+        numel = {-1: sh["embed_params"], **dict.fromkeys(range(L), sh["params_per_layer"]), L: sh["head_params"]}
+        extras = placing.stream_extras(numel, sh["tied"])  # as DeviceUpdates.stream_rate
         pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=True, **extras))
         old = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_BYTES_PER_S, cached=True, **extras))
         print(f"3B x {b}, share: best {best} streamed ({sweep[best]:.0f} ms, "

@@ -138,12 +138,9 @@ class DeviceUpdates:
         if not self.agree(seconds > 0, "min"):
             return  # no host update has finished yet
         numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
-        layers = sum(numel[i] for i in range(self.L))
-        head = numel[self.L] + (numel[-1] if self.arch.tied else 0)  # the head slot's load: fp32, cast on the device
         cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
         self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
-                                                     host_extra=(numel[-1] + numel[self.L]) / layers,
-                                                     in_extra=4 * head / layers), "min")
+                                                     **placing.stream_extras(numel, self.arch.tied)), "min")
         self.rated += 1
         self.adam_rate = (0, 0.0)
 
@@ -219,15 +216,15 @@ class DeviceUpdates:
             self.updated = dev.record(dev.optim)
 
     def stream_update(self, i: int, g: torch.Tensor, done, lr: float, j: int, loaded: Box, written: Box, *,
-                      weights: torch.Tensor | None = None) -> tuple[Box, object]:
+                      weights: torch.Tensor | None = None) -> Box:
         """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
 
         The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
         copies master and moments back once the update is done, and the unit lands (its norm) after
         that, so that a later load of it reads the updated master. ``weights``: the weight slot that
         keeps this unit into the next step, refilled here from the new master in the compute dtype
-        (Note: [Held weights] in placement.py). Returns the grad slot's box (free once the update has
-        read the gradients) and the event after the update (and the refill).
+        (Note: [Held weights] in placement.py). Returns the grad slot's box: free once the update has
+        read the gradients, its value the event after the update (and the refill).
         """
         dev, n = self.dev, g.numel()
         state = self.sslots[j][:3 * n]
@@ -248,7 +245,7 @@ class DeviceUpdates:
         _, self.written = self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)],
                                         updated, "bwd", op="state-out",
                                         enqueued=written)  # fills ``written``: the state slot's next load waits for it
-        return Box(ready=True, value=updated), updated
+        return Box(ready=True, value=updated)
 
     def state_loads(self, ops, steps_done: int, abort) -> list:
         """(op index, submit) for each "device" unit's backward: its state's load into a free state slot.

@@ -383,8 +383,8 @@ class Engine:
         Returns {"loads": op index -> (Load, box), "rel": op index -> Box of that op's slot release,
         "slot": op index -> slot, "state": bwd op index -> (state slot, its load's box, its write-back's
         box), "after": the layer each slot holds once ``ops`` are done, "cast": slots that a "device"
-        unit's update refilled from its new master (``_backward``)}. A load waits for the release of its slot's previous use: in this plan (``Load.after``)
-        or in an earlier one (``self.slot_box``). The backward of a "device" unit also needs its
+        unit's update refilled from its new master (``_backward``)}. A load waits for the release of its
+        slot's previous use: in this plan (``Load.after``) or in an earlier one (``self.slot_box``). The backward of a "device" unit also needs its
         optimizer state: loaded right after its weights, into the state slot whose last write-back
         has been copied out (Note: [Streamed updates] in placement.py).
         """
@@ -706,12 +706,12 @@ class Engine:
                 elif k in plan["state"]:
                     s = plan["slot"][k]
                     held = self.slots[s] if plan["after"][s] == i else None  # it keeps layer i past this plan
-                    self.gslot_box[gi], cast = self.device_updates.stream_update(
+                    self.gslot_box[gi] = self.device_updates.stream_update(
                         i, g, done, self.ocfg.lr_at(self.steps_done), *plan["state"][k], weights=held)
-                    gi ^= 1
                     if held is not None:
-                        plan["rel"][k].put(cast)  # the slot's next load waits for the cast too
+                        plan["rel"][k].put(self.gslot_box[gi].get())  # the slot's next load waits for the cast too
                         plan["cast"].add(s)
+                    gi ^= 1
                 else:
                     segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
                     self.gslot_box[gi], _ = self.io.grads(i, g, segs, done, "bwd")

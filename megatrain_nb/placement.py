@@ -147,6 +147,21 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
     return min(1.0, max(0.0, f))
 
 
+def stream_extras(numel: dict[int, int], tied: bool) -> dict[str, float]:
+    """``stream_share``'s fixed terms for a model (unit -> elements, units -1..L): the embedding and head the
+    host updates whatever the share, and the head slot's fp32 load each step (a tied one holds the embedding),
+    both per parameter of the layers.
+
+    Example:
+        >>> {k: round(v, 3) for k, v in stream_extras({-1: 311e6, 0: 1387.5e6, 1: 1387.5e6, 2: 2048}, True).items()}
+        {'host_extra': 0.112, 'in_extra': 0.448}
+    """
+    L = max(numel)
+    layers = sum(numel[i] for i in range(L))
+    head = numel[L] + (numel[-1] if tied else 0)
+    return {"host_extra": (numel[-1] + numel[L]) / layers, "in_extra": 4 * head / layers}
+
+
 STREAM_RATE_STEPS = 3  # "stream" sets its share from the host's AdamW rate this many times (Note: [Stream rate])
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share
 STATE_SLOT_SHARE = 0.05  # "device" units' state slots: as many as this share of device memory holds (>= 2)
