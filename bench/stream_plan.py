@@ -31,9 +31,12 @@ L = 36
 HW = planner.H200  # with --host-rate as its host AdamW (main)
 
 
+HEAD = {}  # the head group's placement: {L: "device", -1: "device"} as "stream" places it (--head device)
+
+
 def steady(cfg, batch: int, streamed: int) -> float:
     p = planner.plan(cfg, batch=batch, seq=4096, hardware=HW, cast_on_device=True, weight_slots=L,
-                     placement=dict.fromkeys(range(streamed), "device"))
+                     placement=dict.fromkeys(range(streamed), "device") | HEAD)
     return p.steady_step_ms
 
 
@@ -55,9 +58,13 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--host-rate", type=float, default=1.8, help="host AdamW in a stream step, G params/s, as the engine "
                     "measures it (s8c2's 3B x 4 trace: 1.8, bench/copy_rates.py)")
+    ap.add_argument("--head", choices=["device", "host"], default="device",
+                    help="the (tied) head group: streamed as 'stream' places it (Note: [Streamed head]), or on the host")
+    ap.add_argument("--sweep", action="store_true", help="print the steady step for every even share")
     a = ap.parse_args(argv)
-    global HW
+    global HW, HEAD
     HW = dataclasses.replace(planner.H200, host_adam_params_per_s=a.host_rate * 1e9)
+    HEAD = {L: "device", -1: "device"} if a.head == "device" else {}
     cfg = qwen_config("3b", seq=4096)
     rule = placing.state_slots
     for b in a.batch:
@@ -71,7 +78,9 @@ def main(argv=None) -> None:
         best = min(sweep, key=sweep.get)
         sh = planner.plan(cfg, batch=b, seq=4096, cast_on_device=True, weight_slots=L).shape
         numel = {-1: sh["embed_params"], **dict.fromkeys(range(L), sh["params_per_layer"]), L: sh["head_params"]}
-        extras = placing.stream_extras(numel, sh["tied"])  # as DeviceUpdates.stream_rate
+        extras = placing.stream_extras(numel, sh["tied"], bool(HEAD))  # as DeviceUpdates.stream_rate
+        if a.sweep:
+            print(f"3B x {b}, steady ms by streamed layers: " + ", ".join(f"{n}: {v:.0f}" for n, v in sweep.items()))
         pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=True, **extras))
         old = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_BYTES_PER_S, cached=True, **extras))
         print(f"3B x {b}, share: best {best} streamed ({sweep[best]:.0f} ms, "

@@ -43,6 +43,11 @@ class DeviceUpdates:
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
         self.written: Box | None = None  # this step's last state write-back's landing (Note: [State write-backs])
+        self.head_units = (self.L, -1) if arch.tied else (self.L,)  # the head slot's units, in its order
+        self.hstate: torch.Tensor | None = None  # the head group's state on its way through (Note: [Streamed head])
+        self.hgrad: torch.Tensor | None = None  # a streamed tied embedding's fp32 gradient
+        self.hstate_box = Box(ready=True)  # the head group's last write-back (copied out)
+        self.hload: Box | None = None  # this step's load of the head group's state
         self.t_start = 0.0
 
     def agree(self, value: float, op: str) -> float:
@@ -59,6 +64,16 @@ class DeviceUpdates:
         """The placement is final for this batch size: no "auto" search step (measuring or a trial) is left."""
         return not (self.dev.cuda and self.mode == "auto") or self.search.phase == "done"
 
+    @property
+    def head_streamed(self) -> bool:
+        """The head group (the head, and a tied embedding) is placed "device" (Note: [Streamed head])."""
+        return self.L in self.opt.streamed
+
+    def recover(self) -> None:
+        """After a failed step: no state slot waits for a write-back that will not come."""
+        self.sslot_box = [Box(ready=True) for _ in self.sslots]
+        self.hstate_box, self.hload = Box(ready=True), None
+
     def host_updated(self, unit: int, seconds: float) -> None:
         """The host's AdamW of ``unit`` took ``seconds`` (what "stream" balances PCIe against)."""
         p, s = self.adam_rate
@@ -71,6 +86,10 @@ class DeviceUpdates:
         want = placing.choose(numel, mode=self.mode, free_bytes=free, tied=self.arch.tied,
                               dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(), cuda=self.dev.cuda,
                               share=self.share)
+        if self.store.shared is not None:  # Note: [Streamed head] other ranks would keep a stale head slot
+            want = {u: placing.Choice("host", c.reason + "; a shared host store: the head group updates on the host")
+                    if c.placement == "device" and u in self.head_units else c
+                    for u, c in want.items()}
         if self.gate:  # Note: [Streamed updates] a gated update waits for every gradient: on the host
             want = {u: placing.Choice("host", c.reason + "; gated (grad_clip, overlap_optimizer=False or nonfinite="
                                       "'raise'): updated on the host") if c.placement == "device" else c
@@ -113,9 +132,17 @@ class DeviceUpdates:
                 for u in streaming - set(opt.streamed):
                     opt.stream_add(u)
                 n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
-                k = placing.state_slots(len(streaming), 4 * n, memory_total(self.dev.device))
+                layers = streaming - set(self.head_units)
+                k = placing.state_slots(len(layers), 4 * n, memory_total(self.dev.device))
                 self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
                 self.sslot_box = [Box(ready=True) for _ in self.sslots]
+                self.hstate = self.hgrad = None  # Note: [Streamed head] its state and gradient buffers
+                if self.L in streaming:
+                    nh = sum(self.store.units[u].layout.numel for u in self.head_units)
+                    self.hstate = torch.empty(3 * nh, device=self.dev.device)
+                    if self.arch.tied:
+                        self.hgrad = torch.empty(self.store.units[-1].layout.numel, device=self.dev.device)
+                self.hstate_box, self.hload = Box(ready=True), None
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
@@ -140,7 +167,8 @@ class DeviceUpdates:
         numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
         cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
         self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
-                                                     **placing.stream_extras(numel, self.arch.tied)), "min")
+                                                     **placing.stream_extras(numel, self.arch.tied, self.store.shared is None)),
+                                "min")
         self.rated += 1
         self.adam_rate = (0, 0.0)
 
@@ -271,33 +299,94 @@ class DeviceUpdates:
         self._slot_turn = 0
         return out
 
+    def head_state_in(self, steps_done: int, abort) -> None:
+        """Driver: queue the head group's state load (master, moments; Note: [Streamed head]) on the packer,
+        where a "host" head's weights would load: after the forward's, before the backward's."""
+        segs, off = [], 0
+        for attr in ("master", "exp_avg", "exp_avg_sq"):
+            for u in self.head_units:
+                segs.append((u, lambda u=u, a=attr: getattr(self.store.units[u], a), off))
+                off += self.store.units[u].layout.numel
+        self.hload = self.io.load(self.L, self.hstate, segs, self.hstate_box, "loss", steps_done, op="state-in")
+        self.hstate_box = Box(abort)  # filled by this step's write-back (stream_head)
+
+    def stream_head(self, g: torch.Tensor, done, lr: float, weights: torch.Tensor) -> tuple[Box, Box]:
+        """Driver: the head group's AdamW in its streamed-in state once its gradients are complete (``done``):
+        the head's in ``g`` (its head grad slot, compute dtype), a tied embedding's in ``hgrad`` (fp32).
+        The new master is cast into the head slot (``weights``), which keeps it into the next step; then
+        master and moments go back to the host, and the group's last unit lands. Returns (the head grad
+        slot's box: free once the update has read it, the landing's box)."""
+        dev, units = self.dev, self.head_units
+        sizes = [self.store.units[u].layout.numel for u in units]
+        N = sum(sizes)
+        found = self.bad.float()  # made on compute, read on optim (see landed)
+        ev = self.hload.get()  # driver waits until the state's copy is enqueued
+        params, grads, avgs, sqs, a = [], [], [], [], 0
+        for u, n in zip(units, sizes):
+            params.append(self.hstate[a:a + n])
+            avgs.append(self.hstate[N + a:N + a + n])
+            sqs.append(self.hstate[2 * N + a:2 * N + a + n])
+            grads.append(self.hgrad if u == -1 else g[a:a + n])
+            a += n
+        with dev.on(dev.optim):
+            dev.wait(dev.optim, done)
+            dev.wait(dev.optim, ev)
+            if dev.cuda:
+                found.record_stream(dev.optim)
+            tok = self.rec.cuda_begin("device-adam", "adam", self.L, "bwd", N * 16, dev.optim)
+            self.opt.update_streamed_group(units, params, grads, avgs, sqs, lr, found)
+            weights[:N].copy_(self.hstate[:N])  # the cast a load would do: the next step loads nothing of it
+            self.rec.cuda_end(tok, dev.optim)
+            self.updated = updated = dev.record(dev.optim)
+        segs, a = [], 0
+        for k, attr in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            for u, n in zip(units, sizes):
+                segs.append((a, n, getattr(self.store.units[u], attr)))
+                a += n
+        _, self.written = self.io.grads(units[-1], self.hstate, segs, updated, "bwd", op="state-out",
+                                        enqueued=self.hstate_box)  # the next step's state load waits for it
+        return Box(ready=True, value=updated), self.written
+
     def _next_slot(self) -> int:
         j = self._slot_turn % len(self.sslots)
         self._slot_turn += 1
         return j
 
-    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Compute stream: the rows of a resident embedding for ``ids`` (B, T) -> (B, T, H), compute dtype."""
-        r, H = self.opt.of[-1], self.arch.embed.weight.shape[1]
-        a, b = r.seg(-1)
-        rows = r.w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
+    def embed_rows(self, ids: torch.Tensor, head_slot: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute stream: the rows of a resident embedding for ``ids`` (B, T) -> (B, T, H), compute dtype;
+        or, given the head slot, of a streamed tied one, which the slot holds (Note: [Streamed head])."""
+        H = self.arch.embed.weight.shape[1]
+        if head_slot is not None:
+            w, a = head_slot, self.store.units[self.L].layout.numel
+            b = a + self.store.units[-1].layout.numel
+        else:
+            r = self.opt.of[-1]
+            w, (a, b) = r.w, r.seg(-1)
+        rows = w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
         return rows.view(*ids.shape, H)
 
-    def embed_grads(self, ids: torch.Tensor, dE: torch.Tensor) -> None:
-        """Compute stream: the resident embedding's fp32 gradient from its rows (and the head's, when tied)."""
-        r, H = self.opt.of[-1], self.arch.embed.weight.shape[1]
-        if self.arch.tied:
-            a, b = r.seg(-1)
-            r.egrad.copy_(r.grad[a:b])  # the lm_head's gradient of the shared weight, upcast as the host does
+    def embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, head_grad: torch.Tensor | None = None) -> None:
+        """Compute stream: the embedding's fp32 gradient from its rows (and the head's, when tied), for a
+        resident embedding; or, given ``head_grad`` (the head grad slot), for a streamed tied one (``hgrad``)."""
+        H = self.arch.embed.weight.shape[1]
+        if head_grad is not None:
+            egrad = self.hgrad
+            egrad.copy_(head_grad[self.store.units[self.L].layout.numel:])  # the lm_head's share, upcast
         else:
-            r.egrad.zero_()
+            r = self.opt.of[-1]
+            egrad = r.egrad
+            if self.arch.tied:
+                a, b = r.seg(-1)
+                egrad.copy_(r.grad[a:b])  # the lm_head's gradient of the shared weight, upcast as the host does
+            else:
+                egrad.zero_()
         ids = ids.to(self.dev.device, non_blocking=True)
         rows = dE.view(-1, H)
         pad = self.arch.embed.padding_idx
         if pad is not None:
             rows = rows.masked_fill((ids == pad).unsqueeze(1), 0)  # nn.Embedding gives padding_idx no gradient
-        r.egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
-        self.norm_dev[0].copy_(grad_norm(r.egrad))
+        egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
+        self.norm_dev[0].copy_(grad_norm(egrad))
 
     def end_backward(self) -> None:
         """Compute stream: the next step's compute follows this step's overlapped device updates."""

@@ -83,6 +83,7 @@ class Engine:
         self.head_slot, self.head_gslot = mk(self.head_layout.numel), mk(self.head_layout.numel)
         self.slot_layer: list[int | None] = [None] * len(self.slots)  # driver's view of what each slot holds
         self.slot_current = [False] * len(self.slots)  # it holds its layer's current weights (Note: [Held weights])
+        self.head_current = False  # the head slot holds the streamed head group's current weights (placement.py)
         self.refs = SlotRefs(self.slots, self)
         self.norm_dev = torch.zeros(L + 2, dtype=torch.float32, device=dev.device)  # per-unit grad norms
         self.slot_box = [Box(ready=True) for _ in self.slots]  # event of each slot's latest use
@@ -153,7 +154,7 @@ class Engine:
     def _early_rows(self, unit: int, step: int, lr: float, grad_scale: float) -> bool:
         """Worker, before ``unit``'s update of step ``step``: serve the embedding rows the next forward
         asked for (Note: [Early rows]); False where this process does not update it on the host."""
-        if unit != -1 or -1 in self.dev_opt.of or not self.store.owns(-1):
+        if unit != -1 or -1 in self.dev_opt.of or -1 in self.dev_opt.streamed or not self.store.owns(-1):
             return False
 
         def rows(ids):
@@ -223,6 +224,8 @@ class Engine:
         self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
         self.slot_layer = [None] * len(self.slots)
         self.slot_current = [False] * len(self.slots)
+        self.head_current = False
+        self.device_updates.recover()
         self.offload.reset()
         self.attn_cache.clear()  # the failed step's backward will not come for them
         self.adam.error = None
@@ -258,10 +261,16 @@ class Engine:
             rec.begin_step(self.steps_done)
             self._count_memory()
             small = self._small_inputs(mbs)  # before any load of this step is queued
-            embeds = [self._gather(mb) for mb in mbs]
+            head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
+            if du.head_streamed:
+                head_box = Box(ready=True) if self.head_current else self._load_head()
+            embeds = [self._gather(mb, head_box) for mb in mbs]
             fops = forward_ops(L)
             fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
-            head_box = self._load_head()
+            if head_box is None:
+                head_box = self._load_head()
+            else:
+                du.head_state_in(self.steps_done, self.abort)  # its state comes in where its weights would
             state = self._forward(embeds, fops, fboxes, small)
             hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small)
             blocks = make_blocks(L, self.keep, self.ckpts.block)
@@ -269,6 +278,7 @@ class Engine:
             bboxes = self._plan(bops, list(self.slot_layer))
             last = self._backward(mbs, bops, bboxes, state, hL_grads)
             self.slot_current = [s in bboxes["cast"] for s in range(len(self.slots))]  # the rest: updated since loaded
+            self.head_current = du.head_streamed  # its update refilled the head slot
             self._committed = True  # gated: no update starts before every gradient has landed, after this
             du.end_backward()  # the next step's compute follows this step's device updates
             self._count_memory()
@@ -359,12 +369,17 @@ class Engine:
             used[(kind, key)] = n + 1
         trace.slots.sort(key=lambda r: r[-1])
 
-    def _gather(self, mb: dict) -> tuple[torch.Tensor, Box]:
-        """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves)."""
+    def _gather(self, mb: dict, head_box: Box | None = None) -> tuple[torch.Tensor, Box]:
+        """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves);
+        on the device where the embedding is resident, or streamed and tied (from the head slot, once
+        ``head_box`` is ready)."""
         ids = mb["input_ids"]
         H = self.arch.embed.weight.shape[1]
         if -1 in self.dev_opt.of:  # resident: gathered on the device from the current weights
             return self.device_updates.embed_rows(ids), Box(ready=True)
+        if head_box is not None and self.arch.tied:  # Note: [Streamed head]: the head slot holds the embedding
+            self._ready(head_box)
+            return self.device_updates.embed_rows(ids, self.head_slot), Box(ready=True)
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
         master, v = self.store.units[-1].master, self.steps_done
         if self.early.request(v, ids):  # Note: [Early rows] its host update is pending: these rows come first
@@ -644,9 +659,14 @@ class Engine:
         segs = [(0, n_head, self.store.units[L].grad)]
         if arch.tied:
             segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        segs = self.store.copies_out(L, segs) if res is None else []  # resident: norm only; shared: the owner's
-        self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")
-        self.device_updates.landed(L, self.ocfg.lr_at(self.steps_done), done)
+        du = self.device_updates
+        streamed = du.head_streamed  # Note: [Streamed head] no gradient of it goes out
+        segs = self.store.copies_out(L, segs) if res is None and not streamed else []  # resident: norm only
+        if not (streamed and not arch.tied):
+            self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")  # a tied streamed head: its norm lands
+        du.landed(L, self.ocfg.lr_at(self.steps_done), done)
+        if streamed and not arch.tied:  # its gradients are complete: updated beside the backward
+            self.head_gbox, _ = du.stream_head(gslot, done, self.ocfg.lr_at(self.steps_done), self.head_slot)
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -729,13 +749,22 @@ class Engine:
                 ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
                 if self.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
                     dE, ids = self.dp.rows(dE), self.dp.ids
+                du = self.device_updates
                 if -1 in self.dev_opt.of:
                     dE = dE.float()
-                    self.device_updates.embed_grads(ids, dE)
+                    du.embed_grads(ids, dE)
                     rec.cuda_end(tok, dev.compute)
                     done = dev.record(dev.compute)
                     landed = self.io.grads(-1, dE, [], done, "bwd")[1]  # norm only
-                    self.device_updates.landed(-1, self.ocfg.lr_at(self.steps_done), done)
+                    du.landed(-1, self.ocfg.lr_at(self.steps_done), done)
+                    return landed
+                if du.head_streamed and self.arch.tied:  # Note: [Streamed head]: the rows' gradients stay here
+                    du.embed_grads(ids, dE.float(), self.head_gslot)
+                    rec.cuda_end(tok, dev.compute)
+                    done = dev.record(dev.compute)
+                    du.landed(-1, self.ocfg.lr_at(self.steps_done), done)  # its norm counts in the verdict
+                    self.head_gbox, landed = du.stream_head(self.head_gslot, done, self.ocfg.lr_at(self.steps_done),
+                                                            self.head_slot)
                     return landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)

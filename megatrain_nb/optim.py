@@ -212,6 +212,15 @@ class DeviceAdamW:
                fused=True, amsgrad=False, maximize=False, lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1],
                eps=self.cfg.eps, weight_decay=self.cfg.weight_decay, found_inf=found_inf)
 
+    def update_streamed_group(self, units, params, grads, exp_avgs, exp_avg_sqs, lr: float,
+                              found_inf: torch.Tensor | None) -> None:
+        """AdamW of a "device" group (the head, and a tied embedding) in its streamed-in state: one fused
+        call over each unit's fp32 views (``params`` and moments), gradients upcast where not fp32."""
+        _adamw(list(params), [g if g.dtype == torch.float32 else g.float() for g in grads], list(exp_avgs),
+               list(exp_avg_sqs), [], [self.streamed[u] for u in units], fused=True, amsgrad=False, maximize=False,
+               lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], eps=self.cfg.eps,
+               weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+
     def write_back(self, units: tuple[int, ...] | None = None) -> None:
         """Copy master, moments and step counts of resident groups (``None``: all) into the host store.
 

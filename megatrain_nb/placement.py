@@ -9,10 +9,11 @@ what this module decides; ``optim.DeviceAdamW`` holds and updates the resident s
 Placements of one unit (-1 embedding, 0..L-1 decoder layers, L head):
   "host":     today's path: weights stream in from the host master, gradients stream out, AdamW runs
               on the host cores (overlapped with the backward).
-  "device":   (decoder layers) weights stream in as for "host", but no gradient goes out: the unit's
-              fp32 master and moments come in while its backward runs, the device's AdamW updates
-              them as soon as its gradients are complete, and they go back to the host; nothing of
-              it stays on the device between steps (Note: [Streamed updates]).
+  "device":   (decoder layers, the head group) weights stream in as for "host", but no gradient goes
+              out: the unit's fp32 master and moments come in while its backward runs, the device's
+              AdamW updates them as soon as its gradients are complete, and they go back to the host;
+              nothing of it stays on the device between steps but the weights its slot holds
+              (Note: [Streamed updates], [Streamed head]).
   "resident": fp32 master, both moments and the compute-dtype weights stay in device memory across
               steps; no load, no gradient over PCIe; AdamW (torch's fused kernel, fp32) runs on the
               device at the end of the step. The host copy is written back only when someone reads
@@ -22,9 +23,9 @@ Modes:
             the units the next forward needs first become resident while they fit; the rest stay "host".
             How much the activations give up for residents is timed (Note: [Auto search]).
   "host":   nothing resident (the behaviour before placements existed).
-  "stream": nothing kept on the device between steps: the first layers (the next forward needs them
-            first) are placed "device", the share that balances PCIe against the host's AdamW
-            (``stream_share``), the rest "host". What a model far larger than the GPU gets.
+  "stream": nothing kept on the device between steps: the head group and the first layers (the next
+            forward needs them first) are placed "device", the share that balances PCIe against the
+            host's AdamW (``stream_share``), the rest "host". What a model far larger than the GPU gets.
   {unit: placement}: experts; units not named stay "host".
 
 Note: [Streamed updates] a "device" unit moves 12 more bytes per parameter in (master and moments)
@@ -53,6 +54,18 @@ gradient, after its state had come and gone.
 
 Note: [Tied head group] a tied model's embedding is also its lm_head, so units -1 and L share one
 placement: the head slot holds them together (``Engine.head_layout``), resident or streamed.
+
+Note: [Streamed head] the head group placed "device" (what "stream" does): its state (12 bytes a
+parameter) loads where its weights would, after the forward's loads; its gradients stay on the device
+(a tied embedding's rows are added to the lm_head's there, in fp32, as the host adds them); its AdamW
+runs once they are complete, casts the new master into the head slot and sends the state back. The
+next step computes from that slot without a load, and a tied embedding's rows are gathered from it on
+the device. On the H200 (s9c1, 3B under "stream" with the head group on the host) every step began
+with the host's update of the embedding: compute idled 59 ms (x 1) and 160 ms (x 4) before layer 0,
+its early rows (Note: [Early rows]) included; and the host scattered the rows' gradients (45-74 ms).
+It costs PCIe 12 bytes a parameter each way, against 4 in (the head's fp32 load) and 2 out: a share
+of the layers goes back to the host for it (``stream_extras``). An untied embedding stays "host": the
+next forward gathers its rows from the host master, which the write-back would have to reach first.
 """
 from __future__ import annotations
 
@@ -97,9 +110,9 @@ def validate(placement, num_layers: int, tied: bool):
                              f"and {num_layers} (head)")
         if v not in PLACEMENTS:
             raise ValueError(f"placement[{k}]={v!r}: use one of {PLACEMENTS}")
-        if v == "device" and k in (-1, num_layers):
-            raise ValueError(f"placement[{k}]='device': only decoder layers (0..{num_layers - 1}) stream their "
-                             f"optimizer state; place the {'embedding' if k == -1 else 'head'} 'host' or 'resident'")
+        if v == "device" and k == -1 and not tied:
+            raise ValueError(f"placement[-1]='device': an untied embedding does not stream its optimizer state (the "
+                             f"next forward gathers its rows on the host); place it 'host' or 'resident'")
         out[k] = v
     if tied and out.get(-1, "host") != out.get(num_layers, "host"):
         raise ValueError(f"placement: this model ties its embedding to its lm_head, so units -1 and {num_layers} "
@@ -147,18 +160,23 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
     return min(1.0, max(0.0, f))
 
 
-def stream_extras(numel: dict[int, int], tied: bool) -> dict[str, float]:
-    """``stream_share``'s fixed terms for a model (unit -> elements, units -1..L): the embedding and head the
-    host updates whatever the share, and the head slot's fp32 load each step (a tied one holds the embedding),
-    both per parameter of the layers.
+def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True) -> dict[str, float]:
+    """``stream_share``'s fixed terms for a model (unit -> elements, units -1..L), both per parameter of the
+    layers: what the host updates whatever the share (an untied embedding; the head group when it is not
+    streamed), and the bytes in each step whatever the share: the head group's state (12 bytes a parameter,
+    Note: [Streamed head]), or its fp32 weights when the host updates it (a tied head holds the embedding).
 
     Example:
         >>> {k: round(v, 3) for k, v in stream_extras({-1: 311e6, 0: 1387.5e6, 1: 1387.5e6, 2: 2048}, True).items()}
+        {'host_extra': 0.0, 'in_extra': 1.345}
+        >>> {k: round(v, 3) for k, v in stream_extras({-1: 311e6, 0: 1387.5e6, 1: 1387.5e6, 2: 2048}, True, False).items()}
         {'host_extra': 0.112, 'in_extra': 0.448}
     """
     L = max(numel)
     layers = sum(numel[i] for i in range(L))
     head = numel[L] + (numel[-1] if tied else 0)
+    if head_streamed:
+        return {"host_extra": (0 if tied else numel[-1]) / layers, "in_extra": 12 * head / layers}
     return {"host_extra": (numel[-1] + numel[L]) / layers, "in_extra": 4 * head / layers}
 
 
@@ -235,9 +253,12 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
     if mode == "stream":
         k = round(share * L)
         why = f"placement='stream': the first {k} of {L} layers update on the device (a share of {share:.2f} balances PCIe "
+        head = (L, -1) if tied else (L,)  # Note: [Streamed head]
         return {u: Choice("device", why + "against the host's AdamW)") if 0 <= u < k else
+                Choice("device", why + "against the host's AdamW); the head group streams its state "
+                       "(Note: [Streamed head])") if u in head else
                 Choice("host", why + "against the host's AdamW); " +
-                       ("the embedding and head update on the host" if u in (-1, L) else "this one on the host"))
+                       ("an untied embedding updates on the host" if u == -1 else "this one on the host"))
                 for u in numel}
     if free_bytes is None:
         return {u: Choice("host", "first step of this batch size: measuring what the activations use") for u in numel}

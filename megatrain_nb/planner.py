@@ -498,8 +498,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     streamed = {u for u, c in choice.items() if c.placement == "device"}
     resident = {u for u, c in choice.items() if c.placement == "resident"}
     device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
-    sslots = placing.state_slots(len(streamed), 12 * P, hw.device_mem_bytes)  # as DeviceUpdates.place
+    sslots = placing.state_slots(len(streamed - {L, -1}), 12 * P, hw.device_mem_bytes)  # as DeviceUpdates.place
     device["state_slots"] = sslots * 12 * P
+    if L in streamed:  # Note: [Streamed head]: its state on the way through, a tied embedding's fp32 gradient
+        device["head_state"] = 12 * head_n + (4 * E if s["tied"] else 0)
     dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
     dev_adam_ms = {u: numel[u] / dev_adam * 1e3 for u in resident}
 
@@ -534,7 +536,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
              recompute_cached=max(fwd - attn_fwd, hw.layer_launch_ms[0]),
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
     t.update(state_bytes=12 * P, state_in=12 * P / both_up / 1e6, state_out=12 * P / both_down / 1e6,
-             dev_adam=P / dev_adam * 1e3)  # a "device" layer's fp32 master and moments, in and out
+             dev_adam=P / dev_adam * 1e3,  # a "device" layer's fp32 master and moments, in and out
+             head_state_bytes=12 * head_n, head_state_in=12 * head_n / both_up / 1e6,
+             head_state_out=12 * head_n / both_down / 1e6, head_dev_adam=head_n / dev_adam * 1e3)  # the head group's
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
     if cast_on_device:  # pinned fp32 master in, pinned grad slabs out: no host cast anywhere

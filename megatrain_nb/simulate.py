@@ -81,7 +81,11 @@ class _Sim:
     compute, when `overlap`; else all after the embedding's backward (Note: [Device updates] in device_updates.py).
     The next step's compute waits for the last one. Layers in `streamed` (placement "device") load
     their fp32 state (t["state_in"]) after their backward's weights, are updated on the device-adam
-    lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"])."""
+    lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"]).
+    A streamed head group (``L`` in `streamed`, Note: [Streamed head] in placement.py) loads its state
+    (t["head_state_in"]) where its weights would load, is updated once its gradients are complete (after
+    the loss, or after the embedding's backward when tied) and writes it back; from the second step its
+    weights are held in the head slot, and a tied embedding's rows come from there."""
 
     def __init__(self, L, w_bytes, g_bytes, t, units, loss_ms, keep, block, S, budget, chunk, overlap,
                  tied=False, resident=frozenset(), dev_adam_ms=None, streamed=frozenset(), cached=frozenset(),
@@ -90,6 +94,7 @@ class _Sim:
         self.cached = frozenset(cached)  # recomputed in t["recompute_cached"]: attention output kept (attncache.py)
         self.streamed = frozenset(streamed) if overlap else frozenset()  # gated: on the host (placement.py)
         self.sslot_free = [0.0] * max(1, state_slots)  # end of each state slot's last write-back
+        self.hstate_free = 0.0  # end of the head group's last write-back
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
         self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
         self.free: dict[str, float] = {}  # lane -> end of its latest op
@@ -187,7 +192,15 @@ class _Sim:
         L, t, units, compute, slot_end, res = self.L, self.t, self.units, self.compute, self.slot_end, self.resident
         f_loads, f_slot, b_loads, b_slot, after = self.warm if self.n else self.cold
         self.landed = []
-        rows = self.t0 if -1 in res else self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # host-gathered rows
+        hs, warm = L in self.streamed, self.steady and self.n > 0  # Note: [Streamed head]: held from the 2nd step
+        group = (L, -1) if self.tied else (L,)
+        head = None
+        if hs and not warm and self.tied:  # its slot loads first: the rows are gathered from it
+            head = self.load(L, "fwd", *units[L][:3], self.head_free, waits=group)
+        if hs and self.tied:
+            rows = self.t0 if head is None else head
+        else:
+            rows = self.t0 if -1 in res else self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # host-gathered rows
         have = lambda s: 0.0 if s is None else self.have[s]  # noqa: E731  (a resident layer: always there)
         end: dict[int, float] = {}
         at = {ld.before: ld for ld in f_loads}
@@ -197,11 +210,22 @@ class _Sim:
             if s is not None:
                 slot_end[s] = end[k]
         # the packer takes the head after every forward load; a tied head's slot holds the embedding too
-        head = self.t0 if L in res else self.load(L, "loss", *units[L][:3], self.head_free,
-                                                  waits=(L, -1) if self.tied else (L,))
+        got = 0.0
+        if hs:  # its state comes in where its weights would (held from the second step)
+            if head is None:
+                head = self.t0 if warm else self.load(L, "loss", *units[L][:3], self.head_free, waits=group)
+            got = self.load(L, "loss", t["head_state_bytes"], 0.0, t["head_state_in"], self.hstate_free, waits=group,
+                            op="state-in")
+        else:
+            head = self.t0 if L in res else self.load(L, "loss", *units[L][:3], self.head_free, waits=group)
         self.head_free = compute("loss", L, "loss", self.loss_ms, head, self.head_copied)
         self.device_update((L,) if not self.tied else (), self.head_free)
-        if L not in res:
+        if hs:
+            if self.tied:
+                self.landed.append((L, self.head_free, 0.0))  # its norm only
+            else:
+                self.head_copied = self.stream_head(self.head_free, got)  # its gradient slot is free after the update
+        elif L not in res:
             self.grads(L, "loss", self.head_free, *units[L][3:])
             self.head_copied = self.free["d2h"]
         end, at, gi = {}, {ld.before: ld for ld in b_loads}, 0
@@ -236,7 +260,10 @@ class _Sim:
             if op.kind == "bwd":
                 self.device_update((op.layer,), end[k])
         e = compute("embed_bwd", -1, "bwd", 0.0)
-        back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
+        if hs and self.tied:
+            back = self.stream_head(e, got)
+        else:
+            back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
         back = max(back, self.free.get("d2h-state", 0.0))  # the driver waits for the last write-back too
         self.device_update((L, -1) if self.tied else (-1,), e)
         if res and not self.overlap:  # gated: the driver enqueues every update once every gradient landed
@@ -250,6 +277,17 @@ class _Sim:
             for unit, _, ms in self.landed:
                 a = self.put("host-adam", "adam", unit, "optim", a, a + ms)
         return back
+
+    def stream_head(self, ready: float, got: float) -> float:
+        """The streamed head group's update once its gradients (`ready`) and state (`got`) are there, then its
+        write-back; returns when its last unit lands."""
+        a = max(ready, got, self.free.get("device-adam", 0.0))
+        upd = self.put("device-adam", "adam", self.L, "bwd", a, a + self.t["head_dev_adam"])
+        unit = -1 if self.tied else self.L
+        o0 = max(upd, self.free.get("d2h-state", 0.0))
+        self.hstate_free = self.put("d2h-state", "state-out", unit, "bwd", o0, o0 + self.t["head_state_out"])
+        self.landed.append((unit, self.hstate_free, 0.0))  # the host's update is a no-op
+        return upd if not self.tied else self.hstate_free
 
     def device_update(self, units: tuple, ready: float, gated: bool = False) -> None:
         """A resident group's AdamW on the device-adam lane once its gradients are complete at `ready`."""

@@ -12,9 +12,10 @@ from megatrain_nb import Session
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _config(layers=4, attn="sdpa"):
+def _config(layers=4, attn="sdpa", tied=False):
     c = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
-                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                    tie_word_embeddings=tied)
     c._attn_implementation = attn
     return c
 
@@ -39,6 +40,7 @@ def _batches(n, B=4, T=128, seed=0):
 
 MIXED = {-1: "resident", 1: "resident", 3: "resident"}  # embedding, two layers; the (untied) head on the host
 STREAMED = {0: "device", 2: "device", 3: "resident"}  # state streamed through for two layers
+STREAMED_HEAD = {-1: "device", 0: "device", 2: "device", 4: "device"}  # and a tied head group (Note: [Streamed head])
 
 
 @pytest.mark.parametrize("placement", ["host", "auto", "stream", {u: "resident" for u in range(-1, 5)}, MIXED, STREAMED])
@@ -79,7 +81,18 @@ def test_bf16_stream_matches_native_autocast(model_dir, placement):
     assert our_losses[-1] < our_losses[0] - 0.5  # it trains
     if placement == "auto":  # a tiny model fits: after the measuring step every unit is resident
         assert set(s.placement.placement) == {"resident"}, s.placement
+    if placement == "stream":  # Note: [Streamed head]: the head group streams its state (an untied embedding not)
+        tied = ref.config.tie_word_embeddings
+        assert s.placement.set_index("unit").placement[4] == "device", s.placement
+        assert s.placement.set_index("unit").placement[-1] == ("device" if tied else "host"), s.placement
     s.close()
+
+
+def test_bf16_stream_of_a_tied_model_matches_native_autocast(tmp_path):
+    """Placement "stream" with a tied embedding: the head group streams, its rows come from the head slot."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(tied=True)).save_pretrained(tmp_path)
+    test_bf16_stream_matches_native_autocast(tmp_path, "stream")
 
 
 def _run(model_dir, delays, steps=3, **kw):
@@ -92,14 +105,16 @@ def _run(model_dir, delays, steps=3, **kw):
     return losses, weights
 
 
-@pytest.mark.parametrize("placement", ["host", MIXED, STREAMED])
+@pytest.mark.parametrize("placement", ["host", MIXED, STREAMED, STREAMED_HEAD])
 @pytest.mark.parametrize("lane,delay", [("h2d", 20_000_000), ("compute", 20_000_000), ("d2h", 20_000_000),
                                         ("host-pack", 0.02), ("host-unpack", 0.02), ("host-adam", 0.02)])
 def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay, placement):
     """A missing wait would let a delayed stream's data be read too early; the result would change.
-    With resident units mixed in, the device-update lane (end of the step, compute stream) is covered."""
+    With resident units mixed in, the device-update lane (end of the step, compute stream) is covered; with
+    the tied head group streamed, its state's lanes and the rows gathered from the head slot."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
+    tied = placement is STREAMED_HEAD  # an untied embedding does not stream
+    AutoModelForCausalLM.from_config(_config(attn="eager", tied=tied)).save_pretrained(tmp_path)
     base_l, base_w = _run(tmp_path, {}, checkpoint_every=2, placement=placement)
     again_l, again_w = _run(tmp_path, {}, checkpoint_every=2, placement=placement)
     assert base_l == again_l and all(torch.equal(a, b) for a, b in zip(base_w, again_w)), "not deterministic"

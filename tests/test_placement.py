@@ -34,12 +34,24 @@ def test_untied_head_comes_last_and_alone():
     assert placing.groups(L, tied=False)[-1] == (L,) and placing.groups(L, tied=True)[0] == (L, -1)
 
 
-def test_host_keeps_nothing_and_stream_streams_the_first_layers():
+def test_host_keeps_nothing_and_stream_streams_the_head_group_and_first_layers():
     c = placing.choose(NUMEL, mode="host", free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True)
     assert {ch.placement for ch in c.values()} == {"host"} and all("placement='host'" in ch.reason for ch in c.values())
     s = placing.choose(NUMEL, mode="stream", free_bytes=1 << 40, dtype_bytes=2, tied=True, cuda=True, share=0.5)
-    assert [s[u].placement for u in (-1, 0, 1, 2, 3, 4)] == ["host", "device", "device", "host", "host", "host"]
-    assert "first 2 of 4 layers" in s[0].reason and "embedding and head update on the host" in s[-1].reason
+    assert [s[u].placement for u in (-1, 0, 1, 2, 3, 4)] == ["device", "device", "device", "host", "host", "device"]
+    assert "first 2 of 4 layers" in s[0].reason and "Streamed head" in s[-1].reason
+    u = placing.choose(NUMEL, mode="stream", free_bytes=1 << 40, dtype_bytes=2, tied=False, cuda=True, share=0.5)
+    assert [u[k].placement for k in (-1, 0, 1, 2, 3, 4)] == ["host", "device", "device", "host", "host", "device"]
+    assert "untied embedding updates on the host" in u[-1].reason
+
+
+def test_stream_extras_count_the_head_groups_state_when_it_streams():
+    """Note: [Streamed head]: 12 bytes a parameter in and nothing on the host, against 4 in and the host's AdamW."""
+    numel = {-1: 1000, 0: 300, 1: 300, 2: 50}
+    assert placing.stream_extras(numel, tied=True) == {"host_extra": 0.0, "in_extra": 12 * 1050 / 600}
+    assert placing.stream_extras(numel, tied=False) == {"host_extra": 1000 / 600, "in_extra": 12 * 50 / 600}
+    assert placing.stream_extras(numel, tied=True, head_streamed=False) == {"host_extra": 1050 / 600,
+                                                                            "in_extra": 4 * 1050 / 600}
 
 
 def test_stream_share_balances_pcie_against_host_adam():
@@ -60,11 +72,18 @@ def test_auto_waits_for_a_measuring_step_and_never_places_on_cpu():
 
 @pytest.mark.parametrize("bad,match", [("gpu", "use one of"), ({7: "resident"}, "placement key 7"),
                                        ({0: "device-ish"}, r"placement\[0\]"), ({-1: "resident"}, "placed alike"),
-                                       ({-1: "device", 4: "device"}, "only decoder layers"),
+                                       ({-1: "device", 4: "host"}, "placed alike"),
                                        (["host"], "use one of")])
 def test_bad_placement_names_the_value_and_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         placing.validate(bad, L, tied=True)
+
+
+def test_an_untied_embedding_does_not_stream():
+    with pytest.raises(ValueError, match=r"placement\[-1\]='device': an untied embedding"):
+        placing.validate({-1: "device"}, L, tied=False)
+    assert placing.validate({-1: "device", L: "device"}, L, tied=True) == {-1: "device", L: "device"}
+    assert placing.validate({L: "device"}, L, tied=False) == {L: "device"}
 
 
 def test_json_keys_come_back_as_units():
@@ -79,6 +98,8 @@ MIXES = {
     "head_group_only": lambda L: {-1: "resident", L: "resident"},
     "alternating": lambda L: {u: "resident" for u in range(-1, L + 1) if u % 2 == 0} | {-1: "resident", L: "resident"},
     "streamed_layers": lambda L: {0: "device", L - 1: "device"},
+    "streamed_head": lambda L: {-1: "device", L: "device"},  # untied: the head alone (below)
+    "stream_all": lambda L: {u: "device" for u in range(-1, L + 1)},
     "every_kind": lambda L: {-1: "resident", L: "resident", 0: "device", 1: "resident"} | {u: "device" for u in range(2, L)},
 }
 
@@ -93,6 +114,8 @@ def test_placements_train_equal_to_reference(hf_dir, family, mix, tmp_path):
     mix_ = MIXES[mix](L_)
     if not tied and mix == "head_group_only":
         mix_ = {-1: "resident"}  # untied: the embedding alone
+    if not tied and mix in ("streamed_head", "stream_all"):
+        mix_.pop(-1)  # an untied embedding does not stream (Note: [Streamed head])
     compare(d, family, tmp_path, placement=mix_)
 
 
@@ -146,16 +169,19 @@ def test_streamed_units_with_fewer_slots_than_layers_train_equal(hf_dir, slots, 
     compare(d, "llama", tmp_path, placement={0: "device", 2: "device", 4: "device"}, weight_slots=slots)
 
 
+@pytest.mark.parametrize("head", [False, True])
 @pytest.mark.parametrize("family", families("llama_tied"))
-def test_held_weights_survive_a_generation_between_steps(hf_dir, family):
-    """A forward-only pass between steps loads into the weight slots (``Engine.stream_layers``): what it
-    leaves there is current, the next step computes from it, and the training is the same as without it."""
+def test_held_weights_survive_a_generation_between_steps(hf_dir, family, head):
+    """A forward-only pass between steps loads into the weight slots (``Engine.stream_layers``) and the head
+    slot: what it leaves there is current, the next step computes from it, and the training is the same as
+    without it; with the head group streamed too (Note: [Streamed head])."""
     d = hf_dir(family)
     L_ = _head(d)
     batches = make_batches(VOCAB, 4)
     masters = []
+    mix = {0: "device", 1: "device"} | ({-1: "device", L_: "device"} if head else {})
     for between in (False, True):
-        s = Session.from_pretrained(d, lr=LR, weight_slots=L_, placement={0: "device", 1: "device"})
+        s = Session.from_pretrained(d, lr=LR, weight_slots=L_, placement=mix)
         try:
             for n, b in enumerate(batches):
                 s.step(b)
@@ -219,7 +245,8 @@ def test_resident_state_reaches_the_host_only_when_read(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("first,then", [("host", {0: "resident", 2: "resident"}),
                                         ({0: "resident", -1: "resident"}, "host"),
-                                        ({0: "device", 1: "resident"}, {0: "resident", 1: "device"})])
+                                        ({0: "device", 1: "resident"}, {0: "resident", 1: "device"}),
+                                        ({0: "device", 2: "device"}, {0: "device", 2: "resident"})])
 def test_resume_is_bitwise_across_placements(hf_dir, tmp_path, first, then):
     """Checkpoint format unchanged: a run saved under one placement resumes under another bit for bit."""
     d = hf_dir("llama")
@@ -262,6 +289,66 @@ def test_a_failed_step_leaves_resident_state_untouched(hf_dir):
             s.step(batches[1])
         del s.engine._loss
         assert torch.equal(s.engine.dev_opt.of[0].master, state)
+        got = train_session(s, batches[1:])
+    finally:
+        s.close()
+    assert got == want[1:]
+
+
+@pytest.mark.parametrize("family", families("llama_tied", "llama"))
+def test_a_streamed_head_group_is_held_and_its_rows_gathered_on_the_device(hf_dir, family):
+    """Note: [Streamed head]: after the first step the head slot holds the head group's new weights (its
+    update cast them), so no step loads the head's weights again; its state comes in and goes out each
+    step; a tied embedding's rows are gathered from the head slot, not on the host, and no gradient of
+    the group crosses to the host."""
+    d = hf_dir(family)
+    L_ = _head(d)
+    tied = family == "llama_tied"
+    s = Session.from_pretrained(d, lr=LR, placement={L_: "device", 0: "device"} | ({-1: "device"} if tied else {}))
+    try:
+        for n, batch in enumerate(make_batches(VOCAB, 3)):
+            s.step(batch)
+            df = s.trace.to_dataframe()
+            head = df[df.layer == L_]
+            assert (set(head[head.lane == "h2d"].op) == ({"h2d", "state-in"} if n == 0 else {"state-in"})), (n, head)
+            group = df[df.layer.isin([L_, -1] if tied else [L_])]  # its write-back lands the group's last unit
+            assert set(group[group.lane == "d2h-state"].op) == {"state-out"} 
+            assert group[group.lane == "d2h"].bytes.sum() == 0  # at most its norm: no gradient goes out
+            embed = df[(df.layer == -1) & df.lane.isin(["h2d", "d2h"])]
+            assert embed.empty if tied else set(embed.lane) == {"h2d", "d2h"}, embed
+        e = s.engine
+        assert e.head_current
+        e.device_updates.settle()
+        n = e.head_layout.numel
+        master = torch.cat([e.store.units[L_].master] + ([e.store.units[-1].master] if tied else []))
+        assert torch.equal(e.head_slot[:n], master.to(e.dtype))  # the held slot is the written-back master
+        assert e.optim.steps_done(L_) == 0 and int(e.dev_opt.streamed[L_]) == 3  # counted on the device
+        s.close()
+        assert e.optim.steps_done(L_) == 3  # close wrote the device's count back to the host
+    finally:
+        s.close()
+
+
+def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir):
+    """A step that fails after the head group's state load was queued (Note: [Streamed head]) leaves no
+    state buffer waiting for a write-back that never comes, and the head slot is loaded again."""
+    d = hf_dir("llama_tied")
+    L_ = _head(d)
+    mix = {-1: "device", L_: "device", 0: "device"}
+    batches = make_batches(VOCAB, 3)
+    clean = Session.from_pretrained(d, lr=LR, placement=mix)
+    try:
+        want = train_session(clean, batches)
+    finally:
+        clean.close()
+    s = Session.from_pretrained(d, lr=LR, placement=mix)
+    try:
+        train_session(s, batches[:1])
+        s.engine._loss = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError, match="boom"):
+            s.step(batches[1])
+        del s.engine._loss
+        assert not s.engine.head_current
         got = train_session(s, batches[1:])
     finally:
         s.close()
@@ -518,9 +605,9 @@ def test_a_new_batch_size_caps_kept_layers_without_the_residents_that_leave(hf_d
         s.close()
 
 
-def test_stream_rate_balances_the_host_rate_with_the_embedding_and_head_and_starts_over(hf_dir):
+def test_stream_rate_balances_the_host_rate_with_the_head_groups_state_and_starts_over(hf_dir):
     """Note: [Stream rate]: the share comes from the host's AdamW rate since it was last set, counting the
-    embedding and head (updated on the host whatever the share) and the head's load; the count restarts."""
+    head group's state, which streams whatever the share (Note: [Streamed head]); the count restarts."""
     d = hf_dir("llama_tied")
     s = Session.from_pretrained(d, lr=LR, placement="stream")
     try:
@@ -531,9 +618,9 @@ def test_stream_rate_balances_the_host_rate_with_the_embedding_and_head_and_star
         du.stream_rate()
         cached = s.engine.cfg.weight_slots >= L  # a tiny model's two layers fill its two slots
         want = placing.stream_share(2e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
-                                    host_extra=(numel[-1] + numel[L]) / layers, in_extra=4 * (numel[L] + numel[-1]) / layers)
+                                    host_extra=0.0, in_extra=12 * (numel[L] + numel[-1]) / layers)
         assert du.share == pytest.approx(want) and du.rated == 1 and du.adam_rate == (0, 0.0)
-        assert want > placing.stream_share(2e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached)  # the host has the embedding
+        assert want < placing.stream_share(2e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached)  # its state in
         du.stream_rate()  # nothing updated since: the share stands
         assert du.share == pytest.approx(want) and du.rated == 1
     finally:
