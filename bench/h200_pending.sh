@@ -48,6 +48,18 @@ s8b)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA \
         > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
     pack && rm -rf "$OUT"/tr_* ;;
+s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code before it (868ef78, unpacked in .s9old
+     # with git archive 868ef78 megatrain_nb bench and carried), then tests/test_gpu.py (~7 minutes)
+    . bench/h200_lib.sh
+    STEPS=8 bench 3b stream 1 4
+    if [ -d .s9old ]; then
+        (cd .s9old && PYTHONPATH=$PWD OUT=$OUT/old bash -c '. bench/h200_lib.sh; mkdir -p $OUT; STEPS=8 bench 3b stream 1 4')
+        mv "$OUT/old/tr_stream" "$OUT/tr_stream_868ef78" && cat "$OUT"/old/bench.jsonl >> "$OUT/bench_868ef78.jsonl"
+        cat "$OUT"/old/steps.log >> "$OUT/steps.log"; rm -rf "$OUT/old"
+    fi
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    pack && rm -rf "$OUT"/tr_* ;;
 s8d)  # a109a71 (state write-backs on their own stream and thread): tests/test_gpu.py, then stream x 1 / x 4 (~3 minutes)
     timeout 80 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
