@@ -81,7 +81,8 @@ def main(argv=None) -> None:
         extras = placing.stream_extras(numel, sh["tied"], bool(HEAD))  # as DeviceUpdates.stream_rate
         if a.sweep:
             print(f"3B x {b}, steady ms by streamed layers: " + ", ".join(f"{n}: {v:.0f}" for n, v in sweep.items()))
-        pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=True, **extras))
+        pick = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=True,
+                                              window=placing.HOST_WINDOW, **extras))
         old = round(L * placing.stream_share(a.host_rate * 1e9, placing.PCIE_BYTES_PER_S, cached=True, **extras))
         print(f"3B x {b}, share: best {best} streamed ({sweep[best]:.0f} ms, "
               f"{6 * 3.0859e9 * 4096 * b / sweep[best] / 1e9:.1f} model TFLOPS); the in-step rule picks {pick} "

@@ -48,6 +48,7 @@ class DeviceUpdates:
         self.hgrad: torch.Tensor | None = None  # a streamed tied embedding's fp32 gradient
         self.hstate_box = Box(ready=True)  # the head group's last write-back (copied out)
         self.hload: Box | None = None  # this step's load of the head group's state
+        self.head_written: Box | None = None  # its last write-back's landing: no step waits for it, settle does
         self.t_start = 0.0
 
     def agree(self, value: float, op: str) -> float:
@@ -72,7 +73,7 @@ class DeviceUpdates:
     def recover(self) -> None:
         """After a failed step: no state slot waits for a write-back that will not come."""
         self.sslot_box = [Box(ready=True) for _ in self.sslots]
-        self.hstate_box, self.hload = Box(ready=True), None
+        self.hstate_box, self.hload, self.head_written = Box(ready=True), None, None
 
     def host_updated(self, unit: int, seconds: float) -> None:
         """The host's AdamW of ``unit`` took ``seconds`` (what "stream" balances PCIe against)."""
@@ -167,6 +168,7 @@ class DeviceUpdates:
         numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
         cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
         self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
+                                                     window=placing.HOST_WINDOW,
                                                      **placing.stream_extras(numel, self.arch.tied, self.store.shared is None)),
                                 "min")
         self.rated += 1
@@ -310,12 +312,14 @@ class DeviceUpdates:
         self.hload = self.io.load(self.L, self.hstate, segs, self.hstate_box, "loss", steps_done, op="state-in")
         self.hstate_box = Box(abort)  # filled by this step's write-back (stream_head)
 
-    def stream_head(self, g: torch.Tensor, done, lr: float, weights: torch.Tensor) -> tuple[Box, Box]:
+    def stream_head(self, g: torch.Tensor, done, lr: float, weights: torch.Tensor, step: int) -> Box:
         """Driver: the head group's AdamW in its streamed-in state once its gradients are complete (``done``):
         the head's in ``g`` (its head grad slot, compute dtype), a tied embedding's in ``hgrad`` (fp32).
         The new master is cast into the head slot (``weights``), which keeps it into the next step; then
-        master and moments go back to the host, and the group's last unit lands. Returns (the head grad
-        slot's box: free once the update has read it, the landing's box)."""
+        master and moments go back to the host, and the group's last unit lands for step ``step``: the
+        step does not wait for that (Note: [Streamed head]); the next one's state load, any load of
+        the group from the host and ``settle`` do. Returns the head grad slot's box: free once the
+        update has read it."""
         dev, units = self.dev, self.head_units
         sizes = [self.store.units[u].layout.numel for u in units]
         N = sum(sizes)
@@ -343,9 +347,9 @@ class DeviceUpdates:
             for u, n in zip(units, sizes):
                 segs.append((a, n, getattr(self.store.units[u], attr)))
                 a += n
-        _, self.written = self.io.grads(units[-1], self.hstate, segs, updated, "bwd", op="state-out",
-                                        enqueued=self.hstate_box)  # the next step's state load waits for it
-        return Box(ready=True, value=updated), self.written
+        _, self.head_written = self.io.grads(units[-1], self.hstate, segs, updated, "bwd", op="state-out",
+                                             enqueued=self.hstate_box, step=step)  # the next state load waits for it
+        return Box(ready=True, value=updated)
 
     def _next_slot(self) -> int:
         j = self._slot_turn % len(self.sslots)
@@ -403,7 +407,9 @@ class DeviceUpdates:
 
     # ---- reading the state ------------------------------------------------------------------------
     def settle(self) -> None:
-        """Block until the device's updates are done (named sync)."""
+        """Block until the device's updates are done (named sync) and the head group's state is back."""
+        if self.head_written is not None:
+            self.head_written.get()  # raises what its write-back raised
         if (self.opt.groups or self.opt.streamed) and self.dev.cuda:
             torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
 

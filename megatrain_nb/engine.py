@@ -120,6 +120,7 @@ class Engine:
         self._pending: tuple | None = None  # last step's raw records and slot uses, until `trace` is read
         self._trace = None
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
+        self._head_norm: Box | None = None  # a streamed tied head group's embedding norm (Note: [Streamed head])
         _LIVE.add(self)
 
     @property
@@ -209,8 +210,13 @@ class Engine:
         """After a failed step: stop its jobs, let the GPU finish what was queued, reset the handoffs.
 
         Updates that the Adam worker had already applied stay applied (see docs/engine.md, [Failed
-        steps]); nothing is half-written: each unit's update is whole or absent.
+        steps]); nothing is half-written: each unit's update is whole or absent: a streamed head group's
+        write-back (Note: [Streamed head]), which no step waits for, finishes before anything is dropped.
         """
+        if self.device_updates.head_written is not None:
+            with contextlib.suppress(Exception):  # a failed write-back: the failed step's own error stands
+                self.device_updates.head_written.get()
+        self._head_norm = None
         self.abort.set()
         self.io.drain_quietly()
         with self.adam.cond:
@@ -288,6 +294,9 @@ class Engine:
         loss = float(loss_box.get())
         with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
             norms = dict(adam_step["landed"])
+        if self._head_norm is not None:  # but a streamed tied head group, whose write-back lands later
+            norms.setdefault(-1, self._head_norm.get())
+            self._head_norm = None
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
             du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
@@ -666,7 +675,8 @@ class Engine:
             self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")  # a tied streamed head: its norm lands
         du.landed(L, self.ocfg.lr_at(self.steps_done), done)
         if streamed and not arch.tied:  # its gradients are complete: updated beside the backward
-            self.head_gbox, _ = du.stream_head(gslot, done, self.ocfg.lr_at(self.steps_done), self.head_slot)
+            self.head_gbox = du.stream_head(gslot, done, self.ocfg.lr_at(self.steps_done), self.head_slot,
+                                            self.steps_done)
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -763,9 +773,10 @@ class Engine:
                     rec.cuda_end(tok, dev.compute)
                     done = dev.record(dev.compute)
                     du.landed(-1, self.ocfg.lr_at(self.steps_done), done)  # its norm counts in the verdict
-                    self.head_gbox, landed = du.stream_head(self.head_gslot, done, self.ocfg.lr_at(self.steps_done),
-                                                            self.head_slot)
-                    return landed
+                    self.head_gbox = du.stream_head(self.head_gslot, done, self.ocfg.lr_at(self.steps_done),
+                                                    self.head_slot, self.steps_done)
+                    self._head_norm = self.io.read_norm(-1, done)  # its landing comes with its write-back, later
+                    return self._head_norm  # on the unpacker: after every gradient it took has landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():

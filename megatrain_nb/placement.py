@@ -137,7 +137,7 @@ def resident_bytes(unit: int, numel: int, dtype_bytes: int, tied: bool) -> int:
 
 
 def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached: bool = False, *,
-                 host_extra: float = 0.0, in_extra: float = 0.0) -> float:
+                 host_extra: float = 0.0, in_extra: float = 0.0, window: float = 1.0) -> float:
     """The share of the layers' parameters placed "device" that balances PCIe against host AdamW
     (Note: [Streamed updates]).
 
@@ -147,6 +147,8 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
     else 8 + 12 f. ``host_extra``: parameters the host updates whatever the share (the embedding and
     head), and ``in_extra``: bytes in a step whatever the share (the head's load), both per parameter
     of the layers: the host's time is then (host_extra + 1 - f) / A, PCIe's (in_extra + ...) / B.
+    ``window``: the share of the step the host's updates can use (``HOST_WINDOW``, Note: [Host window]);
+    they must then fit in it: (host_extra + 1 - f) / (window A).
 
     Example:
         >>> round(stream_share(3.5e9, 55e9), 2), round(stream_share(3.5e9, 55e9, cached=True), 2)
@@ -154,7 +156,7 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
         >>> round(stream_share(1.8e9, 40.2e9, cached=True, host_extra=0.112, in_extra=0.447), 2)  # 3B: 24 of 36
         0.67
     """
-    a, b = 1 / host_adam_params_per_s, 1 / pcie_bytes_per_s
+    a, b = 1 / (window * host_adam_params_per_s), 1 / pcie_bytes_per_s
     w, device_in = (4, 12) if cached else (8, 20)  # weights in per "host" parameter; all bytes in per "device" one
     f = (a * (1 + host_extra) - b * (w + in_extra)) / (a + b * (device_in - w))
     return min(1.0, max(0.0, f))
@@ -181,6 +183,14 @@ def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True)
 
 
 STREAM_RATE_STEPS = 3  # "stream" sets its share from the host's AdamW rate this many times (Note: [Stream rate])
+# Note: [Host window] a host layer's update can start only once its gradients land, early in the backward
+# (the host layers are the last ones), and must end before the next forward loads it: the host's AdamW
+# cannot fill the whole step. The planner's simulation of 3B stream steps (seq 4096, host AdamW 2.05 G
+# params/s, the head group streamed; ``bench/stream_plan.py --sweep``) is fastest at 22 of 36 layers
+# streamed at x 1 (696 ms) and 20 at x 4 (858 ms), with the host's AdamW busy 76% and 70% of those
+# steps, where balancing it against the whole step picks 19 (762 / 853 ms). Balanced against 3/4 of
+# the step the rule picks 22 (696 / 869 ms).
+HOST_WINDOW = 0.75
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share
 STATE_SLOT_SHARE = 0.05  # "device" units' state slots: as many as this share of device memory holds (>= 2)
 

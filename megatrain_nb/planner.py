@@ -492,7 +492,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,
-                                 cached=weight_slots >= L, **placing.stream_extras(numel, s["tied"]))  # as the engine
+                                 cached=weight_slots >= L, window=placing.HOST_WINDOW,
+                                 **placing.stream_extras(numel, s["tied"]))  # as the engine
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
                             share=share)
     streamed = {u for u, c in choice.items() if c.placement == "device"}

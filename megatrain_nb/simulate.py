@@ -260,11 +260,12 @@ class _Sim:
             if op.kind == "bwd":
                 self.device_update((op.layer,), end[k])
         e = compute("embed_bwd", -1, "bwd", 0.0)
-        if hs and self.tied:
-            back = self.stream_head(e, got)
+        if hs and self.tied:  # the driver waits for the layers' write-backs, not the head group's (Note: [Streamed head])
+            back = max(e, self.free.get("d2h-state", 0.0))
+            self.stream_head(e, got)
         else:
             back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
-        back = max(back, self.free.get("d2h-state", 0.0))  # the driver waits for the last write-back too
+            back = max(back, self.free.get("d2h-state", 0.0))  # the driver waits for the last write-back too
         self.device_update((L, -1) if self.tied else (-1,), e)
         if res and not self.overlap:  # gated: the driver enqueues every update once every gradient landed
             self.device_update(tuple(sorted(res)), max(back, self.free["compute"]), gated=True)

@@ -206,11 +206,11 @@ class Transfers:
 
     # ---- grads out (unpacker thread) -----------------------------------------------------
     def grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
-              host_fn=None, op: str = "d2h", enqueued: Box | None = None) -> tuple[Box, Box]:
+              host_fn=None, op: str = "d2h", enqueued: Box | None = None, step: int | None = None) -> tuple[Box, Box]:
         """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``.
 
         Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
-        and of the unit's arrival in host memory.
+        and of the unit's arrival in host memory, for step ``step`` (None: the newest).
 
         Note: [State write-backs] a "device" unit's master and moments (``op="state-out"``, 12 bytes a
         parameter into pinned slabs) go out on a stream and a host thread of their own, lane "d2h-state":
@@ -261,7 +261,7 @@ class Transfers:
             if done is not None:
                 done.synchronize()  # host wait (unpacker): this unit's gradients are in host memory
             norm = host_fn() if host_fn is not None else float(self.norm_host[unit + 1])
-            self.adam.land(unit, norm)
+            self.adam.land(unit, norm, step)
             return done
 
         return enqueued, (self.writer if state else self.unpacker).submit(job)
@@ -272,6 +272,19 @@ class Transfers:
             ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
         with self.rec.span("host-unpack", "unpack", unit, phase, buf.numel() * buf.element_size()):
             host.copy_(buf)
+
+    def read_norm(self, unit: int, done) -> Box:
+        """Unpacker: ``unit``'s grad norm to the host once ``done`` passed (after every earlier copy-out's landing)."""
+        def job():
+            with self.dev.on(self.dev.d2h):
+                self.dev.wait(self.dev.d2h, done)
+                out = self.norm_host[unit + 1:unit + 2]
+                out.copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
+                ev = self.dev.record(self.dev.d2h)
+            if ev is not None:
+                ev.synchronize()  # host wait (unpacker): the norm value
+            return float(out)
+        return self.unpacker.submit(job)
 
     def read_loss(self, total: torch.Tensor, done, box: Box) -> Box:
         """Unpacker: the loss scalar to the host once ``done`` passed; put into ``box``."""

@@ -134,10 +134,11 @@ class AdamWorker:
             self.cond.notify_all()
         return st
 
-    def land(self, unit: int, norm: float) -> None:
-        """Unit's gradients for the newest step are in host memory (a step begins after the last one landed)."""
+    def land(self, unit: int, norm: float, step: int | None = None) -> None:
+        """Unit's gradients for step ``step`` are in host memory; None: the newest step (a step begins after
+        the last one landed, but for a streamed head group's write-back: Note: [Streamed head] in placement.py)."""
         with self.cond:
-            st = self.steps[-1]
+            st = self.steps[-1] if step is None else next(s for s in self.steps if s["step"] == step)
             st["landed"][unit] = norm
             st["arrivals"].append(unit)
             self.cond.notify_all()
