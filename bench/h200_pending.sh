@@ -60,6 +60,13 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
     pack && rm -rf "$OUT"/tr_* ;;
+s9b)  # the step's small inputs from pinned copies (the first layer waited 66-72 ms in s9c5): stream x 1 / x 4,
+      # then tests/test_gpu.py (~5 minutes)
+    . bench/h200_lib.sh
+    STEPS=8 bench 3b stream 1 4
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    pack && rm -rf "$OUT"/tr_* ;;
 s8d)  # a109a71 (state write-backs on their own stream and thread): tests/test_gpu.py, then stream x 1 / x 4 (~3 minutes)
     timeout 80 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12

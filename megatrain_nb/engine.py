@@ -270,7 +270,7 @@ class Engine:
             head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
             if du.head_streamed:
                 head_box = Box(ready=True) if self.head_current else self._load_head()
-            embeds = [self._gather(mb, head_box) for mb in mbs]
+            embeds = [self._gather(mb, head_box, sm["ids"]) for mb, sm in zip(mbs, small)]
             fops = forward_ops(L)
             fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
             if head_box is None:
@@ -378,7 +378,7 @@ class Engine:
             used[(kind, key)] = n + 1
         trace.slots.sort(key=lambda r: r[-1])
 
-    def _gather(self, mb: dict, head_box: Box | None = None) -> tuple[torch.Tensor, Box]:
+    def _gather(self, mb: dict, head_box: Box | None = None, ids_dev=None) -> tuple[torch.Tensor, Box]:
         """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves);
         on the device where the embedding is resident, or streamed and tied (from the head slot, once
         ``head_box`` is ready)."""
@@ -388,7 +388,7 @@ class Engine:
             return self.device_updates.embed_rows(ids), Box(ready=True)
         if head_box is not None and self.arch.tied:  # Note: [Streamed head]: the head slot holds the embedding
             self._ready(head_box)
-            return self.device_updates.embed_rows(ids, self.head_slot), Box(ready=True)
+            return self.device_updates.embed_rows(ids if ids_dev is None else ids_dev, self.head_slot), Box(ready=True)
         dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
         master, v = self.store.units[-1].master, self.steps_done
         if self.early.request(v, ids):  # Note: [Early rows] its host update is pending: these rows come first
@@ -566,11 +566,17 @@ class Engine:
         Enqueued at the step's start, before its weight and state loads: a small copy from the host
         that the compute stream reaches later queues behind every copy in on the way then (traced at
         3B x 4 under "stream": the loss took 206 ms where it takes 74, beside 133 ms of state loads).
+        From page-locked copies: a copy from pageable memory is staged by the driver, and traced on the
+        H200 (s9c5, 3B under "stream") the first layer's compute waited 66-72 ms at the step's start, as
+        long as the previous step's 3.7 GB state write-back ran beside it. The token ids come too where
+        the embedding's rows are gathered on the device (Note: [Streamed head] in placement.py).
         """
-        dev = self.dev.device
-        return [{"mask": None if mb["attention_mask"] is None else mb["attention_mask"].to(dev, non_blocking=True),
+        dev, cuda = self.dev.device, self.dev.cuda
+        up = lambda t: (t.pin_memory() if cuda else t).to(dev, non_blocking=True)  # noqa: E731
+        ids = self.device_updates.head_streamed and self.arch.tied
+        return [{"mask": None if mb["attention_mask"] is None else up(mb["attention_mask"]),
                  "pos": self.arch.position_kwargs(mb.get("position_ids"), dev),  # packed rows: packing.py
-                 "labels": mb["shift_labels"].to(dev, non_blocking=True)} for mb in mbs]
+                 "labels": up(mb["shift_labels"]), "ids": up(mb["input_ids"]) if ids else None} for mb in mbs]
 
     def _forward(self, embeds, fops, plan, small) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
@@ -582,7 +588,7 @@ class Engine:
             E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad():
                 h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
-            st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls)
+            st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls), st.setdefault("ids", []).append(inputs["ids"])
             hs.append(h0.detach())
         deciding = self.keep is None
         keep = []
@@ -769,6 +775,8 @@ class Engine:
                     du.landed(-1, self.ocfg.lr_at(self.steps_done), done)
                     return landed
                 if du.head_streamed and self.arch.tied:  # Note: [Streamed head]: the rows' gradients stay here
+                    if self.dp is None and all(x is not None for x in st["ids"]):
+                        ids = torch.cat([x.flatten() for x in st["ids"]])  # on the device already
                     du.embed_grads(ids, dE.float(), self.head_gslot)
                     rec.cuda_end(tok, dev.compute)
                     done = dev.record(dev.compute)
