@@ -24,6 +24,34 @@ from megatrain_nb import Session  # noqa: E402
 from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
 
 
+def _sync_debug(path: str, batch: int) -> None:
+    """From now on, count each synchronizing CUDA call by its thread and stack; the counts go to ``path`` at exit."""
+    import atexit
+    import collections
+    import threading
+    import traceback
+    import warnings
+
+    seen = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, *args, **kw):
+        if "synchroniz" not in str(message):
+            return show(message, category, *args, **kw)
+        seen[(threading.current_thread().name, str(message)[:200], "".join(traceback.format_stack(limit=14)[:-2]))] += 1
+
+    def dump():
+        with open(path, "a") as f:
+            f.write(f"# batch {batch}: {sum(seen.values())} synchronizing calls\n")
+            for (thread, msg, stack), n in seen.most_common():
+                f.write(f"## {n} x in {thread}: {msg}\n{stack}\n")
+
+    warnings.simplefilter("always")
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    atexit.register(dump)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="3b")
@@ -53,6 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s")
+    ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
+                    "in the timed steps (torch.cuda.set_sync_debug_mode), counted by stack")
     a = ap.parse_args(argv)
 
     if a.stacks_every:
@@ -89,6 +119,8 @@ def main(argv=None) -> None:
             print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
                   f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
             k += 1
+            if a.sync_debug and k == a.warmup and cuda:
+                _sync_debug(a.sync_debug, B)
             if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
                 continue
             times.append(r.seconds)

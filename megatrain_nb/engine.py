@@ -266,17 +266,18 @@ class Engine:
         with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
             self._count_memory()
-            small = self._small_inputs(mbs)  # before any load of this step is queued
-            head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
-            if du.head_streamed:
-                head_box = Box(ready=True) if self.head_current else self._load_head()
-            embeds = [self._gather(mb, head_box, sm["ids"]) for mb, sm in zip(mbs, small)]
-            fops = forward_ops(L)
-            fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
-            if head_box is None:
-                head_box = self._load_head()
-            else:
-                du.head_state_in(self.steps_done, self.abort)  # its state comes in where its weights would
+            with rec.span("driver", "prepare", -1, "fwd"):  # the driver's own time before the first layer
+                small = self._small_inputs(mbs)  # before any load of this step is queued
+                head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
+                if du.head_streamed:
+                    head_box = Box(ready=True) if self.head_current else self._load_head()
+                embeds = [self._gather(mb, head_box, sm["ids"]) for mb, sm in zip(mbs, small)]
+                fops = forward_ops(L)
+                fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
+                if head_box is None:
+                    head_box = self._load_head()
+                else:
+                    du.head_state_in(self.steps_done, self.abort)  # its state comes in where its weights would
             state = self._forward(embeds, fops, fboxes, small)
             hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small)
             blocks = make_blocks(L, self.keep, self.ckpts.block)
@@ -586,7 +587,7 @@ class Engine:
             self._ready(box)
             mask, pos = inputs["mask"], inputs["pos"]
             E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
-            with torch.enable_grad():
+            with torch.enable_grad(), rec.span("driver", "prelude", -1, "fwd"):
                 h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls), st.setdefault("ids", []).append(inputs["ids"])
             hs.append(h0.detach())
