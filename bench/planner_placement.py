@@ -8,7 +8,8 @@ of resident units, printed beside the engine's. The error is planner / measured 
 Rows record the state slots they streamed through (`state_slots`, since 78fd0e9); those without
 ran with two, and the planner models what each row ran with. Rows that record the host's AdamW rate inside
 their steps (`host_adam_G_params_per_s`, since the eighth session) are planned with it: the H200 profile's
-is the rate alone (3.48 G params/s), and s8c2's steps ran it at 1.7-2.0.
+is the rate alone (3.48 G params/s), and s8c2's steps ran it at 1.7-2.0. Rows with `streamed_head` (the
+ninth session's) streamed the tied head group too (Note: [Streamed head]), and count it in `streamed_units`.
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def main(argv=None) -> None:
         placing.state_slots = lambda n, *_, k=ran: 0 if not n else k
         placement = r["placement"]
         if placement == "stream" and r.get("streamed_units") is not None:  # the share the engine measured its way to
-            placement = dict.fromkeys(range(r["streamed_units"]), "device")
+            L = cfg.num_hidden_layers  # the head group streamed: counted in streamed_units (s9 on)
+            head = ((L, -1) if cfg.tie_word_embeddings else (L,)) if r.get("streamed_head") else ()
+            placement = dict.fromkeys([*range(r["streamed_units"] - len(head)), *head], "device")
         rate = r.get("host_adam_G_params_per_s")  # the host's AdamW in the row's own steps (throughput.py, since s8)
         hw = H200 if not rate else dataclasses.replace(H200, host_adam_params_per_s=rate * 1e9)
         p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=hw, weight_slots=r.get("slots", 2),

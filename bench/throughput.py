@@ -21,6 +21,7 @@ from rows import emit, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
+from megatrain_nb import transfers as _transfers  # noqa: E402
 from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
 
 
@@ -81,9 +82,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s")
+    ap.add_argument("--state-chunk-mb", type=int, default=None, help="transfers.STATE_OUT_CHUNK_BYTES in MiB "
+                    "(0: one copy per slab); default: the module's")
     ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
                     "in the timed steps (torch.cuda.set_sync_debug_mode), counted by stack")
     a = ap.parse_args(argv)
+    if a.state_chunk_mb is not None:
+        _transfers.STATE_OUT_CHUNK_BYTES = a.state_chunk_mb << 20
 
     if a.stacks_every:
         import faulthandler
@@ -147,6 +152,8 @@ def main(argv=None) -> None:
                    resident_units=int((s.placement.placement == "resident").sum()),
                    resident_gib=round(float(s.placement.device_GiB.sum()), 2),
                    streamed_units=int((s.placement.placement == "device").sum()),
+                   streamed_head=bool(s.engine.device_updates.head_streamed),  # Note: [Streamed head]
+                   state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
                    state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                    gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
         if summaries:

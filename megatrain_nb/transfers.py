@@ -102,6 +102,9 @@ def chunks(n: int, size: int):
         yield a, min(n, a + size)
 
 
+STATE_OUT_CHUNK_BYTES = 64 << 20  # a state write-back goes out in copies of at most this (0: one per slab)
+
+
 class Transfers:
     """The packer and unpacker threads with their staging buffers."""
 
@@ -219,7 +222,10 @@ class Transfers:
         under "stream"), the embedding's row gradients left 110 ms after the backward's last layer at
         batch 4, behind six write-backs, and only then were scattered on the host; the step ends when
         they have landed. ``Engine._step`` waits for the last write-back as well (``DeviceUpdates.written``):
-        every landing belongs to its step.
+        every landing belongs to its step, but a streamed head group's (Note: [Streamed head]). The state
+        goes out in copies of ``STATE_OUT_CHUNK_BYTES``: traced on the H200 (s9c5, s9c6), the first layer of
+        each step waited until the previous step's head group write-back, one 1.24 GB copy per slab, had
+        finished (66-72 ms); a small copy out queued behind it (s9c7 measures the pieces against it).
         """
         enqueued = Box(self.abort) if enqueued is None else enqueued  # a caller's box: filled here
         state = op == "state-out"
@@ -241,6 +247,10 @@ class Transfers:
                 tok = self.rec.cuda_begin(lane, op, unit, phase, nbytes, stream)
                 pending: list = []
                 for off, n, host in segments:
+                    if state and STATE_OUT_CHUNK_BYTES:  # fp32 state (pinned on CUDA), in pieces: Note: [State write-backs]
+                        for a, b in chunks(n, STATE_OUT_CHUNK_BYTES // src.element_size()):
+                            host[a:b].copy_(src[off + a:off + b], non_blocking=True)
+                        continue
                     if state or (host.dtype == src.dtype and host.is_pinned()):  # one DMA, no unpacking: a pinned
                         host.copy_(src[off:off + n], non_blocking=True)  # grad slab; fp32 state (pinned on CUDA)
                         continue
