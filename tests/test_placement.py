@@ -372,6 +372,15 @@ def test_no_step_waits_for_the_head_groups_write_back(hf_dir, monkeypatch):
     assert got == want
 
 
+def test_state_written_back_in_pieces_trains_equal(hf_dir, monkeypatch, tmp_path):
+    """transfers.STATE_OUT_CHUNK_BYTES: a write-back in many small copies (here 1 KiB) is the same state."""
+    from megatrain_nb import transfers
+
+    monkeypatch.setattr(transfers, "STATE_OUT_CHUNK_BYTES", 1024)
+    d = hf_dir("llama_tied")
+    compare(d, "llama_tied", tmp_path, placement={u: "device" for u in range(-1, _head(d) + 1)})
+
+
 def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir):
     """A step that fails after the head group's state load was queued (Note: [Streamed head]) leaves no
     state buffer waiting for a write-back that never comes, and the head slot is loaded again."""
