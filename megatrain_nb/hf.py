@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any
 
 import torch
@@ -157,7 +158,8 @@ class Architecture:
         saved = self.base.layers
         self.base.layers = recorders
         try:
-            self.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **{"use_cache": False, **extra})
+            with _unpacked() if "position_ids" not in extra else contextlib.nullcontext():
+                self.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **{"use_cache": False, **extra})
         except _StopPrelude:
             pass
         finally:
@@ -176,6 +178,34 @@ class Architecture:
         norm_p = {n[len(self.norm_prefix):]: p for n, p in params.items() if n.startswith(self.norm_prefix)}
         logits = F.linear(call(self.norm, norm_p, h), params[self.embed_name if self.tied else self.head_name])
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
+@contextlib.contextmanager
+def _unpacked():
+    """HF's check for packed rows answers None, in this thread, while the prelude runs on its own positions.
+
+    Note: [Prelude sync] without an attention mask, HF's mask code looks for packed sequences in the
+    position ids (``masking_utils.find_packed_sequence_indices``) by reading a device value back: a
+    host sync, whose copy out queues behind any copy out already on its way. Traced on the H200 (s9c8,
+    3B under "stream"), each step's prelude waited 62-65 ms for the previous step's head group write-back
+    (Note: [Streamed head] in placement.py). Given no position ids, HF counts 0, 1, ... itself: nothing
+    is packed, and the check would answer None. Packed rows (``position_kwargs``) keep HF's check.
+    """
+    try:
+        from transformers import masking_utils as mu
+    except ImportError:  # an older transformers: no such check
+        yield
+        return
+    check = getattr(mu, "find_packed_sequence_indices", None)
+    if check is None:
+        yield
+        return
+    me = threading.get_ident()
+    mu.find_packed_sequence_indices = lambda position_ids: None if threading.get_ident() == me else check(position_ids)
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = check
 
 
 def _simple_attrs(module: nn.Module) -> tuple:

@@ -114,6 +114,31 @@ def test_prelude_matches_hf(tiny_config, family, padded):
             _assert_same(kwargs[k], hf_kwargs[k], f"layer {i} {k}")
 
 
+def test_prelude_skips_hfs_packed_check_only_on_its_own_positions(tiny_config, monkeypatch):
+    """Note: [Prelude sync]: given no position ids the prelude never runs HF's packed-sequence check (a host
+    sync), whose answer for HF's own 0, 1, ... is None; given packed position ids it does, and the
+    check is HF's own again afterwards."""
+    import threading
+
+    from transformers import masking_utils as mu
+
+    calls, original = [], mu.find_packed_sequence_indices
+
+    def counted(position_ids):
+        calls.append(threading.current_thread().name)
+        return original(position_ids)
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", counted)
+    arch = load_architecture(tiny_config("llama"))
+    emb = arch.embed_rows(torch.randn(12, 32), (1, 12))
+    with torch.no_grad():
+        arch.prelude(emb, None)
+        assert calls == [] and mu.find_packed_sequence_indices is counted
+        packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+        arch.prelude(emb, None, position_ids=packed)
+    assert calls == [threading.current_thread().name]
+
+
 def _assert_same(a, b, what):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), what
