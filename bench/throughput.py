@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s")
     ap.add_argument("--state-chunk-mb", type=int, default=None, help="transfers.STATE_OUT_CHUNK_BYTES in MiB "
-                    "(0: one copy per slab); default: the module's")
+                    "(0: one copy per slab, the default)")
     ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
                     "in the timed steps (torch.cuda.set_sync_debug_mode), counted by stack")
     a = ap.parse_args(argv)

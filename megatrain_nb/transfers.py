@@ -102,7 +102,7 @@ def chunks(n: int, size: int):
         yield a, min(n, a + size)
 
 
-STATE_OUT_CHUNK_BYTES = 64 << 20  # a state write-back goes out in copies of at most this (0: one per slab)
+STATE_OUT_CHUNK_BYTES = 0  # a state write-back goes out in copies of at most this many bytes (0: one per slab)
 
 
 class Transfers:
@@ -222,10 +222,11 @@ class Transfers:
         under "stream"), the embedding's row gradients left 110 ms after the backward's last layer at
         batch 4, behind six write-backs, and only then were scattered on the host; the step ends when
         they have landed. ``Engine._step`` waits for the last write-back as well (``DeviceUpdates.written``):
-        every landing belongs to its step, but a streamed head group's (Note: [Streamed head]). The state
-        goes out in copies of ``STATE_OUT_CHUNK_BYTES``: traced on the H200 (s9c5, s9c6), the first layer of
-        each step waited until the previous step's head group write-back, one 1.24 GB copy per slab, had
-        finished (66-72 ms); a small copy out queued behind it (s9c7 measures the pieces against it).
+        every landing belongs to its step, but a streamed head group's (Note: [Streamed head]).
+        ``STATE_OUT_CHUNK_BYTES`` splits each slab's copy: a small copy out on another stream queued behind
+        a whole 1.24 GB one (the head group's, s9c5), and 64 MiB pieces did not let it pass (s9c8: the
+        prelude's read-back waited 62-65 ms either way; 3B x 1 / x 4 at 100.4 / 308.9 TFLOPS in pieces,
+        98.6 / 315.3 whole). Whole copies stay the default; Note: [Prelude sync] in hf.py removed that read.
         """
         enqueued = Box(self.abort) if enqueued is None else enqueued  # a caller's box: filled here
         state = op == "state-out"
