@@ -20,7 +20,7 @@ OTHER_COLOR = "#888888"
 LANE_LABELS = {"compute": "compute", "device-adam": "device-adam · AdamW on the device",
                "h2d": "h2d · weights in", "d2h": "d2h · grads out", "d2h-state": "d2h-state · device units' state back",
                "host-pack": "host-pack · staging", "host-unpack": "host-unpack · grads",
-               "host-adam": "host-adam · AdamW"}
+               "host-adam": "host-adam · AdamW", "driver": "driver · step preparation, prelude"}
 SLOT_LABELS = {"weight": "weight slot", "grad": "grad slot", "pinned": "pinned buffer"}
 
 # Trace counters ("device_mem." stripped) and planner categories, as a legend says them.
@@ -32,7 +32,8 @@ MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "act
                  "activations_kept": "activations kept", "checkpoints": "layer-input checkpoints",
                  "recompute_workspace": "recompute workspace", "backward_transient": "backward transients",
                  "embedding_grad_rows": "embedding gradient rows",
-                 "resident": "units resident on the device", "resident_state": "units resident on the device"}
+                 "resident": "units resident on the device", "resident_state": "units resident on the device",
+                 "state_slots": "streamed units' state slots", "head_state": "streamed head group's state"}
 # Columns of `Session.history_dataframe()`.
 METRIC_LABELS = {"loss": "loss", "eval_loss": "eval loss", "tokens_per_s": "tokens/s", "tflops": "model TFLOP/s",
                  "peak_device_bytes": "peak device memory", "host_rss_bytes": "host RSS"}

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 LANES = ("compute", "device-adam", "h2d", "d2h", "d2h-state", "host-pack", "host-unpack",
-         "host-adam")  # known lanes; others allowed
+         "host-adam", "driver")  # known lanes; others allowed
 PHASES = ("fwd", "loss", "recompute", "bwd", "optim", "io")
 SPAN_COLUMNS = ("lane", "op", "layer", "phase", "start_ms", "end_ms", "bytes")
 SPAN_FRAME_COLUMNS = ("step", "lane", "op", "layer", "phase", "start_ms", "end_ms", "dur_ms", "bytes")
