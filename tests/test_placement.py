@@ -207,6 +207,15 @@ def test_stream_gets_a_slot_per_layer_where_they_fit():
     assert placing.stream_share(2.1e9, 49e9, cached=True) > placing.stream_share(2.1e9, 49e9)
 
 
+def _losses(d, batches, placement) -> list[float]:
+    """The losses of a fresh session trained on ``batches`` under ``placement``, closed after."""
+    s = Session.from_pretrained(d, lr=LR, placement=placement)
+    try:
+        return train_session(s, batches)
+    finally:
+        s.close()
+
+
 def _head(d) -> int:
     import json
     return json.loads((d / "config.json").read_text())["num_hidden_layers"]
@@ -253,11 +262,7 @@ def test_resume_is_bitwise_across_placements(hf_dir, tmp_path, first, then):
     """Checkpoint format unchanged: a run saved under one placement resumes under another bit for bit."""
     d = hf_dir("llama")
     batches = make_batches(VOCAB, 5)
-    whole = Session.from_pretrained(d, lr=LR, placement=first)
-    try:
-        want = train_session(whole, batches)
-    finally:
-        whole.close()
+    want = _losses(d, batches, first)
     s = Session.from_pretrained(d, lr=LR, placement=first)
     try:
         train_session(s, batches[:2])
@@ -277,11 +282,7 @@ def test_a_failed_step_leaves_resident_state_untouched(hf_dir):
     units included: training goes on equal to a run that never saw it."""
     d = hf_dir("llama")
     batches = make_batches(VOCAB, 3)
-    clean = Session.from_pretrained(d, lr=LR, placement={0: "resident", 1: "resident"})
-    try:
-        want = train_session(clean, batches)
-    finally:
-        clean.close()
+    want = _losses(d, batches, {0: "resident", 1: "resident"})
     s = Session.from_pretrained(d, lr=LR, placement={0: "resident", 1: "resident"})
     try:
         train_session(s, batches[:1])
@@ -388,11 +389,7 @@ def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir):
     L_ = _head(d)
     mix = {-1: "device", L_: "device", 0: "device"}
     batches = make_batches(VOCAB, 3)
-    clean = Session.from_pretrained(d, lr=LR, placement=mix)
-    try:
-        want = train_session(clean, batches)
-    finally:
-        clean.close()
+    want = _losses(d, batches, mix)
     s = Session.from_pretrained(d, lr=LR, placement=mix)
     try:
         train_session(s, batches[:1])
