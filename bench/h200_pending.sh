@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-02's eighth session). Writes under $OUT.
+# What is still to measure on the H200 (pending after 2026-12-02's ninth session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
-# placement: issue 9, first: stream 3B x 1 / x 4 with ten timed steps and traces, after a109a71 (state write-backs on
-#            their own stream and thread) and dbbd8c8 (the stream share set three times: s8c3 ended at 21 streamed
-#            layers where its trace's host rate, 1.79 G params/s, balances at 24); s8c3: 79.5 / 265.2 against 110 / 330.
-#            Then compare with the planner: python bench/planner_placement.py --results ROWS (each row's host rate).
-# s8d:       the same stream rows, three timed steps, after tests/test_gpu.py (~3 minutes; s8c4 ran out of time in it).
+# s9c:       issue 9, first: stream 3B x 1 / x 4 after 615c713 (HF's packed-sequence check skipped in the prelude:
+#            s9c8's prelude waited 62-65 ms a step behind the head group's write-back; Note [Prelude sync] in hf.py),
+#            then tests/test_gpu.py. s9c5: 112.7 / 321.1 against 110 / 330. Then compare with the planner:
+#            python bench/planner_placement.py --results ROWS (each row's host rate and streamed units).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
-# Done: search (s8c1: 7B x 8 420.7; s8c2: 3B x 16 326.9), peers7b (s8c1: Twin-Flow 19.9 at 7B x 2, OOM at 8),
-# s8b (s8c2), host RSS (s8c3: within 14.2 B/param + 4 GiB), core (s7c1: every issue-12 target met), depth with
-# flat memory (s7c1), layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1), tests (s8c3: 41).
+# Done: s9 (s9c5: the streamed head group beside 868ef78), s9b (s9c6: pinned small inputs, since reverted: they
+# did not change the wait), placement (s9c1), s8d, search (s8c1, s8c2), peers7b (s8c1), s8b (s8c2), host RSS
+# (s8c3), core (s7c1), depth (s7c1), layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth, search, peers7b, s8b.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -60,8 +59,7 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
     pack && rm -rf "$OUT"/tr_* ;;
-s9b)  # the step's small inputs from pinned copies (the first layer waited 66-72 ms in s9c5): stream x 1 / x 4,
-      # then tests/test_gpu.py (~5 minutes)
+s9c|s9b)  # stream x 1 / x 4, then tests/test_gpu.py (~5 minutes); s9b ran it at 586722b (pinned small inputs)
     . bench/h200_lib.sh
     STEPS=8 bench 3b stream 1 4
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1

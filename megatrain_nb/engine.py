@@ -567,13 +567,11 @@ class Engine:
         Enqueued at the step's start, before its weight and state loads: a small copy from the host
         that the compute stream reaches later queues behind every copy in on the way then (traced at
         3B x 4 under "stream": the loss took 206 ms where it takes 74, beside 133 ms of state loads).
-        From page-locked copies: a copy from pageable memory is staged by the driver, and traced on the
-        H200 (s9c5, 3B under "stream") the first layer's compute waited 66-72 ms at the step's start, as
-        long as the previous step's 3.7 GB state write-back ran beside it. The token ids come too where
-        the embedding's rows are gathered on the device (Note: [Streamed head] in placement.py).
+        The token ids come too where the embedding's rows are gathered on the device (Note: [Streamed
+        head] in placement.py).
         """
-        dev, cuda = self.dev.device, self.dev.cuda
-        up = lambda t: (t.pin_memory() if cuda else t).to(dev, non_blocking=True)  # noqa: E731
+        dev = self.dev.device
+        up = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
         ids = self.device_updates.head_streamed and self.arch.tied
         return [{"mask": None if mb["attention_mask"] is None else up(mb["attention_mask"]),
                  "pos": self.arch.position_kwargs(mb.get("position_ids"), dev),  # packed rows: packing.py
