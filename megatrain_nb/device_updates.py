@@ -159,8 +159,9 @@ class DeviceUpdates:
         params/s where the first step's rate had put 20 of 36 layers on the device; from s8c2's rate the
         share is 24. s8c3 set it twice and ended at 21: the first streamed step's rate (2.3 G params/s,
         implied) still counted the first step's own updates, which ran on into it without state copies
-        beside them; its trace's rate was 1.79. Hence a third time. The embedding and head update on the
-        host whatever the share, and the head loads each step (``stream_share``'s extras).
+        beside them; its trace's rate was 1.79. Hence a third time. The head group's state streams whatever
+        the share (Note: [Streamed head]; with a shared host store the group updates on the host instead):
+        ``stream_share``'s extras.
         """
         params, seconds = self.adam_rate
         if not self.agree(seconds > 0, "min"):
@@ -256,8 +257,18 @@ class DeviceUpdates:
         (Note: [Held weights] in placement.py). Returns the grad slot's box: free once the update has
         read the gradients, its value the event after the update (and the refill).
         """
-        dev, n = self.dev, g.numel()
-        state = self.sslots[j][:3 * n]
+        state = self.sslots[j][:3 * g.numel()]
+        updated = self._update_in_state((i,), state, [g], done, loaded, lr, weights)
+        _, self.written = self.io.grads(i, state, self._write_segments((i,)), updated, "bwd", op="state-out",
+                                        enqueued=written)  # fills ``written``: the state slot's next load waits for it
+        return Box(ready=True, value=updated)
+
+    def _update_in_state(self, units: tuple[int, ...], state: torch.Tensor, grads: list, done, loaded: Box, lr: float,
+                         weights: torch.Tensor | None):
+        """Driver: ``units``' AdamW on the optimizer stream, in their streamed-in ``state``, once the gradients
+        (``done``) and the state's load (``loaded``) are there; casts the new master into ``weights`` (a slot
+        that keeps them into the next step, Note: [Held weights]), if given. Returns the event after it."""
+        dev, n = self.dev, sum(self.store.units[u].layout.numel for u in units)
         found = self.bad.float()  # made on compute, read on optim (see landed)
         ev = loaded.get()  # driver waits until the state's copy is enqueued
         with dev.on(dev.optim):
@@ -265,17 +276,33 @@ class DeviceUpdates:
             dev.wait(dev.optim, ev)
             if dev.cuda:
                 found.record_stream(dev.optim)
-            tok = self.rec.cuda_begin("device-adam", "adam", i, "bwd", n * 16, dev.optim)
-            self.opt.update_streamed(i, state, g, lr, found)
+            tok = self.rec.cuda_begin("device-adam", "adam", units[0], "bwd", n * 16, dev.optim)
+            self.opt.update_streamed(units, state, grads, lr, found)
             if weights is not None:
-                weights[:n].copy_(state[:n])  # the cast a load would do: the next forward loads nothing of it
+                weights[:n].copy_(state[:n])  # the cast a load would do: the next step loads nothing of them
             self.rec.cuda_end(tok, dev.optim)
             self.updated = updated = dev.record(dev.optim)
-        u = self.store.units[i]
-        _, self.written = self.io.grads(i, state, [(0, n, u.master), (n, n, u.exp_avg), (2 * n, n, u.exp_avg_sq)],
-                                        updated, "bwd", op="state-out",
-                                        enqueued=written)  # fills ``written``: the state slot's next load waits for it
-        return Box(ready=True, value=updated)
+        return updated
+
+    def state_segments(self, units: tuple[int, ...]) -> list[tuple[int, str, int, int]]:
+        """(unit, slab, offset, elements) of a streamed-in state buffer: master, exp_avg, exp_avg_sq, each
+        with ``units``' slabs back to back (a layer, or the head group in the head slot's order)."""
+        out, off = [], 0
+        for attr in ("master", "exp_avg", "exp_avg_sq"):
+            for u in units:
+                n = self.store.units[u].layout.numel
+                out.append((u, attr, off, n))
+                off += n
+        return out
+
+    def _load_segments(self, units) -> list:
+        """``Transfers.load``'s segments of the state of ``units``."""
+        return [(u, lambda u=u, a=attr: getattr(self.store.units[u], a), off)
+                for u, attr, off, _ in self.state_segments(units)]
+
+    def _write_segments(self, units) -> list:
+        """``Transfers.grads``' segments of the state of ``units``, back into the host slabs."""
+        return [(off, n, getattr(self.store.units[u], attr)) for u, attr, off, n in self.state_segments(units)]
 
     def state_loads(self, ops, steps_done: int, abort) -> list:
         """(op index, submit) for each "device" unit's backward: its state's load into a free state slot.
@@ -290,10 +317,8 @@ class DeviceUpdates:
 
             def submit(i=op.layer):
                 j = self._next_slot()
-                u = self.store.units[i]
-                n = u.layout.numel
-                segs = [(i, lambda: u.master, 0), (i, lambda: u.exp_avg, n), (i, lambda: u.exp_avg_sq, 2 * n)]
-                box = self.io.load(i, self.sslots[j], segs, self.sslot_box[j], "bwd", steps_done, op="state-in")
+                box = self.io.load(i, self.sslots[j], self._load_segments((i,)), self.sslot_box[j], "bwd", steps_done,
+                                   op="state-in")
                 self.sslot_box[j] = Box(abort)  # filled by this unit's write-back (stream_update)
                 return j, box, self.sslot_box[j]
 
@@ -304,12 +329,8 @@ class DeviceUpdates:
     def head_state_in(self, steps_done: int, abort) -> None:
         """Driver: queue the head group's state load (master, moments; Note: [Streamed head]) on the packer,
         where a "host" head's weights would load: after the forward's, before the backward's."""
-        segs, off = [], 0
-        for attr in ("master", "exp_avg", "exp_avg_sq"):
-            for u in self.head_units:
-                segs.append((u, lambda u=u, a=attr: getattr(self.store.units[u], a), off))
-                off += self.store.units[u].layout.numel
-        self.hload = self.io.load(self.L, self.hstate, segs, self.hstate_box, "loss", steps_done, op="state-in")
+        self.hload = self.io.load(self.L, self.hstate, self._load_segments(self.head_units), self.hstate_box, "loss",
+                                  steps_done, op="state-in")
         self.hstate_box = Box(abort)  # filled by this step's write-back (stream_head)
 
     def stream_head(self, g: torch.Tensor, done, lr: float, weights: torch.Tensor, step: int) -> Box:
@@ -320,35 +341,13 @@ class DeviceUpdates:
         step does not wait for that (Note: [Streamed head]); the next one's state load, any load of
         the group from the host and ``settle`` do. Returns the head grad slot's box: free once the
         update has read it."""
-        dev, units = self.dev, self.head_units
-        sizes = [self.store.units[u].layout.numel for u in units]
-        N = sum(sizes)
-        found = self.bad.float()  # made on compute, read on optim (see landed)
-        ev = self.hload.get()  # driver waits until the state's copy is enqueued
-        params, grads, avgs, sqs, a = [], [], [], [], 0
-        for u, n in zip(units, sizes):
-            params.append(self.hstate[a:a + n])
-            avgs.append(self.hstate[N + a:N + a + n])
-            sqs.append(self.hstate[2 * N + a:2 * N + a + n])
-            grads.append(self.hgrad if u == -1 else g[a:a + n])
-            a += n
-        with dev.on(dev.optim):
-            dev.wait(dev.optim, done)
-            dev.wait(dev.optim, ev)
-            if dev.cuda:
-                found.record_stream(dev.optim)
-            tok = self.rec.cuda_begin("device-adam", "adam", self.L, "bwd", N * 16, dev.optim)
-            self.opt.update_streamed_group(units, params, grads, avgs, sqs, lr, found)
-            weights[:N].copy_(self.hstate[:N])  # the cast a load would do: the next step loads nothing of it
-            self.rec.cuda_end(tok, dev.optim)
-            self.updated = updated = dev.record(dev.optim)
-        segs, a = [], 0
-        for k, attr in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            for u, n in zip(units, sizes):
-                segs.append((a, n, getattr(self.store.units[u], attr)))
-                a += n
-        _, self.head_written = self.io.grads(units[-1], self.hstate, segs, updated, "bwd", op="state-out",
-                                             enqueued=self.hstate_box, step=step)  # the next state load waits for it
+        units = self.head_units
+        n_head = self.store.units[self.L].layout.numel
+        grads = [g[:n_head]] + ([self.hgrad] if self.arch.tied else [])  # the head's share; the embedding's, fp32
+        updated = self._update_in_state(units, self.hstate, grads, done, self.hload, lr, weights)
+        _, self.head_written = self.io.grads(units[-1], self.hstate, self._write_segments(units), updated, "bwd",
+                                             op="state-out", enqueued=self.hstate_box,
+                                             step=step)  # the next state load waits for it
         return Box(ready=True, value=updated)
 
     def _next_slot(self) -> int:

@@ -579,7 +579,7 @@ class Engine:
 
     def _forward(self, embeds, fops, plan, small) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev
-        st = {"E": [], "h0": [], "calls": [], "ckpt": {}, "kept": {}}
+        st = {"E": [], "h0": [], "calls": [], "ckpt": {}, "kept": {}, "ids": []}
         hs = []
         for (E, box), inputs in zip(embeds, small):
             self._ready(box)
@@ -587,7 +587,7 @@ class Engine:
             E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
             with torch.enable_grad(), rec.span("driver", "prelude", -1, "fwd"):
                 h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
-            st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls), st.setdefault("ids", []).append(inputs["ids"])
+            st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls), st["ids"].append(inputs["ids"])
             hs.append(h0.detach())
         deciding = self.keep is None
         keep = []
@@ -676,12 +676,12 @@ class Engine:
         du = self.device_updates
         streamed = du.head_streamed  # Note: [Streamed head] no gradient of it goes out
         segs = self.store.copies_out(L, segs) if res is None and not streamed else []  # resident: norm only
-        if not (streamed and not arch.tied):
-            self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")  # a tied streamed head: its norm lands
         du.landed(L, self.ocfg.lr_at(self.steps_done), done)
-        if streamed and not arch.tied:  # its gradients are complete: updated beside the backward
+        if streamed and not arch.tied:  # its gradients are complete: updated beside the backward, landed by its write-back
             self.head_gbox = du.stream_head(gslot, done, self.ocfg.lr_at(self.steps_done), self.head_slot,
                                             self.steps_done)
+        else:  # a tied streamed head: only its norm lands here (its update follows the embedding's backward)
+            self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")
         return grads
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
@@ -774,8 +774,8 @@ class Engine:
                     du.landed(-1, self.ocfg.lr_at(self.steps_done), done)
                     return landed
                 if du.head_streamed and self.arch.tied:  # Note: [Streamed head]: the rows' gradients stay here
-                    if self.dp is None and all(x is not None for x in st["ids"]):
-                        ids = torch.cat([x.flatten() for x in st["ids"]])  # on the device already
+                    if self.dp is None:
+                        ids = torch.cat([x.flatten() for x in st["ids"]])  # on the device already (_small_inputs)
                     du.embed_grads(ids, dE.float(), self.head_gslot)
                     rec.cuda_end(tok, dev.compute)
                     done = dev.record(dev.compute)

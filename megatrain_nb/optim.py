@@ -199,26 +199,23 @@ class DeviceAdamW:
         if self.store.owns(u):  # a shared store's other ranks skip u's updates: their count is stale
             self.host.set_steps_done(u, n)
 
-    def update_streamed(self, u: int, state: torch.Tensor, grad: torch.Tensor, lr: float,
+    def update_streamed(self, units: tuple[int, ...], state: torch.Tensor, grads: list[torch.Tensor], lr: float,
                         found_inf: torch.Tensor | None) -> None:
-        """AdamW of a "device" unit on the current stream, in place in its streamed-in state.
+        """AdamW of "device" units (a layer, or the head group) on the current stream, in place in their
+        streamed-in state: one fused call.
 
         Args:
-            state: (3 * numel,) fp32 on the device: master, exp_avg, exp_avg_sq, as the host holds them.
-            grad: (numel,) compute dtype: its gradients (upcast here).
+            state: (3 * numel,) fp32 on the device: master, exp_avg, exp_avg_sq, each the units' slabs back
+                to back, as the host holds them (``DeviceUpdates.state_segments``).
+            grads: each unit's gradients, compute dtype or fp32 (upcast here).
         """
-        n = grad.numel()
-        _adamw([state[:n]], [grad.float()], [state[n:2 * n]], [state[2 * n:3 * n]], [], [self.streamed[u]],
-               fused=True, amsgrad=False, maximize=False, lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1],
-               eps=self.cfg.eps, weight_decay=self.cfg.weight_decay, found_inf=found_inf)
-
-    def update_streamed_group(self, units, params, grads, exp_avgs, exp_avg_sqs, lr: float,
-                              found_inf: torch.Tensor | None) -> None:
-        """AdamW of a "device" group (the head, and a tied embedding) in its streamed-in state: one fused
-        call over each unit's fp32 views (``params`` and moments), gradients upcast where not fp32."""
-        _adamw(list(params), [g if g.dtype == torch.float32 else g.float() for g in grads], list(exp_avgs),
-               list(exp_avg_sqs), [], [self.streamed[u] for u in units], fused=True, amsgrad=False, maximize=False,
-               lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], eps=self.cfg.eps,
+        sizes = [self.store.units[u].layout.numel for u in units]
+        N = sum(sizes)
+        offs = [sum(sizes[:k]) for k in range(len(sizes))]
+        part = lambda k: [state[k * N + a:k * N + a + n] for a, n in zip(offs, sizes)]  # noqa: E731
+        _adamw(part(0), [g if g.dtype == torch.float32 else g.float() for g in grads], part(1), part(2), [],
+               [self.streamed[u] for u in units], fused=True, amsgrad=False, maximize=False, lr=lr,
+               beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], eps=self.cfg.eps,
                weight_decay=self.cfg.weight_decay, found_inf=found_inf)
 
     def write_back(self, units: tuple[int, ...] | None = None) -> None:

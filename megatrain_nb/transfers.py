@@ -248,12 +248,10 @@ class Transfers:
                 tok = self.rec.cuda_begin(lane, op, unit, phase, nbytes, stream)
                 pending: list = []
                 for off, n, host in segments:
-                    if state and STATE_OUT_CHUNK_BYTES:  # fp32 state (pinned on CUDA), in pieces: Note: [State write-backs]
-                        for a, b in chunks(n, STATE_OUT_CHUNK_BYTES // src.element_size()):
+                    if state or (host.dtype == src.dtype and host.is_pinned()):  # DMA, no unpacking: a pinned grad
+                        piece = STATE_OUT_CHUNK_BYTES // src.element_size() if state and STATE_OUT_CHUNK_BYTES else n
+                        for a, b in chunks(n, max(1, piece)):  # slab; fp32 state (pinned on CUDA), whole or in pieces
                             host[a:b].copy_(src[off + a:off + b], non_blocking=True)
-                        continue
-                    if state or (host.dtype == src.dtype and host.is_pinned()):  # one DMA, no unpacking: a pinned
-                        host.copy_(src[off:off + n], non_blocking=True)  # grad slab; fp32 state (pinned on CUDA)
                         continue
                     for a, b in chunks(n, self.chunk):
                         if len(pending) == len(self.gstaging):
@@ -286,29 +284,22 @@ class Transfers:
 
     def read_norm(self, unit: int, done) -> Box:
         """Unpacker: ``unit``'s grad norm to the host once ``done`` passed (after every earlier copy-out's landing)."""
-        def job():
-            with self.dev.on(self.dev.d2h):
-                self.dev.wait(self.dev.d2h, done)
-                out = self.norm_host[unit + 1:unit + 2]
-                out.copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
-                ev = self.dev.record(self.dev.d2h)
-            if ev is not None:
-                ev.synchronize()  # host wait (unpacker): the norm value
-            return float(out)
-        return self.unpacker.submit(job)
+        return self.unpacker.submit(lambda: self._read(self.norm_dev[unit + 1:unit + 2],
+                                                       self.norm_host[unit + 1:unit + 2], done))
 
     def read_loss(self, total: torch.Tensor, done, box: Box) -> Box:
         """Unpacker: the loss scalar to the host once ``done`` passed; put into ``box``."""
-        return self.unpacker.submit(lambda: self._read_loss(total, done, box))
+        return self.unpacker.submit(lambda: box.put(self._read(total.view(1), self.loss_host, done)))
 
-    def _read_loss(self, total: torch.Tensor, done, box: Box) -> None:
+    def _read(self, src: torch.Tensor, host: torch.Tensor, done) -> float:
+        """Unpacker: the one-element ``src`` into ``host`` on the d2h stream after ``done``; its value."""
         with self.dev.on(self.dev.d2h):
             self.dev.wait(self.dev.d2h, done)
-            self.loss_host.copy_(total.view(1), non_blocking=True)
+            host.copy_(src, non_blocking=True)
             ev = self.dev.record(self.dev.d2h)
         if ev is not None:
-            ev.synchronize()  # host wait (unpacker): the loss value
-        box.put(float(self.loss_host[0]))
+            ev.synchronize()  # host wait (unpacker): the value
+        return float(host[0])
 
     def drain_quietly(self) -> None:
         self.packer.drain_quietly(), self.unpacker.drain_quietly(), self.writer.drain_quietly()
