@@ -24,7 +24,7 @@ from megatrain_nb.optim import HostAdamW
 def _store(n: int, grad_dtype: torch.dtype):
     unit = types.SimpleNamespace(master=torch.randn(n) * 0.02, grad=torch.randn(n).to(grad_dtype) * 1e-3,
                                  exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
-    return types.SimpleNamespace(units={0: unit})
+    return types.SimpleNamespace(units={0: unit}, step_count=lambda u: torch.zeros(()))
 
 
 def measure(n: int, grad_dtype: torch.dtype, chunk: int, reps: int) -> dict:

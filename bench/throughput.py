@@ -86,6 +86,12 @@ def main(argv=None) -> None:
                     "(0: one copy per slab, the default)")
     ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
                     "in the timed steps (torch.cuda.set_sync_debug_mode), counted by stack")
+    ap.add_argument("--switch-ms", type=float, nargs="+", default=None,
+                    help="the interpreter's switch interval(s) in ms (sys.setswitchinterval; Python's default 5): each "
+                         "value is a run of every batch in the same session")
+    ap.add_argument("--host-threads", type=int, nargs="+", default=None,
+                    help="intra-op threads of the host's AdamW worker (default: torch's, every core): each value is a "
+                         "run of every batch in the same session, after each --switch-ms")
     a = ap.parse_args(argv)
     if a.state_chunk_mb is not None:
         _transfers.STATE_OUT_CHUNK_BYTES = a.state_chunk_mb << 20
@@ -108,67 +114,74 @@ def main(argv=None) -> None:
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
           f"host {rep['total'] / 2**30:.1f} GiB ({rep['bytes_per_param']:.2f} B/param), init {init_s:.0f}s", flush=True)
     g = torch.Generator().manual_seed(0)
-    for B in a.batch:
-        s.engine.keep = None  # re-derive the activation policy for this batch size
-        cuda = a.device.startswith("cuda")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times, losses, summaries, waits = [], [], [], []
-        k = done_steps = 0
-        while len(times) < a.steps and k < a.steps + a.warmup + 10:
-            ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
-            done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto" times its candidates
-            r = s.step({"input_ids": ids})
-            losses.append(r.loss)
-            du = s.engine.device_updates
-            print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
-                  f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
-            k += 1
-            if a.sync_debug and k == a.warmup and cuda:
-                _sync_debug(a.sync_debug, B)
-            if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
-                continue
-            times.append(r.seconds)
-        if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
-            df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
-            summaries.append(summarize(df))
-            adam = df[(df.lane == "host-adam") & (df.op == "adam") & (df.bytes > 0)]  # 16 bytes a parameter (Engine._update)
-            summaries[-1]["host_adam_G_params_per_s"] = adam.bytes.sum() / 16 / adam.dur_ms.sum() / 1e6 if len(adam) else None
-            st = find_stalls(df)
-            waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
-        t = statistics.median(times)
-        tokens = B * a.seq
-        N = rep["params"]
-        row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, batch=B, seq=a.seq, tokens=tokens,
-                   step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
-                   model_tflops=round(6 * N * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
-                   recomputed_layers=r.recomputed_layers,
-                   peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-                   host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
-                   loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
-                   checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
-                   offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
-                   lean_activations=s.engine.lean, lean_reason=s.engine.lean_reason,
-                   resident_units=int((s.placement.placement == "resident").sum()),
-                   resident_gib=round(float(s.placement.device_GiB.sum()), 2),
-                   streamed_units=int((s.placement.placement == "device").sum()),
-                   streamed_head=bool(s.engine.device_updates.head_streamed),  # Note: [Streamed head]
-                   state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
-                   state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
-                   gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
-        if summaries:
-            sm = summaries[-1]
-            row["compute_busy_share"] = round(sm.get("compute_busy_share", float("nan")), 3)
-            row["trace_step_ms"] = round(sm.get("step_ms", float("nan")), 1)
-            row["waits_ms"] = {k: round(v, 1) for k, v in waits[-1].items()}
-            row["h2d_GBps"] = round(sm.get("h2d_GBps", float("nan")), 1)
-            rate = sm.get("host_adam_G_params_per_s")  # the host's AdamW inside the step: what the planner needs for it
-            row["host_adam_G_params_per_s"] = None if rate is None else round(rate, 2)
-        emit(row, a.out)
-        if a.save_trace and s.trace is not None:
-            os.makedirs(a.save_trace, exist_ok=True)
-            s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))
-            s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_b{B}.json.gz"))
+    variants = [(sw, th) for sw in (a.switch_ms or [None]) for th in (a.host_threads or [None])]
+    for sw, th in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
+        if sw is not None:
+            sys.setswitchinterval(sw / 1e3)
+        s.engine.adam.threads = th
+        suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}"
+        for B in a.batch:
+            s.engine.keep = None  # re-derive the activation policy for this batch size
+            cuda = a.device.startswith("cuda")
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times, losses, summaries, waits = [], [], [], []
+            k = done_steps = 0
+            while len(times) < a.steps and k < a.steps + a.warmup + 10:
+                ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
+                done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto" times its candidates
+                r = s.step({"input_ids": ids})
+                losses.append(r.loss)
+                du = s.engine.device_updates
+                print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
+                      f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
+                k += 1
+                if a.sync_debug and k == a.warmup and cuda:
+                    _sync_debug(a.sync_debug, B)
+                if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
+                    continue
+                times.append(r.seconds)
+            if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
+                df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
+                summaries.append(summarize(df))
+                adam = df[(df.lane == "host-adam") & (df.op == "adam") & (df.bytes > 0)]  # 16 bytes a parameter (Engine._update)
+                summaries[-1]["host_adam_G_params_per_s"] = adam.bytes.sum() / 16 / adam.dur_ms.sum() / 1e6 if len(adam) else None
+                st = find_stalls(df)
+                waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
+            t = statistics.median(times)
+            tokens = B * a.seq
+            N = rep["params"]
+            row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, batch=B, seq=a.seq, tokens=tokens,
+                       step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
+                       model_tflops=round(6 * N * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
+                       recomputed_layers=r.recomputed_layers,
+                       peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                       host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
+                       loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
+                       checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
+                       offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
+                       lean_activations=s.engine.lean, lean_reason=s.engine.lean_reason,
+                       resident_units=int((s.placement.placement == "resident").sum()),
+                       resident_gib=round(float(s.placement.device_GiB.sum()), 2),
+                       streamed_units=int((s.placement.placement == "device").sum()),
+                       streamed_head=bool(s.engine.device_updates.head_streamed),  # Note: [Streamed head]
+                       state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
+                       switch_ms=round(sys.getswitchinterval() * 1e3, 3), host_threads=th or torch.get_num_threads(),
+                       state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
+                       gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
+            if summaries:
+                sm = summaries[-1]
+                row["compute_busy_share"] = round(sm.get("compute_busy_share", float("nan")), 3)
+                row["trace_step_ms"] = round(sm.get("step_ms", float("nan")), 1)
+                row["waits_ms"] = {k: round(v, 1) for k, v in waits[-1].items()}
+                row["h2d_GBps"] = round(sm.get("h2d_GBps", float("nan")), 1)
+                rate = sm.get("host_adam_G_params_per_s")  # the host's AdamW inside the step: what the planner needs for it
+                row["host_adam_G_params_per_s"] = None if rate is None else round(rate, 2)
+            emit(row, a.out)
+            if a.save_trace and s.trace is not None:
+                os.makedirs(a.save_trace, exist_ok=True)
+                s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))
+                s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_b{B}{suffix}.json.gz"))
     s.close()
 
 

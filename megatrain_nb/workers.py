@@ -118,6 +118,7 @@ class AdamWorker:
         self.shared = shared  # shared_store.SharedHost: another local rank updates the units it owns
         self.target: dict[int, int] = {}  # unit owned elsewhere -> updates processed here (its owner's to come)
         self.early: Callable[[int, int, float, float], bool] | None = None  # Note: [Early rows] (the engine's)
+        self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
         self.follower = None
         if shared is not None:
             from .shared_store import Follower
@@ -206,6 +207,10 @@ class AdamWorker:
                     return
                 cfg = self.steps[0]
                 self.landed, self.arrivals = cfg["landed"], cfg["arrivals"]
+            if self.threads:
+                import torch
+
+                torch.set_num_threads(self.threads)  # this thread's team only (the driver keeps its own)
             try:
                 self._one_step(cfg)
             except Aborted:
