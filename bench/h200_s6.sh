@@ -11,6 +11,8 @@
 #           ~12 GiB of pinned inputs beside its 114 GiB of host RAM); then the GPU tests. ~26 minutes, three calls.
 #   s8a:    (eighth session) the 7B sweep's Twin-Flow (issue 12's last peer: its host estimate, 105 GiB, fits), then
 #           megatrain auto at 7B x 2 / x 8 in the same run (issue 9's 7B x 8 after 1c056e5). ~9 minutes, two calls.
+#   s10:    (tenth session) issue 9's default targets at today's code in one run: megatrain auto and native at
+#           3B x 1 / 4 / 8, then megatrain auto at 7B x 2 / 8. No DeepSpeed (no .whl needed). ~10 minutes, two calls.
 #   s8c:    (eighth session) the GPU tests; stream 3B x 1 / x 4 traced (held weights, the stream rate); megatrain auto
 #           at 3B x 1-16 and 7B x 8 (host RSS with the 512 MiB staging pool). ~10 minutes, two calls.
 # Each runs detached (setsid: it outlives the call) across device calls made within 30 s of each other:
@@ -25,7 +27,7 @@ wheels() {
         && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
 }
 if [ "$1" = start ]; then
-    wheels
+    [ "$2" = s10 ] || wheels  # s10 runs no DeepSpeed
     case "$2" in
     sweeps) CMD="python3 bench/peers.py --sweep depth width 7b --systems megatrain-auto native --depths 36 72 96 \
         --host-reserve-gib 4 --budget-s ${4:-1100} --out $D/peers.jsonl --log $D/peers.log" ;;
@@ -52,7 +54,11 @@ if [ "$1" = start ]; then
         cd /tmp/s8code && PYTHONPATH=/tmp/s8code OUT=$D timeout 200 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 \
         --placement stream --out $D/bench.jsonl --save-trace $D/tr_stream > $D/steps.log 2>&1; \
         $P --sweep core --systems megatrain-auto --budget-s 200; $P --sweep 7b --systems megatrain-auto --batch-7b 8 --budget-s 250" ;;
-    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7, s8a, s8c"; exit 2 ;;
+    s10) rm -rf /tmp/s10code && mkdir -p /tmp/s10code && cp -r megatrain_nb bench /tmp/s10code/
+        P="cd /tmp/s10code && PYTHONPATH=/tmp/s10code python3 bench/peers.py --host-reserve-gib 4 --out $D/peers.jsonl --log $D/peers.log"
+        CMD="$P --sweep core --systems megatrain-auto native --batch 1 4 8 --budget-s 330; \
+        $P --sweep 7b --systems megatrain-auto --batch-7b 2 8 --budget-s 300" ;;
+    *) echo "unknown mode $2: sweeps, core, allcore, depthflat, s7, s8a, s8c, s10"; exit 2 ;;
     esac
     setsid nohup bash -c "$CMD" > "$D/run.log" 2>&1 < /dev/null &
     echo $! > "$D/pid"
