@@ -59,6 +59,18 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
     pack && rm -rf "$OUT"/tr_* ;;
+s10b)  # Note [Late write-backs] (no step waits for a state write-back): stream x 1 / x 4, then the same at d19320a
+       # (.s10old: git archive d19320a megatrain_nb bench, carried), then tests/test_gpu.py (~6 minutes)
+    . bench/h200_lib.sh
+    STEPS=6 bench 3b stream 1 4
+    if [ -d .s10old ]; then
+        (cd .s10old && PYTHONPATH=$PWD OUT=$OUT/old bash -c '. bench/h200_lib.sh; mkdir -p $OUT; STEPS=6 bench 3b stream 1 4')
+        mv "$OUT/old/tr_stream" "$OUT/tr_stream_d19320a" && cat "$OUT"/old/bench.jsonl >> "$OUT/bench_d19320a.jsonl"
+        cat "$OUT"/old/steps.log >> "$OUT/steps.log"; rm -rf "$OUT/old"
+    fi
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    pack && rm -rf "$OUT"/tr_* ;;
 s9c|s9b)  # stream x 1 / x 4, then tests/test_gpu.py (~5 minutes); s9b ran it at 586722b (pinned small inputs)
     . bench/h200_lib.sh
     STEPS=8 bench 3b stream 1 4

@@ -42,7 +42,8 @@ class DeviceUpdates:
         self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
-        self.written: Box | None = None  # this step's last state write-back's landing (Note: [State write-backs])
+        self.writes: list[Box] = []  # state write-backs' landings that no step has waited for (Note: [Late write-backs])
+        self.norms: dict[int, Box] = {}  # this step's "device" units' grad norms, read apart from their write-backs
         self.head_units = (self.L, -1) if arch.tied else (self.L,)  # the head slot's units, in its order
         self.hstate: torch.Tensor | None = None  # the head group's state on its way through (Note: [Streamed head])
         self.hgrad: torch.Tensor | None = None  # a streamed tied embedding's fp32 gradient
@@ -71,9 +72,37 @@ class DeviceUpdates:
         return self.L in self.opt.streamed
 
     def recover(self) -> None:
-        """After a failed step: no state slot waits for a write-back that will not come."""
+        """After a failed step (whose write-backs have landed, ``wait_writes``): no state slot waits for a
+        write-back that will not come."""
         self.sslot_box = [Box(ready=True) for _ in self.sslots]
         self.hstate_box, self.hload, self.head_written = Box(ready=True), None, None
+        self.writes, self.norms = [], {}
+
+    def wait_writes(self, every: bool = True) -> None:
+        """Driver: wait for the state write-backs no step has waited for, the head group's included; raises
+        what one raised. ``every=False``: only collect those already landed (their errors surface here).
+
+        Note: [Late write-backs] a "device" unit's master and moments go back to the host after its update
+        (lane "d2h-state", 12 bytes a parameter), and the unit lands (the Adam worker hears of it) after
+        that. No step waits for it. Traced on the H200 (s10c2, 3B x 4 under "stream"), the compute sat idle
+        for the last 75-97 ms of each step behind the last three layers' write-backs. What needs the state
+        waits instead: the unit's next load from the host (its version, ``Transfers.load``), the state
+        slot's next load (the copy's event), ``settle`` (checkpoints, ``close``, a generation), a failed
+        step's recovery, and a gated step, whose worker decides on every norm. The step's report and
+        non-finite verdict read the units' norms apart, on the unpacker, right after their backward
+        (``streamed_norms``); the write-back hands the worker that value. A failed write-back raises at
+        the next step's end, or at ``settle``. The head group's write-back was the first to go this way
+        (Note: [Streamed head] in placement.py)."""
+        pending = self.writes + ([self.head_written] if self.head_written is not None else [])
+        for box in pending:
+            if every or box.done:
+                box.get()
+        self.writes = [b for b in self.writes if not b.done]
+
+    def streamed_norms(self) -> dict[int, float]:
+        """Driver, at the step's end: this step's "device" units' grad norms (for the report and the verdict),
+        which their write-backs, later, hand the Adam worker (Note: [Late write-backs])."""
+        return {u: box.get() for u, box in self.norms.items()}
 
     def host_updated(self, unit: int, seconds: float) -> None:
         """The host's AdamW of ``unit`` took ``seconds`` (what "stream" balances PCIe against)."""
@@ -207,7 +236,7 @@ class DeviceUpdates:
         self.t_start = time.perf_counter()
         overlap = bool(self.opt.groups or self.opt.streamed) and not gate  # Note: [Device updates]
         self.bad = torch.zeros((), dtype=torch.bool, device=self.dev.device) if overlap else None
-        self.seen, self.updated, self.written = set(), None, None
+        self.seen, self.updated, self.norms = set(), None, {}
 
     def loss_known(self, total: torch.Tensor) -> None:
         """Compute stream: the step's loss (0-dim, device); a non-finite one skips every device update."""
@@ -247,20 +276,23 @@ class DeviceUpdates:
             self.updated = dev.record(dev.optim)
 
     def stream_update(self, i: int, g: torch.Tensor, done, lr: float, j: int, loaded: Box, written: Box, *,
-                      weights: torch.Tensor | None = None) -> Box:
+                      step: int, weights: torch.Tensor | None = None) -> Box:
         """Driver: a "device" unit's AdamW in its streamed-in state, then the state back to the host.
 
         The optimizer stream waits for the backward (``done``) and the state's copy in; the d2h stream
-        copies master and moments back once the update is done, and the unit lands (its norm) after
-        that, so that a later load of it reads the updated master. ``weights``: the weight slot that
+        copies master and moments back once the update is done, and the unit lands (its norm) for step
+        ``step`` after that, so that a later load of it reads the updated master; the step does not wait
+        for that (Note: [Late write-backs]). ``weights``: the weight slot that
         keeps this unit into the next step, refilled here from the new master in the compute dtype
         (Note: [Held weights] in placement.py). Returns the grad slot's box: free once the update has
         read the gradients, its value the event after the update (and the refill).
         """
         state = self.sslots[j][:3 * g.numel()]
         updated = self._update_in_state((i,), state, [g], done, loaded, lr, weights)
-        _, self.written = self.io.grads(i, state, self._write_segments((i,)), updated, "bwd", op="state-out",
-                                        enqueued=written)  # fills ``written``: the state slot's next load waits for it
+        self.norms[i] = norm = self.io.read_norm(i, done)  # for the step's report; the write-back lands with it
+        _, landed = self.io.grads(i, state, self._write_segments((i,)), updated, "bwd", op="state-out",
+                                  enqueued=written, step=step, host_fn=norm.get)  # fills ``written``: the
+        self.writes.append(landed)  # state slot's next load waits for it, as the unit's next load for ``landed``
         return Box(ready=True, value=updated)
 
     def _update_in_state(self, units: tuple[int, ...], state: torch.Tensor, grads: list, done, loaded: Box, lr: float,
@@ -406,9 +438,8 @@ class DeviceUpdates:
 
     # ---- reading the state ------------------------------------------------------------------------
     def settle(self) -> None:
-        """Block until the device's updates are done (named sync) and the head group's state is back."""
-        if self.head_written is not None:
-            self.head_written.get()  # raises what its write-back raised
+        """Block until the device's updates are done (named sync) and every state write-back is back."""
+        self.wait_writes()  # raises what a write-back raised
         if (self.opt.groups or self.opt.streamed) and self.dev.cuda:
             torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
 

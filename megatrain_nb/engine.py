@@ -210,12 +210,11 @@ class Engine:
         """After a failed step: stop its jobs, let the GPU finish what was queued, reset the handoffs.
 
         Updates that the Adam worker had already applied stay applied (see docs/engine.md, [Failed
-        steps]); nothing is half-written: each unit's update is whole or absent: a streamed head group's
-        write-back (Note: [Streamed head]), which no step waits for, finishes before anything is dropped.
+        steps]); nothing is half-written: each unit's update is whole or absent: the state write-backs,
+        which no step waits for (Note: [Late write-backs]), finish before anything is dropped.
         """
-        if self.device_updates.head_written is not None:
-            with contextlib.suppress(Exception):  # a failed write-back: the failed step's own error stands
-                self.device_updates.head_written.get()
+        with contextlib.suppress(Exception):  # a failed write-back: the failed step's own error stands
+            self.device_updates.wait_writes()
         self._head_norm = None
         self.abort.set()
         self.io.drain_quietly()
@@ -290,11 +289,12 @@ class Engine:
             du.end_backward()  # the next step's compute follows this step's device updates
             self._count_memory()
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have that the unpacker took
-        if du.written is not None:
-            du.written.get()  # ... and the last state write-back (its own thread: Note: [State write-backs])
+        du.wait_writes(every=self._gated)  # Note: [Late write-backs]: a gated step's worker needs every landing
         loss = float(loss_box.get())
-        with self.adam.cond:  # every unit has landed: its grad norms are known, no update needs to finish
+        with self.adam.cond:  # every unit that goes through the unpacker has landed: its grad norm is known
             norms = dict(adam_step["landed"])
+        for u, n in du.streamed_norms().items():  # "device" units' land with their write-backs, later
+            norms.setdefault(u, n)
         if self._head_norm is not None:  # but a streamed tied head group, whose write-back lands later
             norms.setdefault(-1, self._head_norm.get())
             self._head_norm = None
@@ -742,7 +742,8 @@ class Engine:
                     s = plan["slot"][k]
                     held = self.slots[s] if plan["after"][s] == i else None  # it keeps layer i past this plan
                     self.gslot_box[gi] = self.device_updates.stream_update(
-                        i, g, done, self.ocfg.lr_at(self.steps_done), *plan["state"][k], weights=held)
+                        i, g, done, self.ocfg.lr_at(self.steps_done), *plan["state"][k], step=self.steps_done,
+                        weights=held)
                     if held is not None:
                         plan["rel"][k].put(self.gslot_box[gi].get())  # the slot's next load waits for the cast too
                         plan["cast"].add(s)
@@ -824,6 +825,7 @@ class Engine:
 
     def settle(self) -> None:
         """Block until every update of every finished step is applied, on the host and on the device."""
+        self.device_updates.wait_writes()  # first: a failed write-back raises here, its unit would never land
         self.adam.wait_all(self.steps_done)
         self.device_updates.settle()
 

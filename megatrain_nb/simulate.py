@@ -81,7 +81,8 @@ class _Sim:
     compute, when `overlap`; else all after the embedding's backward (Note: [Device updates] in device_updates.py).
     The next step's compute waits for the last one. Layers in `streamed` (placement "device") load
     their fp32 state (t["state_in"]) after their backward's weights, are updated on the device-adam
-    lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"]).
+    lane (t["dev_adam"]) once both are there, and land after their state went back (t["state_out"]):
+    no step waits for that, the unit's next load does (Note: [Late write-backs] in device_updates.py).
     A streamed head group (``L`` in `streamed`, Note: [Streamed head] in placement.py) loads its state
     (t["head_state_in"]) where its weights would load, is updated once its gradients are complete (after
     the loss, or after the embedding's backward when tied) and writes it back; from the second step its
@@ -260,12 +261,11 @@ class _Sim:
             if op.kind == "bwd":
                 self.device_update((op.layer,), end[k])
         e = compute("embed_bwd", -1, "bwd", 0.0)
-        if hs and self.tied:  # the driver waits for the layers' write-backs, not the head group's (Note: [Streamed head])
-            back = max(e, self.free.get("d2h-state", 0.0))
+        if hs and self.tied:  # the driver waits for no state write-back (Note: [Late write-backs])
+            back = e
             self.stream_head(e, got)
         else:
             back = e if -1 in res else self.grads(-1, "bwd", e, *units[-1][3:], op="embed_grad")
-            back = max(back, self.free.get("d2h-state", 0.0))  # the driver waits for the last write-back too
         self.device_update((L, -1) if self.tied else (-1,), e)
         if res and not self.overlap:  # gated: the driver enqueues every update once every gradient landed
             self.device_update(tuple(sorted(res)), max(back, self.free["compute"]), gated=True)

@@ -221,8 +221,8 @@ class Transfers:
         its unit's device update, which waits for its state's copy in. Traced on the H200 (s8c2, 3B
         under "stream"), the embedding's row gradients left 110 ms after the backward's last layer at
         batch 4, behind six write-backs, and only then were scattered on the host; the step ends when
-        they have landed. ``Engine._step`` waits for the last write-back as well (``DeviceUpdates.written``):
-        every landing belongs to its step, but a streamed head group's (Note: [Streamed head]).
+        they have landed. No step waits for a write-back; each lands for its own step (``step``; Note:
+        [Late write-backs] in device_updates.py).
         ``STATE_OUT_CHUNK_BYTES`` splits each slab's copy: a small copy out on another stream queued behind
         a whole 1.24 GB one (the head group's, s9c5), and 64 MiB pieces did not let it pass (s9c8: the
         prelude's read-back waited 62-65 ms either way; 3B x 1 / x 4 at 100.4 / 308.9 TFLOPS in pieces,

@@ -36,6 +36,11 @@ class Box:
         self._error = error
         self._event.set()
 
+    @property
+    def done(self) -> bool:
+        """Put or failed: ``get`` returns (or raises) at once."""
+        return self._event.is_set()
+
     def get(self) -> Any:
         while not self._event.wait(0.05):  # poll so an aborted step never leaves a thread hanging
             if self._abort is not None and self._abort.is_set():

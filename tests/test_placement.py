@@ -334,10 +334,28 @@ def test_a_streamed_head_group_is_held_and_its_rows_gathered_on_the_device(hf_di
         s.close()
 
 
-def test_no_step_waits_for_the_head_groups_write_back(hf_dir, monkeypatch):
-    """Note: [Streamed head]: a step returns before its head group's state is back on the host (the writer
-    is held up here); the next step's state load, settle and the reported grad norm wait for what they need,
-    and the run equals one whose write-backs were never held."""
+def _hold_write_backs(monkeypatch, s, unit: int, gates: list) -> None:
+    """Each state write-back of ``unit`` reaches the writer thread only once the event it appends to ``gates``
+    is set."""
+    import threading
+
+    io = s.engine.io
+    grads = io.grads
+
+    def held(u, src, segs, done, phase, **kw):
+        if kw.get("op") == "state-out" and u == unit:
+            gates.append(threading.Event())
+            io.writer.submit(gates[-1].wait)  # the writer reaches this write-back after that
+        return grads(u, src, segs, done, phase, **kw)
+
+    monkeypatch.setattr(io, "grads", held)
+
+
+@pytest.mark.parametrize("held", [-1, 0], ids=["head_group", "layer"])
+def test_no_step_waits_for_a_state_write_back(hf_dir, monkeypatch, held):
+    """Note: [Late write-backs], [Streamed head]: a step returns before a "device" unit's state is back on
+    the host (the writer is held up here); the next step's state load, settle and the reported grad norm
+    wait for what they need, and the run equals one whose write-backs were never held."""
     import threading
 
     d = hf_dir("llama_tied")
@@ -351,23 +369,18 @@ def test_no_step_waits_for_the_head_groups_write_back(hf_dir, monkeypatch):
         clean.close()
     s = Session.from_pretrained(d, lr=LR, placement=mix)
     try:
-        io, gates, got = s.engine.io, [], []
-        grads = io.grads
-
-        def held(unit, src, segs, done, phase, **kw):
-            if kw.get("op") == "state-out" and unit == -1:
-                gates.append(threading.Event())
-                io.writer.submit(gates[-1].wait)  # the writer reaches the head group's write-back after this
-            return grads(unit, src, segs, done, phase, **kw)
-
-        monkeypatch.setattr(io, "grads", held)
+        gates, got, du = [], [], s.engine.device_updates
+        _hold_write_backs(monkeypatch, s, held, gates)
         for b in batches:
             r = s.step(b)
-            assert not s.engine.device_updates.head_written._event.is_set()  # returned before it landed
+            pending = du.head_written if held == -1 else du.writes[-1]
+            assert not pending.done  # returned before it landed
+            assert s.engine.adam.version[held] < s.engine.steps_done  # so the worker has not counted it
             got.append((r.loss, r.grad_norm))
             threading.Timer(0.05, gates[-1].set).start()  # the next step's state load waits for it
         s.engine.settle()
-        assert s.engine.device_updates.head_written._event.is_set()
+        assert pending.done and not du.writes
+        assert all(v == len(batches) for v in s.engine.adam.version.values())
     finally:
         s.close()
     assert got == want
@@ -382,9 +395,14 @@ def test_state_written_back_in_pieces_trains_equal(hf_dir, monkeypatch, tmp_path
     compare(d, "llama_tied", tmp_path, placement={u: "device" for u in range(-1, _head(d) + 1)})
 
 
-def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir):
+@pytest.mark.parametrize("late", [False, True], ids=["landed", "write_back_late"])
+def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir, monkeypatch, late):
     """A step that fails after the head group's state load was queued (Note: [Streamed head]) leaves no
-    state buffer waiting for a write-back that never comes, and the head slot is loaded again."""
+    state buffer waiting for a write-back that never comes, and the head slot is loaded again. ``late``:
+    the step before it returned with a layer's write-back still held up (Note: [Late write-backs]); the
+    failure waits for it, so that nothing is half-written, and the run goes on equal."""
+    import threading
+
     d = hf_dir("llama_tied")
     L_ = _head(d)
     mix = {-1: "device", L_: "device", 0: "device"}
@@ -392,12 +410,21 @@ def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir):
     want = _losses(d, batches, mix)
     s = Session.from_pretrained(d, lr=LR, placement=mix)
     try:
+        gates = []
+        if late:
+            _hold_write_backs(monkeypatch, s, 0, gates)
         train_session(s, batches[:1])
+        if late:
+            assert not s.engine.device_updates.writes[-1].done
+            threading.Timer(0.2, gates[-1].set).start()
         s.engine._loss = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
         with pytest.raises(RuntimeError, match="boom"):
             s.step(batches[1])
         del s.engine._loss
-        assert not s.engine.head_current
+        assert not s.engine.head_current and not s.engine.device_updates.writes
+        for g in gates:
+            g.set()  # later write-backs of layer 0 are not held
+        monkeypatch.undo()
         got = train_session(s, batches[1:])
     finally:
         s.close()
