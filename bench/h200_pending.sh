@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-02's ninth session). Writes under $OUT.
+# What is still to measure on the H200 (pending after 2026-12-02's tenth session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
-# s9c:       issue 9, first: stream 3B x 1 / x 4 after 615c713 (HF's packed-sequence check skipped in the prelude:
-#            s9c8's prelude waited 62-65 ms a step behind the head group's write-back; Note [Prelude sync] in hf.py),
-#            then tests/test_gpu.py. s9c5: 112.7 / 321.1 against 110 / 330. Then compare with the planner:
-#            python bench/planner_placement.py --results ROWS (each row's host rate and streamed units).
+# s11:       issue 9's last gap, stream 3B x 1 (110; 102-112 on four machines in the tenth session, bound by state
+#            loads beside the host's AdamW, which loses 43% beside the DMA): first the host AdamW beside the DMA with
+#            the upcast in smaller chunks (bench/host_contention.py --chunks: less host memory traffic), then stream
+#            x 1 / x 4 at the default chunk and at 1M elements, each its own process, in one call (~5 minutes).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
-# Done: s9 (s9c5: the streamed head group beside 868ef78), s9b (s9c6: pinned small inputs, since reverted: they
-# did not change the wait), placement (s9c1), s8d, search (s8c1, s8c2), peers7b (s8c1), s8b (s8c2), host RSS
-# (s8c3), core (s7c1), depth (s7c1), layers (s5c1, s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1).
-# The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth, search, peers7b, s8b.
+# Done: s10b (s10c5: Note [Late write-backs] beside d19320a), s9c (s10c1), s9 (s9c5), s9b (s9c6), placement (s9c1),
+# s8d, search (s8c1, s8c2), peers7b (s8c1), s8b (s8c2), host RSS (s8c3), core (s7c1), depth (s7c1), layers (s5c1,
+# s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1).
+# The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth, search, peers7b, s8b, s9c, s10b.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -58,6 +58,15 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     fi
     timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    pack && rm -rf "$OUT"/tr_* ;;
+s11)  # the upcast's chunk beside the DMA, then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes)
+    (cd bench && timeout 120 python3 host_contention.py --beside alone dma --no-cast --threads 16 \
+        --chunks 262144 1048576 4194304 16777216 --out "$OUT/host_contention.jsonl" | cut -c1-200)
+    . bench/h200_lib.sh
+    STEPS=6 bench 3b stream 1 4
+    mv "$OUT/tr_stream" "$OUT/tr_stream_default"
+    timeout 200 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 --placement stream --adam-chunk 1048576 \
+        --out "$OUT/bench.jsonl" --save-trace "$OUT/tr_stream_1m" 2>&1 | tee -a "$OUT/steps.log" | grep -v "^  batch" | cut -c1-300
     pack && rm -rf "$OUT"/tr_* ;;
 s10b)  # Note [Late write-backs] (no step waits for a state write-back): stream x 1 / x 4, then the same at d19320a
        # (.s10old: git archive d19320a megatrain_nb bench, carried), then tests/test_gpu.py (~6 minutes)

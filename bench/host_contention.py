@@ -14,6 +14,7 @@ chunk (what a bf16 load from the host would cost the worker).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import threading
@@ -121,6 +122,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="default: all cores, then -2, half")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dma-gib", type=float, default=1.0)
+    ap.add_argument("--beside", nargs="+", default=None, help="only these: alone spin dma dma+spin")
+    ap.add_argument("--chunks", type=int, nargs="+", default=None,
+                    help="HostAdamW.chunk_numel values (default: the worker's): the upcast's chunk, in or out of cache")
+    ap.add_argument("--no-cast", action="store_true", help="skip the rows that also cast to bf16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cores = torch.get_num_threads()
@@ -134,24 +139,25 @@ def main(argv=None) -> None:
     switch = sys.getswitchinterval()
     for beside, switch_ms in (("alone", None), ("spin", switch * 1e3), ("spin", 0.5), ("dma", None),
                               ("dma+spin", switch * 1e3), ("dma+spin", 0.5)):
-        if "dma" in beside and dma is None:
+        if ("dma" in beside and dma is None) or (a.beside and beside not in a.beside):
             continue
         sys.setswitchinterval(switch if switch_ms is None else switch_ms / 1e3)
-        for cast in (False, True):
-            for th in threads:
-                ctx = [Spin()] if "spin" in beside else []
-                ctx += [dma] if "dma" in beside else []
-                for c in ctx:
-                    c.__enter__()
-                try:
-                    t = _adam(a.numel, th, a.reps, cast)
-                finally:
-                    for c in reversed(ctx):
-                        c.__exit__(None, None, None)
-                emit(dict(bench="host_contention", beside=beside, switch_ms=switch_ms, cast=cast, threads=th, cores=cores,
-                          ms=round(t * 1e3, 2), gparams_per_s=round(a.numel / t / 1e9, 3),
-                          dma_GBps_each=round(dma.GBps_each, 1) if "dma" in beside else None,
-                          chunk=HostAdamW.chunk_numel, torch=torch.__version__), a.out)
+        for cast, chunk, th in itertools.product((False,) if a.no_cast else (False, True),
+                                                 a.chunks or [HostAdamW.chunk_numel], threads):
+            HostAdamW.chunk_numel = chunk
+            ctx = [Spin()] if "spin" in beside else []
+            ctx += [dma] if "dma" in beside else []
+            for c in ctx:
+                c.__enter__()
+            try:
+                t = _adam(a.numel, th, a.reps, cast)
+            finally:
+                for c in reversed(ctx):
+                    c.__exit__(None, None, None)
+            emit(dict(bench="host_contention", beside=beside, switch_ms=switch_ms, cast=cast, threads=th, cores=cores,
+                      ms=round(t * 1e3, 2), gparams_per_s=round(a.numel / t / 1e9, 3),
+                      dma_GBps_each=round(dma.GBps_each, 1) if "dma" in beside else None,
+                      chunk=HostAdamW.chunk_numel, torch=torch.__version__), a.out)
 
 
 if __name__ == "__main__":

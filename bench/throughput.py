@@ -21,6 +21,7 @@ from rows import emit, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
+from megatrain_nb.optim import HostAdamW  # noqa: E402
 from megatrain_nb import transfers as _transfers  # noqa: E402
 from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
 
@@ -92,7 +93,14 @@ def main(argv=None) -> None:
     ap.add_argument("--host-threads", type=int, nargs="+", default=None,
                     help="intra-op threads of the host's AdamW worker (default: torch's, every core): each value is a "
                          "run of every batch in the same session, after each --switch-ms")
+    ap.add_argument("--adam-chunk", type=int, default=None,
+                    help="HostAdamW.chunk_numel: elements of bf16 gradients upcast at a time (a multiple of 64; "
+                         "the same numbers at any size, Note [Chunked upcast])")
     a = ap.parse_args(argv)
+    if a.adam_chunk is not None:
+        if a.adam_chunk <= 0 or a.adam_chunk % 64:
+            ap.error(f"--adam-chunk {a.adam_chunk}: give a positive multiple of 64, e.g. {1 << 20}")
+        HostAdamW.chunk_numel = a.adam_chunk
     if a.state_chunk_mb is not None:
         _transfers.STATE_OUT_CHUNK_BYTES = a.state_chunk_mb << 20
 
@@ -167,6 +175,7 @@ def main(argv=None) -> None:
                        streamed_head=bool(s.engine.device_updates.head_streamed),  # Note: [Streamed head]
                        state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
                        switch_ms=round(sys.getswitchinterval() * 1e3, 3), host_threads=th or torch.get_num_threads(),
+                       adam_chunk=HostAdamW.chunk_numel,
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:

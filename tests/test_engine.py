@@ -105,3 +105,23 @@ def test_the_default_loss_chunk_holds_1024_tokens_across_the_rows(monkeypatch):
         finally:
             s.close()
     assert losses[None] == pytest.approx(losses[1024], rel=1e-6) == losses[250]
+
+
+def test_the_adam_workers_threads_apply_to_its_own_thread_only():
+    """AdamWorker.threads (bench/throughput.py --host-threads): the worker's updates run with that many intra-op
+    threads from its next step on; the driver's thread keeps its own."""
+    import threading
+
+    from megatrain_nb.workers import AdamWorker, Box
+
+    before, seen = torch.get_num_threads(), []
+    w = AdamWorker([0], lambda u, lr, scale: seen.append(torch.get_num_threads()), threading.Event())
+    try:
+        w.threads = before + 1  # differs from the driver's whatever the machine
+        st = w.begin(step=0, lr=1e-3, gate=False, clip=lambda n: (1.0, 0.0), loss=Box(value=1.0, ready=True))
+        w.land(0, 1.0, step=0)
+        w.wait_version(0, 1)
+        assert st["landed"] == {0: 1.0} and seen == [before + 1]
+        assert torch.get_num_threads() == before
+    finally:
+        w.close()
