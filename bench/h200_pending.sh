@@ -17,6 +17,17 @@ wheels() {  # DeepSpeed and its missing requirements travel as wheels: carry .wh
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
 }
+gpu_tests() {  # LIMIT: tests/test_gpu.py into $OUT/gpu_tests.log, its verdict printed
+    timeout "$1" python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+}
+beside_old() {  # DIR CODE: the same stream rows ($STEPS) from an older tree, unpacked in DIR with
+    # git archive CODE megatrain_nb bench and carried; its rows into bench_CODE.jsonl, its traces tr_stream_CODE
+    [ -d "$1" ] || return 0
+    (cd "$1" && PYTHONPATH=$PWD OUT=$OUT/old STEPS=$STEPS bash -c '. bench/h200_lib.sh; mkdir -p $OUT; bench 3b stream 1 4')
+    mv "$OUT/old/tr_stream" "$OUT/tr_stream_$2" && cat "$OUT"/old/bench.jsonl >> "$OUT/bench_$2.jsonl"
+    cat "$OUT"/old/steps.log >> "$OUT/steps.log"; rm -rf "$OUT/old"
+}
 case "${1:-tests}" in
 tests)
     timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA 2>&1 | tee "$OUT/gpu_tests.log" \
@@ -50,14 +61,9 @@ s8b)
 s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code before it (868ef78, unpacked in .s9old
      # with git archive 868ef78 megatrain_nb bench and carried), then tests/test_gpu.py (~7 minutes)
     . bench/h200_lib.sh
-    STEPS=8 bench 3b stream 1 4
-    if [ -d .s9old ]; then
-        (cd .s9old && PYTHONPATH=$PWD OUT=$OUT/old bash -c '. bench/h200_lib.sh; mkdir -p $OUT; STEPS=8 bench 3b stream 1 4')
-        mv "$OUT/old/tr_stream" "$OUT/tr_stream_868ef78" && cat "$OUT"/old/bench.jsonl >> "$OUT/bench_868ef78.jsonl"
-        cat "$OUT"/old/steps.log >> "$OUT/steps.log"; rm -rf "$OUT/old"
-    fi
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    export STEPS=8; bench 3b stream 1 4
+    beside_old .s9old 868ef78
+    gpu_tests 200
     pack && rm -rf "$OUT"/tr_* ;;
 s11)  # the upcast's chunk beside the DMA, then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes)
     (cd bench && timeout 120 python3 host_contention.py --beside alone dma --no-cast --threads 16 \
@@ -71,24 +77,17 @@ s11)  # the upcast's chunk beside the DMA, then stream x 1 / x 4 at the default 
 s10b)  # Note [Late write-backs] (no step waits for a state write-back): stream x 1 / x 4, then the same at d19320a
        # (.s10old: git archive d19320a megatrain_nb bench, carried), then tests/test_gpu.py (~6 minutes)
     . bench/h200_lib.sh
-    STEPS=6 bench 3b stream 1 4
-    if [ -d .s10old ]; then
-        (cd .s10old && PYTHONPATH=$PWD OUT=$OUT/old bash -c '. bench/h200_lib.sh; mkdir -p $OUT; STEPS=6 bench 3b stream 1 4')
-        mv "$OUT/old/tr_stream" "$OUT/tr_stream_d19320a" && cat "$OUT"/old/bench.jsonl >> "$OUT/bench_d19320a.jsonl"
-        cat "$OUT"/old/steps.log >> "$OUT/steps.log"; rm -rf "$OUT/old"
-    fi
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    export STEPS=6; bench 3b stream 1 4
+    beside_old .s10old d19320a
+    gpu_tests 200
     pack && rm -rf "$OUT"/tr_* ;;
 s9c|s9b)  # stream x 1 / x 4, then tests/test_gpu.py (~5 minutes); s9b ran it at 586722b (pinned small inputs)
     . bench/h200_lib.sh
     STEPS=8 bench 3b stream 1 4
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    gpu_tests 240
     pack && rm -rf "$OUT"/tr_* ;;
 s8d)  # a109a71 (state write-backs on their own stream and thread): tests/test_gpu.py, then stream x 1 / x 4 (~3 minutes)
-    timeout 80 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py -rA > "$OUT/gpu_tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+    gpu_tests 80
     . bench/h200_lib.sh
     STEPS=3 bench 3b stream 1 4
     pack && rm -rf "$OUT"/tr_* ;;
