@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # What is still to measure on the H200 (pending after 2026-12-02's tenth session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
-# s11:       issue 9's last gap, stream 3B x 1 (110; 102-112 on four machines in the tenth session, bound by state
-#            loads beside the host's AdamW, which loses 43% beside the DMA): first the host AdamW beside the DMA with
-#            the upcast in smaller chunks (bench/host_contention.py --chunks: less host memory traffic), then stream
-#            x 1 / x 4 at the default chunk and at 1M elements, each its own process, in one call (~5 minutes).
+# s11:       first: Note [Early state] (the backward's first state loads while the packer waits for a host
+#            update; not measured): stream 3B x 1 / x 4 at today's code, then at 35f5042 (before it: git archive
+#            35f5042 megatrain_nb bench, unpacked in .s11old and carried), then tests/test_gpu.py (~6 minutes).
+#            Then python bench/planner_placement.py --results ROWS. Target at x 1: 110 (102-112 in the tenth session).
+# s11b:      the host's AdamW beside the DMA with the upcast in smaller chunks (bench/host_contention.py --chunks:
+#            less host memory traffic), then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
 # Done: s10b (s10c5: Note [Late write-backs] beside d19320a), s9c (s10c1), s9 (s9c5), s9b (s9c6), placement (s9c1),
 # s8d, search (s8c1, s8c2), peers7b (s8c1), s8b (s8c2), host RSS (s8c3), core (s7c1), depth (s7c1), layers (s5c1,
@@ -65,7 +67,13 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     beside_old .s9old 868ef78
     gpu_tests 200
     pack && rm -rf "$OUT"/tr_* ;;
-s11)  # the upcast's chunk beside the DMA, then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes)
+s11)  # Note [Early state] beside 35f5042, then tests/test_gpu.py (~6 minutes)
+    . bench/h200_lib.sh
+    export STEPS=6; bench 3b stream 1 4
+    beside_old .s11old 35f5042
+    gpu_tests 200
+    pack && rm -rf "$OUT"/tr_* ;;
+s11b)  # the upcast's chunk beside the DMA, then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes)
     (cd bench && timeout 120 python3 host_contention.py --beside alone dma --no-cast --threads 16 \
         --chunks 262144 1048576 4194304 16777216 --out "$OUT/host_contention.jsonl" | cut -c1-200)
     . bench/h200_lib.sh

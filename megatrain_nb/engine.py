@@ -92,6 +92,7 @@ class Engine:
         self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
         self.early = EarlyRows(arch.embed.weight.shape[1], self.adam)  # the next forward's rows first (Note: [Early rows])
         self.adam.early = self._early_rows
+        self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
@@ -261,6 +262,8 @@ class Engine:
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         du.begin(gate)
+        if not gate:
+            du.early_state(self.steps_done, self.abort)  # Note: [Early state]: before any load of this step
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
         with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)

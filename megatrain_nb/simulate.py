@@ -96,6 +96,8 @@ class _Sim:
         self.streamed = frozenset(streamed) if overlap else frozenset()  # gated: on the host (placement.py)
         self.sslot_free = [0.0] * max(1, state_slots)  # end of each state slot's last write-back
         self.hstate_free = 0.0  # end of the head group's last write-back
+        self.early: list[tuple[int, int]] = []  # (unit, state slot) of this step's early state loads not yet started
+        self.early_done: dict[int, float] = {}  # unit -> end of its early state load
         self.L, self.w_bytes, self.g_bytes, self.t, self.units, self.loss_ms = L, w_bytes, g_bytes, t, units, loss_ms
         self.budget, self.chunk, self.overlap, self.tied, self.steady = budget, chunk, overlap, tied, steady
         self.free: dict[str, float] = {}  # lane -> end of its latest op
@@ -133,8 +135,25 @@ class _Sim:
         a = max(self.free.get("host-pack", 0.0), self.t0)
         for u in units:
             if self.updated.get(u, 0.0) > a:
+                self.fill(a, self.updated[u])
                 a = self.put("host-pack", "wait-update", layer, phase, a, self.updated[u], busy=0.0)
         return max([self.t0, *(self.updated.get(u, 0.0) for u in units)])
+
+    def fill(self, a: float, until: float) -> None:
+        """The loader waits from `a` to `until`: the step's early state loads start meanwhile, one copy at a
+        time, each once its slot's last write-back and its unit's last update are done (Note: [Early state])."""
+        c = a
+        while self.early and c < until:
+            go = [(u, j) for u, j in self.early if self.sslot_free[j] <= c and self.updated.get(u, 0.0) <= c]
+            if not go:
+                nxt = [max(self.sslot_free[j], self.updated.get(u, 0.0)) for u, j in self.early]
+                c = min(nxt)
+                continue
+            u, j = go[0]
+            self.early.remove((u, j))
+            h0 = max(self.free.get("h2d", 0.0), c)
+            c = self.early_done[u] = self.put("h2d", "state-in", u, "bwd", h0, h0 + self.t["state_in"],
+                                              self.t["state_bytes"])
 
     def load(self, unit, phase, nbytes, pack_ms, h2d_ms, slot_free=0.0, waits=(), op="h2d"):
         go = self.hold(unit, phase, waits)
@@ -193,6 +212,9 @@ class _Sim:
         L, t, units, compute, slot_end, res = self.L, self.t, self.units, self.compute, self.slot_end, self.resident
         f_loads, f_slot, b_loads, b_slot, after = self.warm if self.n else self.cold
         self.landed = []
+        layers = sorted((u for u in self.streamed if 0 <= u < L), reverse=True)  # Note: [Early state]
+        self.early = [(u, k % len(self.sslot_free)) for k, u in enumerate(layers[:len(self.sslot_free)])]
+        self.early_done: dict[int, float] = {}
         hs, warm = L in self.streamed, self.steady and self.n > 0  # Note: [Streamed head]: held from the 2nd step
         group = (L, -1) if self.tied else (L,)
         head = None
@@ -239,8 +261,12 @@ class _Sim:
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"])
             elif op.layer in self.streamed:
                 j = sum(1 for o in self.bops[:k] if o.kind == "bwd" and o.layer in self.streamed) % len(self.sslot_free)
-                got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],
-                                waits=(op.layer,), op="state-in")
+                got = self.early_done.pop(op.layer, None)  # started early (Note: [Early state])
+                if got is None:
+                    if (op.layer, j) in self.early:
+                        self.early.remove((op.layer, j))
+                    got = self.load(op.layer, "bwd", t["state_bytes"], 0.0, t["state_in"], self.sslot_free[j],
+                                    waits=(op.layer,), op="state-in")
                 end[k] = compute("bwd", op.layer, "bwd", t["bwd"], have(s), self.gslot_free[gi])
                 a = max(end[k], got, self.free.get("device-adam", 0.0))
                 upd = self.put("device-adam", "adam", op.layer, "bwd", a, a + t["dev_adam"])
@@ -306,8 +332,9 @@ class _Sim:
         todo, last = list(self.landed), max(u for _, u, _ in self.landed)
         a = self.free.get("host-adam", 0.0) if self.overlap else max(self.free.get("host-adam", 0.0), last)
         while todo:
-            a = max(a, todo[0][1])  # with every landed unit done, the worker waits for the next arrival
-            pick = min(todo, key=lambda x: rank[x[0]]) if a >= last else todo[0]
+            quick = [x for x in todo if x[2] == 0.0 and x[1] <= a]  # the device's units count at once (Note: [Early state])
+            a = a if quick else max(a, todo[0][1])  # with every landed unit done, the worker waits for the next arrival
+            pick = quick[0] if quick else min(todo, key=lambda x: rank[x[0]]) if a >= last else todo[0]
             todo.remove(pick)
             unit, _, ms = pick
             self.updated[unit] = a = self.put("host-adam", "adam", unit, "optim", a, a + ms)

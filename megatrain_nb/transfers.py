@@ -12,6 +12,7 @@ Does not own: what to load when (schedule.py, engine.py), compute, or the optimi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -102,6 +103,21 @@ def chunks(n: int, size: int):
         yield a, min(n, a + size)
 
 
+@dataclasses.dataclass(eq=False)
+class EarlyLoad:
+    """A load that may run ahead of its place in the packer's order (Note: [Early state] in device_updates.py)."""
+
+    layer: int
+    dst: torch.Tensor
+    segments: list
+    after: Box
+    phase: str
+    version: int
+    op: str
+    started: bool = False
+    event: tuple | None = None  # (the copy's event,) once enqueued
+
+
 STATE_OUT_CHUNK_BYTES = 0  # a state write-back goes out in copies of at most this many bytes (0: one per slab)
 
 
@@ -134,6 +150,10 @@ class Transfers:
         self.packer = Worker("host-pack", abort)
         self.unpacker = Worker("host-unpack", abort)
         self.writer = Worker("host-writeback", abort)  # Note: [State write-backs]
+        self.early: list[EarlyLoad] = []  # loads the packer may run while it waits for a host update (Note: [Early state])
+        self._early_lock = threading.Lock()  # the driver adds to ``early``, the packer takes from it
+        self._early_ev = None  # the last early copy's event: one at a time ahead of the loads in order
+        self.early_runs = 0  # early copies enqueued so far
 
     def take_update_wait(self) -> float:
         """Seconds loads waited for host AdamW since the last call (Note: [Auto search] in placement.py)."""
@@ -150,48 +170,102 @@ class Transfers:
         """
 
         def job():
-            for unit, _, _ in segments:
-                if self.adam.version[unit] < version:  # host wait: the unit's last update
-                    self.wait_update(layer, phase, lambda u=unit: self.adam.wait_version(u, version))
-            prev = after.get()  # host wait until the driver recorded the slot's release
-            self.delay("host-pack")
-            srcs = [(src_fn(), off) for _, src_fn, off in segments]
-            nbytes = sum(src.numel() * (src.element_size() if src.is_pinned() else dst.element_size())
-                         for src, _ in srcs)  # bytes over PCIe: a pinned source goes as it is, fp32 for the device cast
-            with self.dev.on(self.dev.h2d):
-                self.dev.wait(self.dev.h2d, prev)
-                self.delay("h2d")
-                tok = self.rec.cuda_begin("h2d", op, layer, phase, nbytes, self.dev.h2d)
-                for src, off in srcs:
-                    if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
-                        dst[off:off + src.numel()].copy_(src, non_blocking=True)
-                        continue
-                    if self.dev_stage and src.is_pinned():  # pinned fp32 master: DMA, then cast on the device
-                        for n_chunk, (a, b) in enumerate(chunks(src.numel(), self.chunk)):
-                            stage = self.dev_stage[n_chunk % 2][:b - a]  # reuse ordered by the h2d stream itself
-                            stage.copy_(src[a:b], non_blocking=True)
-                            dst[off + a:off + b].copy_(stage)
-                        continue
-                    for a, b in chunks(src.numel(), self.chunk):
-                        k = self.staging_next
-                        self.staging_next = (k + 1) % len(self.staging)
-                        if self.staging_free[k] is not None:
-                            self.staging_free[k].synchronize()  # host wait (packer): buffer k's copy done
-                        buf = self.staging[k][:b - a]
-                        with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
-                            buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
-                        dst[off + a:off + b].copy_(buf, non_blocking=True)
-                        self.staging_free[k] = self.dev.record(self.dev.h2d)
-                self.rec.cuda_end(tok, self.dev.h2d)
-                return self.dev.record(self.dev.h2d)
+            self._wait_versions(layer, phase, segments, version)
+            return self._copy_in(layer, dst, segments, after.get(), phase, op)  # after: the slot's release
 
         return self.packer.submit(job)
 
-    def wait_update(self, layer: int, phase: str, wait) -> None:
+    def _wait_versions(self, layer: int, phase: str, segments, version: int) -> None:
+        """Packer: host waits until each unit of ``segments`` has ``version`` updates."""
+        for unit, _, _ in segments:
+            if self.adam.version[unit] < version:  # host wait: the unit's last update
+                self.wait_update(layer, phase, lambda u=unit: self.adam.wait_version(u, version),
+                                 ready=lambda u=unit: self.adam.version[u] >= version)
+
+    def _copy_in(self, layer: int, dst: torch.Tensor, segments, prev, phase: str, op: str):
+        """Packer: ``segments`` into ``dst`` on the h2d stream after event ``prev``; returns the event after."""
+        self.delay("host-pack")
+        srcs = [(src_fn(), off) for _, src_fn, off in segments]
+        nbytes = sum(src.numel() * (src.element_size() if src.is_pinned() else dst.element_size())
+                     for src, _ in srcs)  # bytes over PCIe: a pinned source goes as it is, fp32 for the device cast
+        with self.dev.on(self.dev.h2d):
+            self.dev.wait(self.dev.h2d, prev)
+            self.delay("h2d")
+            tok = self.rec.cuda_begin("h2d", op, layer, phase, nbytes, self.dev.h2d)
+            for src, off in srcs:
+                if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
+                    dst[off:off + src.numel()].copy_(src, non_blocking=True)
+                    continue
+                if self.dev_stage and src.is_pinned():  # pinned fp32 master: DMA, then cast on the device
+                    for n_chunk, (a, b) in enumerate(chunks(src.numel(), self.chunk)):
+                        stage = self.dev_stage[n_chunk % 2][:b - a]  # reuse ordered by the h2d stream itself
+                        stage.copy_(src[a:b], non_blocking=True)
+                        dst[off + a:off + b].copy_(stage)
+                    continue
+                for a, b in chunks(src.numel(), self.chunk):
+                    k = self.staging_next
+                    self.staging_next = (k + 1) % len(self.staging)
+                    if self.staging_free[k] is not None:
+                        self.staging_free[k].synchronize()  # host wait (packer): buffer k's copy done
+                    buf = self.staging[k][:b - a]
+                    with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
+                        buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
+                    dst[off + a:off + b].copy_(buf, non_blocking=True)
+                    self.staging_free[k] = self.dev.record(self.dev.h2d)
+            self.rec.cuda_end(tok, self.dev.h2d)
+            return self.dev.record(self.dev.h2d)
+
+    def early_load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int,
+                   op: str = "state-in") -> EarlyLoad:
+        """Driver: a load the packer may start early, while it waits for a host update (Note: [Early state]),
+        and that ``load_early`` queues in its place in order."""
+        e = EarlyLoad(layer, dst, segments, after, phase, version, op)
+        with self._early_lock:
+            self.early.append(e)
+        return e
+
+    def clear_early(self) -> None:
+        """Driver, after a failed step: no early load of it starts any more (those in order are abandoned)."""
+        with self._early_lock:
+            self.early, self._early_ev = [], None
+
+    def load_early(self, e: EarlyLoad) -> Box:
+        """``load`` for an early load, in packer order: its copy's event, enqueued now unless it was already."""
+        def job():
+            if e.event is None:  # not started early: as any load
+                e.started = True
+                self._wait_versions(e.layer, e.phase, e.segments, e.version)
+                e.event = (self._copy_in(e.layer, e.dst, e.segments, e.after.get(), e.phase, e.op),)
+            return e.event[0]
+
+        return self.packer.submit(job)
+
+    def _fill(self) -> bool:
+        """Packer, while it waits for a host update: start the first early load that needs no wait, if the last
+        early copy is done (one at a time: a load in order that becomes ready waits behind one copy at most).
+        Returns whether one started."""
+        if self._early_ev is not None and not self._early_ev.query():
+            return False
+        with self._early_lock:
+            self.early = todo = [e for e in self.early if not e.started]
+        for e in todo:
+            if e.after.done and all(self.adam.version[u] >= e.version for u, _, _ in e.segments):
+                e.started = True
+                ev = self._copy_in(e.layer, e.dst, e.segments, e.after.get(), e.phase, e.op)
+                e.event, self._early_ev = (ev,), ev
+                self.early_runs += 1
+                return True
+        return False
+
+    def wait_update(self, layer: int, phase: str, wait, ready=None) -> None:
         """Packer: ``wait()`` for a host update that a load needs, traced as a ``wait-update`` span and
-        counted in ``update_wait_s`` (what placement "auto" measures, ``placement.Search``)."""
+        counted in ``update_wait_s`` (what placement "auto" measures, ``placement.Search``). Given
+        ``ready()`` (the update is there), early loads fill the wait (Note: [Early state])."""
         t0 = time.perf_counter()
         with self.rec.span("host-pack", "wait-update", layer, phase):
+            while ready is not None and self.early and not ready():
+                if not self._fill():
+                    self.adam.wait_until(ready, timeout=0.002)
             wait()
         self.update_wait_s += time.perf_counter() - t0
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import math
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 
@@ -102,7 +103,9 @@ class AdamWorker:
     they land (head, L-1, ..., 0); once every unit has landed, the rest go in forward order
     (embedding, 0, 1, ...), so the next step's forward of layer 0 waits for one update, not all.
     Where the next step has asked for its embedding rows (``early``, Note: [Early rows]), those go
-    first and the embedding's whole update goes last, after every other unit that has landed.
+    first and the embedding's whole update goes last, after every other unit that has landed. A unit
+    the device updated (``noop``; the host's update of it does nothing) counts as soon as it has
+    landed with a finite norm, ahead of host updates (Note: [Early state] in device_updates.py).
     When ``gate`` is set (gradient clipping, or overlap off) no unit updates before all have landed:
     the global norm needs every gradient.
     """
@@ -124,6 +127,7 @@ class AdamWorker:
         self.target: dict[int, int] = {}  # unit owned elsewhere -> updates processed here (its owner's to come)
         self.early: Callable[[int, int, float, float], bool] | None = None  # Note: [Early rows] (the engine's)
         self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
+        self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
         self.follower = None
         if shared is not None:
             from .shared_store import Follower
@@ -153,16 +157,22 @@ class AdamWorker:
         """Block until ``unit`` has processed ``version`` updates (the next forward may read it)."""
         self.wait_until(lambda: self.version[unit] >= version)
 
-    def wait_until(self, done: Callable[[], bool]) -> None:
-        """Block until ``done()``, read under ``cond``, holds (the worker notifies at each update); raises the
-        worker's error, or Aborted when the step is abandoned."""
+    def wait_until(self, done: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block until ``done()``, read under ``cond``, holds (the worker notifies at each update), or for at
+        most ``timeout`` seconds; returns ``done()``. Raises the worker's error, or Aborted when the step is
+        abandoned."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self.cond:
             while not done():
                 if self.error is not None:
                     raise self.error
                 if self.abort.is_set():
                     raise Aborted("step abandoned")
-                self.cond.wait(0.05)
+                left = 0.05 if end is None else min(0.05, end - time.monotonic())
+                if left <= 0:
+                    return False
+                self.cond.wait(left)
+            return True
 
     def wait_all(self, version: int) -> None:
         for u in self.order:
@@ -199,6 +209,10 @@ class AdamWorker:
         todo = [u for u in self.arrivals if u not in done]
         if not todo:
             return None
+        if self.noop is not None:  # Note: [Early state]: a unit the device updated counts at once, not behind host
+            quick = [u for u in todo if self.noop(u) and math.isfinite(self.landed[u])]  # updates (a finite one
+            if quick:  # changes no verdict: a non-finite one keeps its place, and what follows it is skipped)
+                return quick[0]
         if len(self.landed) == len(self.order):
             return min(todo, key=lambda u: (u in deferred, self.order.index(u)))
         return todo[0]

@@ -125,3 +125,29 @@ def test_the_adam_workers_threads_apply_to_its_own_thread_only():
         assert torch.get_num_threads() == before
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("norms, want", [({0: 1.0, 1: 1.0, 2: 1.0}, [2, 0, 1]),
+                                         ({0: 1.0, 1: 1.0, 2: float("nan")}, [0, 1])],
+                         ids=["finite", "non_finite_device_unit"])
+def test_the_adam_worker_counts_a_device_updated_unit_first_unless_its_norm_is_non_finite(norms, want):
+    """Note: [Early state]: a landed unit that the device updated (``AdamWorker.noop``) is counted before the host
+    updates that landed ahead of it, so that a load of it need not wait behind them; a non-finite one keeps its
+    place, and the units after it are skipped as ever."""
+    import threading
+
+    from megatrain_nb.workers import AdamWorker, Box
+
+    calls = []
+    w = AdamWorker([0, 1, 2], lambda u, lr, scale: calls.append(u), threading.Event())
+    w.noop = lambda u: u == 2
+    try:
+        loss = Box()
+        w.begin(step=0, lr=1e-3, gate=False, clip=lambda n: (1.0, 0.0), loss=loss)
+        for u in (0, 1, 2):  # every unit lands before the worker reads the loss
+            w.land(u, norms[u], step=0)
+        loss.put(1.0)
+        w.wait_all(1)
+        assert calls == want
+    finally:
+        w.close()

@@ -702,3 +702,23 @@ def test_stream_rate_balances_the_host_rate_with_the_head_groups_state_and_start
         assert du.share == pytest.approx(want) and du.rated == 1
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_state_loads_start_while_the_packer_waits_for_a_host_update(hf_dir, family):
+    """Note: [Early state]: with the host's updates held up (a delay per unit), the packer starts the backward's
+    first state loads while it waits for the forward's host updates; the run equals one without the delay."""
+    d = hf_dir(family, num_hidden_layers=4)  # layers 0, 1 "device"; 2, 3 on the host, 3 updated first
+    L_ = _head(d)
+    mix = {0: "device", 1: "device"} | ({-1: "device", L_: "device"} if family == "llama_tied" else {})
+    batches = make_batches(VOCAB, 4)
+    want = _losses(d, batches, mix)
+    s = Session.from_pretrained(d, lr=LR, placement=mix)
+    try:
+        s.engine.delays["host-adam"] = 0.05  # seconds per unit update: every forward load of a host unit waits
+        got = train_session(s, batches)
+        runs = s.engine.io.early_runs
+    finally:
+        s.close()
+    assert runs >= len(batches) - 1  # one a step, from the second (the first step's forward loads wait for nothing)
+    assert got == want

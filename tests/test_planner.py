@@ -435,9 +435,9 @@ def test_auto_placement_chooses_as_the_engine_search_does():
     assert n(small) == 38 and small.recomputed_layers == 0  # everything fits: nothing to search
 
 
-def test_a_streamed_plan_writes_state_back_on_its_own_lane_and_the_step_waits_for_it():
+def test_a_streamed_plan_writes_state_back_on_its_own_lane_and_no_step_waits_for_it():
     """Note: [State write-backs]: "device" units' state goes out on lane d2h-state, not behind (or ahead of) the
-    gradients on d2h, and the step's end (the driver's return) is after the last write-back."""
+    gradients on d2h; Note: [Late write-backs]: the last ones run into the next step (before its origin)."""
     p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, weight_slots=36, placement=dict.fromkeys(range(10), "device"))
     df = p.simulate()
     state = df[df.lane == "d2h-state"]
@@ -445,3 +445,22 @@ def test_a_streamed_plan_writes_state_back_on_its_own_lane_and_the_step_waits_fo
     assert set(df[df.lane == "d2h"].op) == {"d2h"}  # gradients only
     rows = df[(df.lane == "d2h") & (df.layer == -1)]  # the embedding rows' gradients: not queued behind the state
     assert rows.start_ms.min() < state.end_ms.max()
+    steady = p.simulate_steady()
+    late = steady[(steady.lane == "d2h-state") & (steady.start_ms < 0)]
+    assert len(late) and set(late.layer) <= set(range(10))  # the last layers' write-backs, begun in the step before
+
+
+def test_the_simulated_loader_starts_state_loads_while_it_waits_for_a_host_update():
+    """Note: [Early state]: in a steady `stream` step whose first host-placed layer's update is late, the
+    simulated loader starts the backward's first state loads (slots free, units landed) while it waits, as the
+    engine's packer does; without that the h2d lane would idle, so the step is no longer than without it."""
+    slow = dataclasses.replace(H200, host_adam_params_per_s=1.2e9)
+    p = plan(QWEN25_3B, batch=1, seq=4096, hardware=slow, cast_on_device=True, weight_slots=36,
+             placement=dict.fromkeys(range(20), "device"))
+    df = p.simulate_steady()
+    h2d = df[(df.lane == "h2d") & (df.start_ms >= 0)].sort_values("start_ms")
+    first_weights = h2d[h2d.op == "h2d"].start_ms.min()
+    early = h2d[(h2d.op == "state-in") & (h2d.start_ms < first_weights)]
+    assert len(early) >= 1 and set(early.layer) <= set(range(12, 20))  # the backward's first "device" layers
+    waits = df[(df.op == "wait-update") & (df.start_ms >= 0)]
+    assert early.start_ms.min() >= waits.start_ms.min()  # started during the loader's wait
