@@ -3,8 +3,10 @@
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
 # s11:       first: Note [Early state] (the backward's first state loads while the packer waits for a host
 #            update; not measured): stream 3B x 1 / x 4 at today's code, then at 35f5042 (before it: git archive
-#            35f5042 megatrain_nb bench, unpacked in .s11old and carried), then tests/test_gpu.py (~6 minutes).
-#            Then python bench/planner_placement.py --results ROWS. Target at x 1: 110 (102-112 in the tenth session).
+#            35f5042 megatrain_nb bench, unpacked in .s11old and carried), then the share's host window at 0.75 and
+#            0.8 in one session (the planner now puts the best share one or two layers lower than 0.75 picks: 3B x 1
+#            at 695 -> 677 ms for a host rate of 1.75), then tests/test_gpu.py (~8 minutes). Then
+#            python bench/planner_placement.py --results ROWS. Target at x 1: 110 (102-112 in the tenth session).
 # s11b:      the host's AdamW beside the DMA with the upcast in smaller chunks (bench/host_contention.py --chunks:
 #            less host memory traffic), then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
@@ -71,6 +73,9 @@ s11)  # Note [Early state] beside 35f5042, then tests/test_gpu.py (~6 minutes)
     . bench/h200_lib.sh
     export STEPS=6; bench 3b stream 1 4
     beside_old .s11old 35f5042
+    timeout 240 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 --placement stream \
+        --host-window 0.75 0.8 --out "$OUT/bench_window.jsonl" --save-trace "$OUT/tr_window" 2>&1 | tee -a "$OUT/steps.log" \
+        | grep -v "^  batch" | cut -c1-300
     gpu_tests 200
     pack && rm -rf "$OUT"/tr_* ;;
 s11b)  # the upcast's chunk beside the DMA, then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes)

@@ -9,6 +9,7 @@ host RSS and host bytes/param.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -21,6 +22,7 @@ from rows import emit, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
+from megatrain_nb import placement as placing  # noqa: E402
 from megatrain_nb.optim import HostAdamW  # noqa: E402
 from megatrain_nb import transfers as _transfers  # noqa: E402
 from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
@@ -93,6 +95,9 @@ def main(argv=None) -> None:
     ap.add_argument("--host-threads", type=int, nargs="+", default=None,
                     help="intra-op threads of the host's AdamW worker (default: torch's, every core): each value is a "
                          "run of every batch in the same session, after each --switch-ms")
+    ap.add_argument("--host-window", type=float, nargs="+", default=None,
+                    help="placement.HOST_WINDOW values (Note [Host window]; default 0.75): each a run of every batch in the "
+                         "same session, its share set again from the host rate over the warm-up steps")
     ap.add_argument("--adam-chunk", type=int, default=None,
                     help="HostAdamW.chunk_numel: elements of bf16 gradients upcast at a time (a multiple of 64; "
                          "the same numbers at any size, Note [Chunked upcast])")
@@ -122,12 +127,15 @@ def main(argv=None) -> None:
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
           f"host {rep['total'] / 2**30:.1f} GiB ({rep['bytes_per_param']:.2f} B/param), init {init_s:.0f}s", flush=True)
     g = torch.Generator().manual_seed(0)
-    variants = [(sw, th) for sw in (a.switch_ms or [None]) for th in (a.host_threads or [None])]
-    for sw, th in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
+    variants = list(itertools.product(a.switch_ms or [None], a.host_threads or [None], a.host_window or [None]))
+    for sw, th, win in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
         if sw is not None:
             sys.setswitchinterval(sw / 1e3)
         s.engine.adam.threads = th
-        suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}"
+        if win is not None:  # "stream" sets its share again from the next steps' host rate (Note: [Stream rate])
+            placing.HOST_WINDOW = win
+            s.engine.device_updates.rated, s.engine.device_updates.adam_rate = 0, (0, 0.0)
+        suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}" + ("" if win is None else f"_w{win}")
         for B in a.batch:
             s.engine.keep = None  # re-derive the activation policy for this batch size
             cuda = a.device.startswith("cuda")
@@ -175,7 +183,7 @@ def main(argv=None) -> None:
                        streamed_head=bool(s.engine.device_updates.head_streamed),  # Note: [Streamed head]
                        state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
                        switch_ms=round(sys.getswitchinterval() * 1e3, 3), host_threads=th or torch.get_num_threads(),
-                       adam_chunk=HostAdamW.chunk_numel,
+                       adam_chunk=HostAdamW.chunk_numel, host_window=placing.HOST_WINDOW,
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:
