@@ -405,9 +405,10 @@ class DeviceUpdates:
         n_head = self.store.units[self.L].layout.numel
         grads = [g[:n_head]] + ([self.hgrad] if self.arch.tied else [])  # the head's share; the embedding's, fp32
         updated = self._update_in_state(units, self.hstate, grads, done, self.hload, lr, weights)
+        self.norms[units[-1]] = norm = self.io.read_norm(units[-1], done)  # for the step's report, as a layer's
         _, self.head_written = self.io.grads(units[-1], self.hstate, self._write_segments(units), updated, "bwd",
-                                             op="state-out", enqueued=self.hstate_box,
-                                             step=step)  # the next state load waits for it
+                                             op="state-out", enqueued=self.hstate_box, step=step,
+                                             host_fn=norm.get)  # the next state load waits for it
         return Box(ready=True, value=updated)
 
     def _next_slot(self) -> int:

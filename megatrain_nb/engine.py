@@ -121,7 +121,6 @@ class Engine:
         self._pending: tuple | None = None  # last step's raw records and slot uses, until `trace` is read
         self._trace = None
         self._embed_rows: torch.Tensor | None = None  # token ids whose rows the untied embed grad holds
-        self._head_norm: Box | None = None  # a streamed tied head group's embedding norm (Note: [Streamed head])
         _LIVE.add(self)
 
     @property
@@ -216,7 +215,6 @@ class Engine:
         """
         with contextlib.suppress(Exception):  # a failed write-back: the failed step's own error stands
             self.device_updates.wait_writes()
-        self._head_norm = None
         self.abort.set()
         self.io.drain_quietly()
         with self.adam.cond:
@@ -296,11 +294,8 @@ class Engine:
         loss = float(loss_box.get())
         with self.adam.cond:  # every unit that goes through the unpacker has landed: its grad norm is known
             norms = dict(adam_step["landed"])
-        for u, n in du.streamed_norms().items():  # "device" units' land with their write-backs, later
-            norms.setdefault(u, n)
-        if self._head_norm is not None:  # but a streamed tied head group, whose write-back lands later
-            norms.setdefault(-1, self._head_norm.get())
-            self._head_norm = None
+        for u, n in du.streamed_norms().items():  # "device" units (the head group's too) land with their
+            norms.setdefault(u, n)  # write-backs, later
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
             du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
@@ -786,8 +781,7 @@ class Engine:
                     du.landed(-1, self.ocfg.lr_at(self.steps_done), done)  # its norm counts in the verdict
                     self.head_gbox = du.stream_head(self.head_gslot, done, self.ocfg.lr_at(self.steps_done),
                                                     self.head_slot, self.steps_done)
-                    self._head_norm = self.io.read_norm(-1, done)  # its landing comes with its write-back, later
-                    return self._head_norm  # on the unpacker: after every gradient it took has landed
+                    return du.norms[-1]  # its norm, on the unpacker: after every gradient it took has landed
                 rec.cuda_end(tok, dev.compute)
                 done = dev.record(dev.compute)
                 if self._dE_host is None or self._dE_host.numel() < dE.numel():

@@ -351,29 +351,36 @@ def _hold_write_backs(monkeypatch, s, unit: int, gates: list) -> None:
     monkeypatch.setattr(io, "grads", held)
 
 
-@pytest.mark.parametrize("held", [-1, 0], ids=["head_group", "layer"])
-def test_no_step_waits_for_a_state_write_back(hf_dir, monkeypatch, held):
+@pytest.mark.parametrize("family, held", [("llama_tied", -1), ("llama_tied", 0), ("llama", "head")],
+                         ids=["head_group", "layer", "untied_head"])
+def test_no_step_waits_for_a_state_write_back(hf_dir, monkeypatch, family, held):
     """Note: [Late write-backs], [Streamed head]: a step returns before a "device" unit's state is back on
     the host (the writer is held up here); the next step's state load, settle and the reported grad norm
-    wait for what they need, and the run equals one whose write-backs were never held."""
+    wait for what they need, and the run equals one whose write-backs were never held. The grad norms are
+    those of a run that updates everything on the host."""
     import threading
 
-    d = hf_dir("llama_tied")
+    d = hf_dir(family)
     L_ = _head(d)
-    mix = {-1: "device", L_: "device", 0: "device"}
+    held = L_ if held == "head" else held
+    mix = {L_: "device", 0: "device"} | ({-1: "device"} if family == "llama_tied" else {})
     batches = make_batches(VOCAB, 3)
-    clean = Session.from_pretrained(d, lr=LR, placement=mix)
-    try:
-        want = [(r.loss, r.grad_norm) for r in map(clean.step, batches)]
-    finally:
-        clean.close()
+    norms = {}
+    for p in ("host", mix):
+        clean = Session.from_pretrained(d, lr=LR, placement=p)
+        try:
+            norms[str(p)] = [(r.loss, r.grad_norm) for r in map(clean.step, batches)]
+        finally:
+            clean.close()
+    want = norms[str(mix)]
+    assert [n for _, n in want] == pytest.approx([n for _, n in norms["host"]], rel=1e-5)
     s = Session.from_pretrained(d, lr=LR, placement=mix)
     try:
         gates, got, du = [], [], s.engine.device_updates
         _hold_write_backs(monkeypatch, s, held, gates)
         for b in batches:
             r = s.step(b)
-            pending = du.head_written if held == -1 else du.writes[-1]
+            pending = du.head_written if held in (-1, L_) else du.writes[-1]
             assert not pending.done  # returned before it landed
             assert s.engine.adam.version[held] < s.engine.steps_done  # so the worker has not counted it
             got.append((r.loss, r.grad_norm))
