@@ -3,11 +3,15 @@
 Owns: applying ``placement.choose`` between steps (moving resident groups in and out, the state slots
 of "device" units), the "auto" search's measurements, each device update's timing — a resident group
 as soon as its gradients are complete, beside the backward (Note: [Device updates]), a "device"
-unit's update in its streamed-in state (Note: [Streamed updates] in placement.py), or every resident
-unit after the backward when gated — and the per-unit placement table.
+unit's update in its streamed-in state (Note: [Streamed updates] in placement.py; the head group's,
+Note: [Streamed head]), or every resident unit after the backward when gated — the state slots' loads
+(Note: [Early state]) and write-backs (Note: [Late write-backs]), and the per-unit placement table.
 Does not own: the order of a step (engine.py calls in at named points: ``place``, ``begin``,
-``loss_known``, ``landed``, ``stream_update``, ``end_backward``, ``gated_update``, ``after_step``),
-the choice itself (placement.py, pure), the AdamW arithmetic (``optim.DeviceAdamW``).
+``early_state``, ``loss_known``, ``landed``, ``stream_update``, ``stream_head``, ``end_backward``,
+``wait_writes``, ``gated_update``, ``after_step``), the choice itself (placement.py, pure), the AdamW
+arithmetic (``optim.DeviceAdamW``), the copies (transfers.py).
+About 500 lines because resident groups and streamed units share one device AdamW, the step's
+non-finite flag, its hooks and its failure path (``recover``); apart, each half would hold a copy.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 
 from . import placement as placing
 from .optim import DeviceAdamW, grad_norm
-from .transfers import memory_total
+from .transfers import PendingLoad, memory_total
 from .workers import Box
 
 
@@ -44,7 +48,7 @@ class DeviceUpdates:
         self.updated = None  # event after this step's last overlapped device update
         self.writes: list[Box] = []  # state write-backs' landings that no step has waited for (Note: [Late write-backs])
         self.norms: dict[int, Box] = {}  # this step's "device" units' grad norms, read apart from their write-backs
-        self._early: dict[int, tuple] = {}  # unit -> (state slot, EarlyLoad, write-back box) (Note: [Early state])
+        self._early: dict[int, tuple] = {}  # unit -> (state slot, PendingLoad, write-back box) (Note: [Early state])
         self.head_units = (self.L, -1) if arch.tied else (self.L,)  # the head slot's units, in its order
         self.hstate: torch.Tensor | None = None  # the head group's state on its way through (Note: [Streamed head])
         self.hgrad: torch.Tensor | None = None  # a streamed tied embedding's fp32 gradient
@@ -351,18 +355,22 @@ class DeviceUpdates:
 
             def submit(i=op.layer):
                 j = self._next_slot()
-                early = self._early.pop(i, None)
-                if early is not None:  # registered at the step's start (Note: [Early state]): same slot, same boxes
-                    assert early[0] == j, (i, early[0], j)
-                    return j, self.io.load_early(early[1]), early[2]
-                box = self.io.load(i, self.sslots[j], self._load_segments((i,)), self.sslot_box[j], "bwd", steps_done,
-                                   op="state-in")
-                self.sslot_box[j] = Box(abort)  # filled by this unit's write-back (stream_update)
-                return j, box, self.sslot_box[j]
+                early = self._early.pop(i, None)  # registered at the step's start (Note: [Early state])
+                assert early is None or early[0] == j, (i, early, j)  # the same slot in the same turn
+                load, written = early[1:] if early else self._state_load(i, j, steps_done, abort)
+                return j, self.io.queue(load), written
 
             out.append((k, submit))
         self._slot_turn = 0
         return out
+
+    def _state_load(self, i: int, j: int, steps_done: int, abort) -> tuple:
+        """Unit ``i``'s state load into state slot ``j`` after the slot's last write-back, and the box of
+        its own write-back (stream_update fills it), which the slot's next load waits for."""
+        load = PendingLoad(i, self.sslots[j], self._load_segments((i,)), self.sslot_box[j], "bwd", steps_done,
+                           "state-in")
+        self.sslot_box[j] = written = Box(abort)
+        return load, written
 
     def early_state(self, steps_done: int, abort) -> None:
         """Driver, at a step's start: the backward's first state loads, one per state slot, registered as
@@ -380,11 +388,10 @@ class DeviceUpdates:
         if not self.sslots:
             return
         units = sorted((u for u in self.opt.streamed if 0 <= u < self.L and self.store.owns(u)), reverse=True)
-        for turn, i in enumerate(units[:len(self.sslots)]):
-            j = turn % len(self.sslots)
-            e = self.io.early_load(i, self.sslots[j], self._load_segments((i,)), self.sslot_box[j], "bwd", steps_done)
-            self.sslot_box[j] = written = Box(abort)  # filled by this unit's write-back (stream_update)
-            self._early[i] = (j, e, written)
+        for j, i in enumerate(units[:len(self.sslots)]):  # turn j: state slot j
+            load, written = self._state_load(i, j, steps_done, abort)
+            self.io.allow_early(load)
+            self._early[i] = (j, load, written)
 
     def head_state_in(self, steps_done: int, abort) -> None:
         """Driver: queue the head group's state load (master, moments; Note: [Streamed head]) on the packer,

@@ -407,9 +407,9 @@ class Engine:
         "slot": op index -> slot, "state": bwd op index -> (state slot, its load's box, its write-back's
         box), "after": the layer each slot holds once ``ops`` are done, "cast": slots that a "device"
         unit's update refilled from its new master (``_backward``)}. A load waits for the release of its
-        slot's previous use: in this plan (``Load.after``) or in an earlier one (``self.slot_box``). The backward of a "device" unit also needs its
-        optimizer state: loaded right after its weights, into the state slot whose last write-back
-        has been copied out (Note: [Streamed updates] in placement.py).
+        slot's previous use: in this plan (``Load.after``) or in an earlier one (``self.slot_box``). The
+        backward of a "device" unit also needs its optimizer state: loaded right after its weights, into
+        the state slot whose last write-back has been copied out (Note: [Streamed updates] in placement.py).
         """
         slot_ops = [Op("resident", op.layer, op.phase) if op.layer in self.dev_opt.of else op for op in ops]
         loads, after, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
@@ -570,10 +570,10 @@ class Engine:
         """
         dev = self.dev.device
         up = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
-        ids = self.device_updates.head_streamed and self.arch.tied
+        rows_here = self.device_updates.head_streamed and self.arch.tied
         return [{"mask": None if mb["attention_mask"] is None else up(mb["attention_mask"]),
                  "pos": self.arch.position_kwargs(mb.get("position_ids"), dev),  # packed rows: packing.py
-                 "labels": up(mb["shift_labels"]), "ids": up(mb["input_ids"]) if ids else None} for mb in mbs]
+                 "labels": up(mb["shift_labels"]), "ids": up(mb["input_ids"]) if rows_here else None} for mb in mbs]
 
     def _forward(self, embeds, fops, plan, small) -> dict:
         arch, rec, dev = self.arch, self.rec, self.dev

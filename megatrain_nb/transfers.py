@@ -6,7 +6,8 @@ fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy
 thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then tells the Adam
 worker) and the writer thread (a "device" unit's state back, Note: [State write-backs]). Every host
 wait here happens in a worker thread; the driver only waits on the boxes these methods return.
-A little over 400 lines: the three workers share the staging pools, the chunking and the delay hooks.
+About 500 lines: the three workers share the staging pools, the chunking and the delay hooks, and the
+packer's early loads (Note: [Early state] in device_updates.py) are its own waits filled.
 Does not own: what to load when (schedule.py, engine.py), compute, or the optimizer's arithmetic.
 """
 from __future__ import annotations
@@ -104,8 +105,9 @@ def chunks(n: int, size: int):
 
 
 @dataclasses.dataclass(eq=False)
-class EarlyLoad:
-    """A load that may run ahead of its place in the packer's order (Note: [Early state] in device_updates.py)."""
+class PendingLoad:
+    """A load for the packer (``Transfers.queue``); one registered with ``allow_early`` may start ahead of its
+    place in the packer's order (Note: [Early state] in device_updates.py)."""
 
     layer: int
     dst: torch.Tensor
@@ -150,7 +152,7 @@ class Transfers:
         self.packer = Worker("host-pack", abort)
         self.unpacker = Worker("host-unpack", abort)
         self.writer = Worker("host-writeback", abort)  # Note: [State write-backs]
-        self.early: list[EarlyLoad] = []  # loads the packer may run while it waits for a host update (Note: [Early state])
+        self.early: list[PendingLoad] = []  # loads the packer may run while it waits for a host update (Note: [Early state])
         self._early_lock = threading.Lock()  # the driver adds to ``early``, the packer takes from it
         self._early_ev = None  # the last early copy's event: one at a time ahead of the loads in order
         self.early_runs = 0  # early copies enqueued so far
@@ -168,12 +170,23 @@ class Transfers:
         segments: [(unit, src_fn, dst_offset)]; src_fn() -> the host flat tensor to send. Returns the
         box of the "loaded" event on the h2d stream (put once every copy is enqueued).
         """
+        return self.queue(PendingLoad(layer, dst, segments, after, phase, version, op))
 
+    def queue(self, p: PendingLoad) -> Box:
+        """Packer, in order: wait for ``p``'s units' updates and its ``after``, then its copy; the box of its
+        event. A load that started early (``allow_early``) is not copied again: its event is the box's."""
         def job():
-            self._wait_versions(layer, phase, segments, version)
-            return self._copy_in(layer, dst, segments, after.get(), phase, op)  # after: the slot's release
+            if not p.started:
+                p.started = True  # from here on no wait of this job starts it early
+                self._wait_versions(p.layer, p.phase, p.segments, p.version)
+                self._start(p)
+            return p.event[0]
 
         return self.packer.submit(job)
+
+    def _start(self, p: PendingLoad) -> None:
+        """Packer: ``p``'s copy, once its units and its ``after`` are ready (the slot's release)."""
+        p.event = (self._copy_in(p.layer, p.dst, p.segments, p.after.get(), p.phase, p.op),)
 
     def _wait_versions(self, layer: int, phase: str, segments, version: int) -> None:
         """Packer: host waits until each unit of ``segments`` has ``version`` updates."""
@@ -215,30 +228,16 @@ class Transfers:
             self.rec.cuda_end(tok, self.dev.h2d)
             return self.dev.record(self.dev.h2d)
 
-    def early_load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int,
-                   op: str = "state-in") -> EarlyLoad:
-        """Driver: a load the packer may start early, while it waits for a host update (Note: [Early state]),
-        and that ``load_early`` queues in its place in order."""
-        e = EarlyLoad(layer, dst, segments, after, phase, version, op)
+    def allow_early(self, p: PendingLoad) -> None:
+        """Driver: the packer may start ``p`` while it waits for a host update (Note: [Early state]);
+        ``queue(p)`` still gives it its place in order."""
         with self._early_lock:
-            self.early.append(e)
-        return e
+            self.early.append(p)
 
     def clear_early(self) -> None:
         """Driver, after a failed step: no early load of it starts any more (those in order are abandoned)."""
         with self._early_lock:
             self.early, self._early_ev = [], None
-
-    def load_early(self, e: EarlyLoad) -> Box:
-        """``load`` for an early load, in packer order: its copy's event, enqueued now unless it was already."""
-        def job():
-            if e.event is None:  # not started early: as any load
-                e.started = True
-                self._wait_versions(e.layer, e.phase, e.segments, e.version)
-                e.event = (self._copy_in(e.layer, e.dst, e.segments, e.after.get(), e.phase, e.op),)
-            return e.event[0]
-
-        return self.packer.submit(job)
 
     def _fill(self) -> bool:
         """Packer, while it waits for a host update: start the first early load that needs no wait, if the last
@@ -247,12 +246,12 @@ class Transfers:
         if self._early_ev is not None and not self._early_ev.query():
             return False
         with self._early_lock:
-            self.early = todo = [e for e in self.early if not e.started]
-        for e in todo:
-            if e.after.done and all(self.adam.version[u] >= e.version for u, _, _ in e.segments):
-                e.started = True
-                ev = self._copy_in(e.layer, e.dst, e.segments, e.after.get(), e.phase, e.op)
-                e.event, self._early_ev = (ev,), ev
+            self.early = todo = [p for p in self.early if not p.started]
+        for p in todo:
+            if p.after.done and all(self.adam.version[u] >= p.version for u, _, _ in p.segments):
+                p.started = True
+                self._start(p)
+                self._early_ev = p.event[0]
                 self.early_runs += 1
                 return True
         return False

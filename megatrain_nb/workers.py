@@ -146,7 +146,7 @@ class AdamWorker:
 
     def land(self, unit: int, norm: float, step: int | None = None) -> None:
         """Unit's gradients for step ``step`` are in host memory; None: the newest step (a step begins after
-        the last one landed, but for a streamed head group's write-back: Note: [Streamed head] in placement.py)."""
+        the last one landed, but for a "device" unit's write-back: Note: [Late write-backs] in device_updates.py)."""
         with self.cond:
             st = self.steps[-1] if step is None else next(s for s in self.steps if s["step"] == step)
             st["landed"][unit] = norm
