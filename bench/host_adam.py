@@ -21,7 +21,8 @@ from megatrain_nb.config import OptimConfig
 from megatrain_nb.optim import HostAdamW
 
 
-def _store(n: int, grad_dtype: torch.dtype):
+def stand_in_store(n: int, grad_dtype: torch.dtype):
+    """A HostStore stand-in with one unit of ``n`` elements (random master, small gradients of ``grad_dtype``)."""
     unit = types.SimpleNamespace(master=torch.randn(n) * 0.02, grad=torch.randn(n).to(grad_dtype) * 1e-3,
                                  exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
     return types.SimpleNamespace(units={0: unit}, step_count=lambda u: torch.zeros(()))
@@ -29,7 +30,7 @@ def _store(n: int, grad_dtype: torch.dtype):
 
 def measure(n: int, grad_dtype: torch.dtype, chunk: int, reps: int) -> dict:
     HostAdamW.chunk_numel = chunk
-    opt = HostAdamW(_store(n, grad_dtype), OptimConfig(lr=1e-5))
+    opt = HostAdamW(stand_in_store(n, grad_dtype), OptimConfig(lr=1e-5))
     opt.update(0, 1e-5)  # warm-up: scratch, thread pool
     times = []
     for _ in range(reps):

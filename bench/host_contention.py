@@ -19,11 +19,11 @@ import statistics
 import sys
 import threading
 import time
-import types
 
 import torch
 
-from rows import emit  # bench/ is on sys.path when this runs as a script
+from host_adam import stand_in_store  # bench/ is on sys.path when this runs as a script
+from rows import emit
 
 from megatrain_nb.config import OptimConfig
 from megatrain_nb.optim import HostAdamW, _fused
@@ -85,9 +85,8 @@ def _adam(n: int, threads: int, reps: int, cast: bool) -> float:
     """Median seconds of one HostAdamW.update on an ``n``-element unit with bf16 grads, in a thread of its own
     with ``threads`` intra-op threads (as the engine's worker); ``cast``: each chunk's new master is also cast
     into a bf16 copy right after its update."""
-    unit = types.SimpleNamespace(master=torch.randn(n) * 0.02, grad=(torch.randn(n) * 1e-3).bfloat16(),
-                                 exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
-    opt = HostAdamW(types.SimpleNamespace(units={0: unit}, step_count=lambda u: torch.zeros(())), OptimConfig(lr=1e-5))
+    store = stand_in_store(n, torch.bfloat16)
+    unit, opt = store.units[0], HostAdamW(store, OptimConfig(lr=1e-5))
     out, times = torch.empty(n, dtype=torch.bfloat16), []
     scratch, step = torch.empty(min(n, opt.chunk_numel)), torch.zeros(())
 
