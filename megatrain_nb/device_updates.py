@@ -54,7 +54,7 @@ class DeviceUpdates:
         self.hgrad: torch.Tensor | None = None  # a streamed tied embedding's fp32 gradient
         self.hstate_box = Box(ready=True)  # the head group's last write-back (copied out)
         self.hload: Box | None = None  # this step's load of the head group's state
-        self.head_written: Box | None = None  # its last write-back's landing: no step waits for it, settle does
+        self.head_written: Box | None = None  # its last write-back's landing (in ``writes`` too until it lands)
         self.t_start = 0.0
 
     def agree(self, value: float, op: str) -> float:
@@ -85,7 +85,7 @@ class DeviceUpdates:
         self.io.clear_early()
 
     def wait_writes(self, every: bool = True) -> None:
-        """Driver: wait for the state write-backs no step has waited for, the head group's included; raises
+        """Driver: wait for the state write-backs no step has waited for (the head group's too); raises
         what one raised. ``every=False``: only collect those already landed (their errors surface here).
 
         Note: [Late write-backs] a "device" unit's master and moments go back to the host after its update
@@ -99,8 +99,7 @@ class DeviceUpdates:
         (``streamed_norms``); the write-back hands the worker that value. A failed write-back raises at
         the next step's end, or at ``settle``. The head group's write-back was the first to go this way
         (Note: [Streamed head] in placement.py)."""
-        pending = self.writes + ([self.head_written] if self.head_written is not None else [])
-        for box in pending:
+        for box in self.writes:
             if every or box.done:
                 box.get()
         self.writes = [b for b in self.writes if not b.done]
@@ -416,6 +415,7 @@ class DeviceUpdates:
         _, self.head_written = self.io.grads(units[-1], self.hstate, self._write_segments(units), updated, "bwd",
                                              op="state-out", enqueued=self.hstate_box, step=step,
                                              host_fn=norm.get)  # the next state load waits for it
+        self.writes.append(self.head_written)
         return Box(ready=True, value=updated)
 
     def _next_slot(self) -> int:
