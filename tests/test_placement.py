@@ -451,7 +451,8 @@ def test_non_finite_loss_skips_resident_updates_too(hf_dir, nonfinite):
         train_session(s, make_batches(VOCAB, 1))
         s.engine.settle()  # the first step's host updates are applied before we look
         with torch.no_grad():
-            s.engine.dev_opt.of[1].w[:8] = float("nan")  # layer 1's weights: the loss becomes NaN
+            s.engine.dev_opt.of[1].w[:] = float("nan")  # layer 1's weights, all of them: the loss becomes NaN (a few
+            # q_proj entries did not with transformers 5.24, whose CPU attention returned finite outputs)
         before = {u: (s.engine.dev_opt.of[u].master.clone(), float(s.engine.dev_opt.of[u].steps[u])) for u in (-1, 2, L_)}
         host0 = s.store.units[0].master.clone()
         if nonfinite == "raise":
