@@ -116,6 +116,11 @@ class EngineConfig:
     compute dtype: twice the PCIe bytes of a bf16 copy, but no host cast at all, neither when packing
     nor after the update. CUDA only; excludes pin_store. None: on when CUDA is used, pin_store is not
     set and the store fits in 90% of host RAM (faster than pin_store on the H200 at every batch)."""
+    split_master: bool | None = None
+    """Hold a "device" layer's fp32 master in host memory as its bf16 weights plus 16 more bits, exactly, so
+    that its state comes in as 10 bytes a parameter instead of 12 (Note: [Split master] in split_master.py).
+    None: wherever it applies (bf16 compute, no ``pin_store`` copy, one process's own store). False: never
+    (fp32 masters throughout). True: as None, but an error where it cannot apply."""
     offload_checkpoints: bool | None = None
     """Where the inputs of recompute blocks wait for the backward. True: all in host memory (pinned on
     CUDA), fetched back one block ahead: GPU memory then no longer grows with depth, for B*T*H*dtype
@@ -208,6 +213,11 @@ class EngineConfig:
             raise ValueError("cast_on_device=True needs device='cuda' (it pins host memory); use cast_on_device=None")
         if self.cast_on_device and self.pin_store:
             raise ValueError("cast_on_device=True and pin_store=True both pin the store; choose one")
+        if self.split_master not in (None, True, False):
+            raise ValueError(f"split_master={self.split_master!r}: use None (where it applies), True or False")
+        if self.split_master and (self.dtype != torch.bfloat16 or self.pin_store):
+            raise ValueError(f"split_master=True needs dtype=torch.bfloat16 (got {self.dtype}) and no pin_store "
+                             "(its bf16 copy already is the weights); use split_master=None")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
         if self.tile_tokens is not None and (not isinstance(self.tile_tokens, int) or self.tile_tokens < 0):

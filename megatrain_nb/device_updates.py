@@ -20,6 +20,7 @@ import time
 import torch
 
 from . import placement as placing
+from . import split_master
 from .optim import DeviceAdamW, grad_norm
 from .transfers import PendingLoad, memory_total
 from .workers import Box
@@ -56,6 +57,11 @@ class DeviceUpdates:
         self.hload: Box | None = None  # this step's load of the head group's state
         self.head_written: Box | None = None  # its last write-back's landing (in ``writes`` too until it lands)
         self.t_start = 0.0
+        self.split = (ecfg.split_master is not False and dtype == torch.bfloat16 and store.shadow_dtype is None
+                      and store.shared is None)  # "device" layers' masters held as [R | D] (Note: [Split master])
+        self.state_rows = 4 if self.split else 3  # a state slot's rows of the largest layer: master, moments, [R | D]
+        self.held = ecfg.weight_slots is not None and ecfg.weight_slots >= self.L  # every layer keeps its weight
+        # slot: a split layer's R is there when its state comes in, and D alone crosses (Note: [Held weights])
 
     def agree(self, value: float, op: str) -> float:
         """Under data parallel the min / max over ranks, so that every rank places alike; else ``value``."""
@@ -155,10 +161,12 @@ class DeviceUpdates:
         moving = [g for g in placing.groups(self.L, self.arch.tied)
                   if (want[g[0]].placement == "resident") != (g in opt.groups)]
         streaming = {u for u, c in want.items() if c.placement == "device"}
+        split = self.splittable(streaming)
+        if split != self.store.split:  # Note: [Split master]: a layer leaving "device" is fp32 again before its
+            self.quiesce(steps_done)  # host update or its move to the device reads it
+            self.store.join_units(self.store.split - split)
         if moving or streaming != set(opt.streamed):
-            self.adam.wait_all(steps_done)  # host wait: every host update of finished steps is applied
-            if self.dev.cuda:
-                torch.cuda.synchronize(self.dev.device)  # named sync: device updates done before state moves
+            self.quiesce(steps_done)  # device updates done before state moves
             with self.dev.on(self.dev.compute):
                 for g in moving:
                     opt.remove(g) if g in opt.groups else opt.add(g)
@@ -166,9 +174,10 @@ class DeviceUpdates:
                     opt.stream_remove(u)
                 for u in streaming - set(opt.streamed):
                     opt.stream_add(u)
-                n = 3 * max(self.store.units[i].layout.numel for i in range(self.L))
+                n = max(self.store.units[i].layout.numel for i in range(self.L))
                 layers = streaming - set(self.head_units)
-                k = placing.state_slots(len(layers), 4 * n, memory_total(self.dev.device))
+                k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device))  # as many as before the
+                n *= self.state_rows
                 self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
                 self.sslot_box = [Box(ready=True) for _ in self.sslots]
                 self.hstate = self.hgrad = None  # Note: [Streamed head] its state and gradient buffers
@@ -181,8 +190,22 @@ class DeviceUpdates:
             if self.dev.cuda:
                 torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
+        self.store.split_units(split)  # after a drain, or newly "device" (quiesced above)
         self.choice = want
         return keep
+
+    def splittable(self, streaming) -> set[int]:
+        """The "device" layers whose masters the host holds split (Note: [Split master]); not the head group."""
+        if not self.split:
+            return set()
+        return {u for u in streaming if 0 <= u < self.L and split_master.applies(self.dtype, self.store.units[u].layout.numel)}
+
+    def quiesce(self, steps_done: int) -> None:
+        """Driver, between steps: no write-back, host update or device update of a finished step in flight."""
+        self.wait_writes()
+        self.adam.wait_all(steps_done)  # host wait: every host update of finished steps is applied
+        if self.dev.cuda:
+            torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates and copies are done
 
     def stream_rate(self) -> None:
         """Placement "stream": the share placed "device", from the host's AdamW rate since it was last set.
@@ -201,9 +224,8 @@ class DeviceUpdates:
         if not self.agree(seconds > 0, "min"):
             return  # no host update has finished yet
         numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
-        cached = self.ecfg.weight_slots is not None and self.ecfg.weight_slots >= self.L  # backward reuses the forward's
-        self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=cached,
-                                                     window=placing.HOST_WINDOW,
+        self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=self.held,
+                                                     window=placing.HOST_WINDOW, split=self.split,
                                                      **placing.stream_extras(numel, self.arch.tied, self.store.shared is None)),
                                 "min")
         self.rated += 1
@@ -292,7 +314,7 @@ class DeviceUpdates:
         (Note: [Held weights] in placement.py). Returns the grad slot's box: free once the update has
         read the gradients, its value the event after the update (and the refill).
         """
-        state = self.sslots[j][:3 * g.numel()]
+        state = self.sslots[j][:(4 if i in self.store.split else 3) * g.numel()]  # [R | D] last: Note: [Split master]
         updated = self._update_in_state((i,), state, [g], done, loaded, lr, weights)
         self.norms[i] = norm = self.io.read_norm(i, done)  # for the step's report; the write-back lands with it
         _, landed = self.io.grads(i, state, self._write_segments((i,)), updated, "bwd", op="state-out",
@@ -314,12 +336,29 @@ class DeviceUpdates:
             if dev.cuda:
                 found.record_stream(dev.optim)
             tok = self.rec.cuda_begin("device-adam", "adam", units[0], "bwd", n * 16, dev.optim)
+            split = units[0] in self.store.split  # a layer (never the head group)
+            if split:
+                self._join_state(units[0], state, weights)
             self.opt.update_streamed(units, state, grads, lr, found)
             if weights is not None:
                 weights[:n].copy_(state[:n])  # the cast a load would do: the next step loads nothing of them
+            if split:  # the new master as [R | D] for its write-back (Note: [Split master])
+                split_master.split_into(state[:n], *split_master.planes(state[3 * n:4 * n]), state[2 * n:3 * n])
             self.rec.cuda_end(tok, dev.optim)
             self.updated = updated = dev.record(dev.optim)
         return updated
+
+    def _join_state(self, i: int, state: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Optimizer stream: a split layer's fp32 master into ``state[:n]`` from the [R | D] planes at
+        ``state[3n:4n]``, R the held weights' when only D came in (Note: [Split master])."""
+        n = self.store.units[i].layout.numel
+        r, d = split_master.planes(state[3 * n:4 * n])
+        if self.held:
+            if weights is None:
+                raise RuntimeError(f"layer {i}: its split master's D came in without its weights held in a slot "
+                                   f"(weight_slots={self.ecfg.weight_slots} for {self.L} layers); an engine bug")
+            r = weights[:n].view(torch.int16)
+        split_master.join_into(state[:n], r, d, state[2 * n:3 * n])
 
     def state_segments(self, units: tuple[int, ...]) -> list[tuple[int, str, int, int]]:
         """(unit, slab, offset, elements) of a streamed-in state buffer: master, exp_avg, exp_avg_sq, each
@@ -333,13 +372,27 @@ class DeviceUpdates:
         return out
 
     def _load_segments(self, units) -> list:
-        """``Transfers.load``'s segments of the state of ``units``."""
-        return [(u, lambda u=u, a=attr: getattr(self.store.units[u], a), off)
-                for u, attr, off, _ in self.state_segments(units)]
+        """``Transfers.load``'s segments of the state of ``units``; a split layer's master comes in as D alone
+        where its weights are held, else as both planes, behind the moments (Note: [Split master])."""
+        out = []
+        for u, attr, off, n in self.state_segments(units):
+            if attr == "master" and u in self.store.split:
+                d_only = self.held
+                out.append((u, lambda u=u, d=d_only: self._split_source(u, d), 3 * n + (n // 2 if d_only else 0)))
+            else:
+                out.append((u, lambda u=u, a=attr: getattr(self.store.units[u], a), off))
+        return out
+
+    def _split_source(self, u: int, d_only: bool) -> torch.Tensor:
+        """A split master's bytes to load: (n/2,) fp32 view of its D plane, or (n,) both planes."""
+        master = self.store.units[u].master
+        return split_master.planes(master)[1].view(torch.float32) if d_only else master
 
     def _write_segments(self, units) -> list:
-        """``Transfers.grads``' segments of the state of ``units``, back into the host slabs."""
-        return [(off, n, getattr(self.store.units[u], attr)) for u, attr, off, n in self.state_segments(units)]
+        """``Transfers.grads``' segments of the state of ``units``, back into the host slabs (a split
+        layer's master from its [R | D] planes)."""
+        return [(3 * n if attr == "master" and u in self.store.split else off, n, getattr(self.store.units[u], attr))
+                for u, attr, off, n in self.state_segments(units)]
 
     def state_loads(self, ops, steps_done: int, abort) -> list:
         """(op index, submit) for each "device" unit's backward: its state's load into a free state slot.
@@ -483,6 +536,7 @@ class DeviceUpdates:
         """Resident state and streamed step counts into the host store (after ``settle``)."""
         if self.opt.groups or self.opt.streamed:
             self.opt.write_back()
+        self.store.join_units()  # readers of the store see fp32 masters; the next step splits them again
 
     def frame(self):
         """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""

@@ -168,9 +168,8 @@ class Engine:
         self.dev.wait(self.dev.compute, box.get())
 
     def _master(self, unit: int):
-        """Source of a unit's weights: its pinned shadow when kept, else the fp32 master (packed)."""
-        u = self.store.units[unit]
-        return lambda: u.master if u.shadow is None else u.shadow
+        """Source of a unit's weights, read when its copy starts (``HostStore.weights_source``)."""
+        return lambda: self.store.weights_source(unit)
 
     # ---- one step --------------------------------------------------------------------------
     def step(self, mbs: list[dict], n_valid: int) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from . import split_master
 from .binding import Layout
 from .hf import Architecture, checkpoint_map, convert_to_checkpoint
 
@@ -120,6 +121,7 @@ class HostStore:
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix, master=slabs[u, "master"],
                                  grad=slabs[u, "grad"], exp_avg=slabs[u, "exp_avg"], exp_avg_sq=slabs[u, "exp_avg_sq"],
                                  shadow=slabs.get((u, "shadow")))
+        self.split: set[int] = set()  # units whose master slab holds [R | D] planes (Note: [Split master])
 
     @classmethod
     def _alloc_all(cls, want: dict) -> dict:
@@ -152,6 +154,27 @@ class HostStore:
             unit = self.units[k]
             if unit.shadow is not None:
                 unit.shadow.copy_(unit.master)
+
+    def split_units(self, units) -> None:
+        """Hold these units' masters as [R | D] (Note: [Split master] in split_master.py); the caller makes
+        sure no update or copy of them is in flight."""
+        for u in sorted(set(units) - self.split):
+            split_master.split_(self.units[u].master, self.units[u].exp_avg_sq)
+            self.split.add(u)
+
+    def join_units(self, units=None) -> None:
+        """Hold these units' masters (None: every split one) as fp32 again, for readers of the store."""
+        for u in sorted(self.split if units is None else set(units) & self.split):
+            split_master.join_(self.units[u].master, self.units[u].exp_avg_sq)
+            self.split.discard(u)
+
+    def weights_source(self, u: int) -> torch.Tensor:
+        """What a load of unit ``u``'s weights copies: its pinned shadow, the R plane of a split master (the
+        compute-dtype weights themselves), else the fp32 master (cast on the way)."""
+        unit = self.units[u]
+        if unit.shadow is not None:
+            return unit.shadow
+        return split_master.weights(unit.master) if u in self.split else unit.master
 
     def owns(self, u: int) -> bool:
         """Whether this process applies unit ``u``'s host updates (always, unless a shared store's other rank does)."""
@@ -188,6 +211,9 @@ class HostStore:
 
     def views(self, u: int) -> dict[str, torch.Tensor]:
         """Model-named views of unit ``u``'s master weights (names as in ``model.named_parameters``)."""
+        if u in self.split:
+            raise RuntimeError(f"unit {u}'s master is held as two planes while it trains placed 'device' (Note: "
+                               f"[Split master]); read it after Session.engine.drain(), which joins it")
         unit = self.units[u]
         return {unit.prefix + n: v for n, v in unit.layout.views(unit.master).items()}
 

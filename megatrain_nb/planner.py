@@ -304,7 +304,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
          offload_checkpoints: bool | None = None, lean_activations: bool | None = None,
-         attention_cache: bool | None = None, _advise: bool = True, _search: bool = True) -> Plan:
+         attention_cache: bool | None = None, split_master: bool | None = None, _advise: bool = True,
+         _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -339,6 +340,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         pin_store: as `EngineConfig.pin_store`: loads read a pinned compute-dtype copy (no packing),
             grads land in pinned slabs (no unpacking), and each update also refreshes the copy (a
             cast of the unit in the Adam worker); +dtype_bytes per parameter of host memory.
+        split_master: as `EngineConfig.split_master` (None: with a 2-byte dtype and no pin_store): a "device"
+            layer's state comes in as 10 bytes a parameter where every layer has a weight slot, else 12
+            (Note: [Split master] in split_master.py); its state slots hold 16.
         cast_on_device: as `EngineConfig.cast_on_device`: the fp32 master and the grad slabs are
             pinned; loads copy fp32 (4 bytes/param over PCIe) into two fp32 landing buffers on the
             device (`cast_stage`) and the device casts (its cast is not timed: ~0.1 ms per 3B layer);
@@ -417,7 +421,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
                     offload_checkpoints=offload_checkpoints, lean_activations=lean_activations,
-                    attention_cache=attention_cache)
+                    attention_cache=attention_cache, split_master=split_master)
+    split = split_master is not False and d == 2 and not pin_store  # as DeviceUpdates.split
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
@@ -492,7 +497,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,
-                                 cached=weight_slots >= L, window=placing.HOST_WINDOW,
+                                 cached=weight_slots >= L, window=placing.HOST_WINDOW, split=split,
                                  **placing.stream_extras(numel, s["tied"]))  # as the engine
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
                             share=share)
@@ -500,7 +505,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     resident = {u for u, c in choice.items() if c.placement == "resident"}
     device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
     sslots = placing.state_slots(len(streamed - {L, -1}), 12 * P, hw.device_mem_bytes)  # as DeviceUpdates.place
-    device["state_slots"] = sslots * 12 * P
+    device["state_slots"] = sslots * (16 if split else 12) * P
     if L in streamed:  # Note: [Streamed head]: its state on the way through, a tied embedding's fp32 gradient
         device["head_state"] = 12 * head_n + (4 * E if s["tied"] else 0)
     dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
@@ -536,7 +541,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
              recompute_cached=max(fwd - attn_fwd, hw.layer_launch_ms[0]),
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
-    t.update(state_bytes=12 * P, state_in=12 * P / both_up / 1e6, state_out=12 * P / both_down / 1e6,
+    state_in = (10 if split and weight_slots >= L else 12) * P  # Note: [Split master]: D alone where R is held
+    t.update(state_bytes=state_in, state_in=state_in / both_up / 1e6, state_out=12 * P / both_down / 1e6,
              dev_adam=P / dev_adam * 1e3,  # a "device" layer's fp32 master and moments, in and out
              head_state_bytes=12 * head_n, head_state_in=12 * head_n / both_up / 1e6,
              head_state_out=12 * head_n / both_down / 1e6, head_dev_adam=head_n / dev_adam * 1e3)  # the head group's

@@ -206,7 +206,8 @@ class Transfers:
             self.delay("h2d")
             tok = self.rec.cuda_begin("h2d", op, layer, phase, nbytes, self.dev.h2d)
             for src, off in srcs:
-                if src.dtype == dst.dtype and src.is_pinned():  # pinned shadow: one DMA, no packing
+                if src.dtype == dst.dtype and (src.is_pinned() or src.dtype != self.dtype):  # pinned: one DMA,
+                    # no packing; unpinned fp32 state of a lower compute dtype (the CPU): never through its staging
                     dst[off:off + src.numel()].copy_(src, non_blocking=True)
                     continue
                 if self.dev_stage and src.is_pinned():  # pinned fp32 master: DMA, then cast on the device

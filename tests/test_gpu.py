@@ -152,3 +152,42 @@ def test_early_rows_train_bit_identical_to_waiting_for_the_embedding(model_dir, 
     (l1, n1, w1), (l0, n0, w0) = runs[True], runs[False]
     assert n1 >= 3 and n0 == 0
     assert l1 == l0 and all(torch.equal(a, b) for a, b in zip(w1, w0))
+
+
+@pytest.mark.parametrize("slots", [None, 2], ids=["held", "two_slots"])
+def test_split_masters_train_bitwise_equal_on_cuda(tmp_path, slots):
+    """Note: [Split master] on CUDA: "device" layers' masters held as [R | D] (D alone comes in where every
+    layer keeps its weight slot, both planes with two slots) train bit for bit as fp32 masters, the tied head
+    group streamed beside them; and their state loads carry 10 bytes a parameter where R is held."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(tied=True)).save_pretrained(tmp_path)
+    runs = {}
+    for split in (False, True):
+        s = Session.from_pretrained(tmp_path, device="cuda", lr=1e-3, weight_decay=0.1, placement=STREAMED_HEAD,
+                                    split_master=split, weight_slots=4 if slots is None else slots)
+        try:
+            losses = [s.step({"input_ids": ids}).loss for ids in _batches(4, seed=3)]
+            df = s.trace.to_dataframe()
+            assert s.store.split == ({0, 2} if split else set())
+            s.engine.drain()
+            runs[split] = (losses, [t.clone() for u in s.store.order for t in
+                                    (s.store.units[u].master, s.store.units[u].exp_avg, s.store.units[u].exp_avg_sq)],
+                           set(df[(df.op == "state-in") & (df.layer == 0)].bytes), s.store.units[0].layout.numel)
+        finally:
+            s.close()
+    (l0, w0, b0, n), (l1, w1, b1, _) = runs[False], runs[True]
+    assert l1 == l0 and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(w0, w1))
+    assert b0 == {12 * n} and b1 == {(10 if slots is None else 12) * n}
+
+
+@pytest.mark.parametrize("lane,delay", [("h2d", 20_000_000), ("compute", 20_000_000), ("d2h", 20_000_000),
+                                        ("host-pack", 0.02)])
+def test_deliberate_delays_with_split_masters_and_held_weights(tmp_path, lane, delay):
+    """Note: [Split master] where D alone comes in: the join reads the held weight slot on the optimizer
+    stream, so a missing wait (the slot refilled or its R read too early) would change the result."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
+    base_l, base_w = _run(tmp_path, {}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
+    l, w = _run(tmp_path, {lane: delay}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
+    assert l == base_l
+    assert all(torch.equal(a, b) for a, b in zip(w, base_w))

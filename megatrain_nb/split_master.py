@@ -1,0 +1,80 @@
+"""An fp32 master as two 16-bit planes: its bf16 weights and the rest, exactly.
+
+Owns: the codec between an fp32 tensor and (R, D), R its bf16 rounding (the compute-dtype weights a
+device already holds) and D the 16 bits that give the fp32 back, on the host or the device, and the
+in-place forms of both on a host master slab. Does not own: when a unit's slab is split (host_store.py,
+device_updates.py) or any copy.
+
+Note: [Split master] at small batches under placement "stream" the step is bound by PCIe in (s11c1,
+3B x 1 on the H200: the h2d lane busy 719 of 728 ms), and 12 bytes of each streamed parameter are its
+fp32 master and moments. The device holds the layer's bf16 weights when its state arrives (Note:
+[Held weights] in placement.py): R = bf16(master), rounded to nearest even. So the host keeps a
+"device" layer's master slab as two planes, [R | D], D = bits(master) - bits(R) * 2**16, and sends D
+alone: 10 bytes a parameter in instead of 12 (its weights, when loaded, 2 instead of 4). D lies in
+[-2**15, 2**15]: one value too many for 16 bits. +2**15 (a tie that rounded down to an even R) is
+stored as -2**15 with the sign bit of the parameter's exp_avg_sq set; that moment is never negative,
+so the sign bit is free, and joining clears it. The codec is exact: joining gives the fp32 bits back
+(``tests/test_split_master.py``), so every placement trains as before, bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK = 1 << 24  # elements a pass: the device's temporaries stay at ~200 MB whatever the layer
+_SIGN = -2 ** 31  # int32 with only the sign bit set
+
+
+def applies(dtype: torch.dtype, numel: int) -> bool:
+    """Whether a unit of ``numel`` elements can be split for compute dtype ``dtype``: bf16 is an fp32's
+    top 16 bits rounded, and D travels as an fp32 view of half the elements (an even count)."""
+    return dtype == torch.bfloat16 and numel % 2 == 0
+
+
+def planes(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, D) views of a split slab: master (numel,) fp32 -> two (numel,) int16 planes of its bytes."""
+    n = master.numel()
+    bits = master.view(torch.int16)
+    return bits[:n], bits[n:]
+
+
+def weights(master: torch.Tensor) -> torch.Tensor:
+    """The R plane of a split slab as the compute-dtype weights: (numel,) bf16, a view (pinned if it is)."""
+    return master.view(torch.bfloat16)[:master.numel()]
+
+
+def split_into(m: torch.Tensor, r: torch.Tensor, d: torch.Tensor, v: torch.Tensor) -> None:
+    """Encode: ``m`` (n,) fp32 (read) -> ``r`` (n,) int16 = bits of bf16(m), ``d`` (n,) int16; marks ties
+    in the sign bit of ``v`` (n,) fp32, exp_avg_sq. ``m`` must not overlap ``r``, ``d`` or ``v``."""
+    mb, vb = m.view(torch.int32), v.view(torch.int32)
+    for a in range(0, m.numel(), CHUNK):
+        b = min(m.numel(), a + CHUNK)
+        r[a:b].copy_(m[a:b].to(torch.bfloat16).view(torch.int16))
+        x = mb[a:b] - r[a:b].to(torch.int32) * 65536  # in [-2**15, 2**15]: no int32 overflow (module note)
+        tie = x == 2 ** 15
+        d[a:b].copy_(torch.where(tie, -2 ** 15, x))  # int32 -> int16, in range
+        vb[a:b].copy_(torch.where(tie, vb[a:b] | _SIGN, vb[a:b]))
+
+
+def join_into(out: torch.Tensor, r: torch.Tensor, d: torch.Tensor, v: torch.Tensor) -> None:
+    """Decode: ``r``, ``d`` (n,) int16 -> ``out`` (n,) fp32; clears the tie marks in ``v`` (n,) fp32.
+    ``out`` must not overlap ``r`` or ``d``."""
+    ob, vb = out.view(torch.int32), v.view(torch.int32)
+    for a in range(0, out.numel(), CHUNK):
+        b = min(out.numel(), a + CHUNK)
+        x = d[a:b].to(torch.int32)
+        x += ((x == -2 ** 15) & (vb[a:b] < 0)).to(torch.int32) * 65536  # a marked tie: +2**15
+        x += r[a:b].to(torch.int32) * 65536
+        ob[a:b].copy_(x)
+        vb[a:b].bitwise_and_(0x7FFFFFFF)
+
+
+def split_(master: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """A host slab in place: fp32 master -> [R | D] (a temporary copy of the slab)."""
+    r, d = planes(master)
+    split_into(master.clone(), r, d, exp_avg_sq)
+
+
+def join_(master: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """A host slab in place: [R | D] -> fp32 master (temporary copies of the planes)."""
+    r, d = planes(master)
+    join_into(master, r.clone(), d.clone(), exp_avg_sq)
