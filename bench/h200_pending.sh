@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
 # What is still to measure on the H200 (pending after 2026-12-02's tenth session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
-# s11:       first: Note [Early state] (the backward's first state loads while the packer waits for a host
-#            update; not measured): stream 3B x 1 / x 4 at today's code, then at 35f5042 (before it: git archive
-#            35f5042 megatrain_nb bench, unpacked in .s11old and carried), then the share's host window at 0.75 and
-#            0.8 in one session (the planner now puts the best share one or two layers lower than 0.75 picks: 3B x 1
-#            at 695 -> 677 ms for a host rate of 1.75), then tests/test_gpu.py (~8 minutes). Then
-#            python bench/planner_placement.py --results ROWS. Target at x 1: 110 (102-112 in the tenth session).
+# s12:       Note [Split master] (a "device" layer's master held as bf16 weights + 16 bits; 10 bytes in, not 12):
+#            stream 3B x 1 / x 4 with it and without it in one session (--split-master on off), then tests/test_gpu.py.
 # s11b:      the host's AdamW beside the DMA with the upcast in smaller chunks (bench/host_contention.py --chunks:
 #            less host memory traffic), then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
-# Done: s10b (s10c5: Note [Late write-backs] beside d19320a), s9c (s10c1), s9 (s9c5), s9b (s9c6), placement (s9c1),
+# Done: s11 (s11c1), s10b (s10c5: Note [Late write-backs] beside d19320a), s9c (s10c1), s9 (s9c5), s9b (s9c6), placement (s9c1),
 # s8d, search (s8c1, s8c2), peers7b (s8c1), s8b (s8c2), host RSS (s8c3), core (s7c1), depth (s7c1), layers (s5c1,
 # s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth, search, peers7b, s8b, s9c, s10b.
@@ -68,6 +64,13 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     export STEPS=8; bench 3b stream 1 4
     beside_old .s9old 868ef78
     gpu_tests 200
+    pack && rm -rf "$OUT"/tr_* ;;
+s12)  # Note [Split master]: stream 3B x 1 / x 4 with the masters split (the default) and not, one session; then
+      # tests/test_gpu.py (~7 minutes)
+    timeout 300 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 --placement stream \
+        --split-master on off --out "$OUT/bench_split.jsonl" --save-trace "$OUT/tr_split" 2>&1 | tee -a "$OUT/steps.log" \
+        | grep -v "^  batch" | cut -c1-300
+    gpu_tests 240
     pack && rm -rf "$OUT"/tr_* ;;
 s11)  # Note [Early state] beside 35f5042, then tests/test_gpu.py (~6 minutes)
     . bench/h200_lib.sh

@@ -98,6 +98,10 @@ def main(argv=None) -> None:
     ap.add_argument("--host-window", type=float, nargs="+", default=None,
                     help="placement.HOST_WINDOW values (Note [Host window]; default 0.75): each a run of every batch in the "
                          "same session, its share set again from the host rate over the warm-up steps")
+    ap.add_argument("--split-master", nargs="+", choices=["on", "off"], default=None,
+                    help="Note [Split master]: 'device' layers' masters held as [R | D] (on, the default where it "
+                         "applies) or fp32 (off); each value a run of every batch in the same session, its share set "
+                         "again from the host rate over the warm-up steps")
     ap.add_argument("--adam-chunk", type=int, default=None,
                     help="HostAdamW.chunk_numel: elements of bf16 gradients upcast at a time (a multiple of 64; "
                          "the same numbers at any size, Note [Chunked upcast])")
@@ -127,15 +131,23 @@ def main(argv=None) -> None:
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
           f"host {rep['total'] / 2**30:.1f} GiB ({rep['bytes_per_param']:.2f} B/param), init {init_s:.0f}s", flush=True)
     g = torch.Generator().manual_seed(0)
-    variants = list(itertools.product(a.switch_ms or [None], a.host_threads or [None], a.host_window or [None]))
-    for sw, th, win in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
+    variants = list(itertools.product(a.switch_ms or [None], a.host_threads or [None], a.host_window or [None],
+                                      a.split_master or [None]))
+    du = s.engine.device_updates
+    if a.split_master and "on" in a.split_master and not du.split:
+        ap.error("--split-master on: it does not apply here (bf16 compute, no pin_store, one process's store)")
+    for sw, th, win, split in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
         if sw is not None:
             sys.setswitchinterval(sw / 1e3)
         s.engine.adam.threads = th
         if win is not None:  # "stream" sets its share again from the next steps' host rate (Note: [Stream rate])
             placing.HOST_WINDOW = win
             s.engine.device_updates.rated, s.engine.device_updates.adam_rate = 0, (0, 0.0)
-        suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}" + ("" if win is None else f"_w{win}")
+        if split is not None:  # place() joins or splits the "device" layers' masters before the next step
+            du.split = split == "on"
+            du.rated, du.adam_rate = 0, (0, 0.0)
+        suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}" + ("" if win is None else f"_w{win}") \
+            + ("" if split is None else f"_split{split}")
         for B in a.batch:
             s.engine.keep = None  # re-derive the activation policy for this batch size
             cuda = a.device.startswith("cuda")
@@ -184,6 +196,7 @@ def main(argv=None) -> None:
                        state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
                        switch_ms=round(sys.getswitchinterval() * 1e3, 3), host_threads=th or torch.get_num_threads(),
                        adam_chunk=HostAdamW.chunk_numel, host_window=placing.HOST_WINDOW,
+                       split_master=bool(s.store.split),  # Note: [Split master]
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:
