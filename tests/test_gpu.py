@@ -191,3 +191,27 @@ def test_deliberate_delays_with_split_masters_and_held_weights(tmp_path, lane, d
     l, w = _run(tmp_path, {lane: delay}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))
+
+
+def test_split_master_kernels_equal_the_torch_ops():
+    """Note: [Split master]: the CUDA kernels give the bits the CPU's torch ops give, ties included, and join
+    gives every bit back."""
+    from megatrain_nb import split_master as sm
+    g = torch.Generator().manual_seed(0)
+    n = (1 << 22) + 6
+    m = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
+    m.view(torch.int32)[:8192] = (m.view(torch.int32)[:8192] & ~0xFFFF) | 0x8000  # exact ties
+    v = torch.rand(n, generator=g)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        mm, vv = m.to(dev), v.to(dev)
+        r, d = (torch.empty(n, dtype=torch.int16, device=dev) for _ in range(2))
+        sm.split_into(mm, r, d, vv)
+        split = (r.cpu(), d.cpu(), vv.view(torch.int32).cpu())
+        back = torch.empty_like(mm)
+        sm.join_into(back, r, d, vv)
+        out[dev] = (*split, back.view(torch.int32).cpu(), vv.view(torch.int32).cpu())
+    assert sm._kernels() is not None, "Triton missing: the CUDA path fell back to torch's ops"
+    assert (out["cpu"][2] < 0).sum() > 1000  # ties marked
+    assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["cuda"]))
+    assert torch.equal(out["cuda"][3], m.view(torch.int32)) and torch.equal(out["cuda"][4], v.view(torch.int32))
