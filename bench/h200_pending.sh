@@ -66,7 +66,8 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     gpu_tests 200
     pack && rm -rf "$OUT"/tr_* ;;
 s12)  # Note [Split master]: stream 3B x 1 / x 4 with the masters split (the default) and not, one session; then
-      # tests/test_gpu.py (~7 minutes)
+      # tests/test_gpu.py (~4 minutes)
+    . bench/h200_lib.sh
     timeout 300 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 --placement stream \
         --split-master on off --out "$OUT/bench_split.jsonl" --save-trace "$OUT/tr_split" 2>&1 | tee -a "$OUT/steps.log" \
         | grep -v "^  batch" | cut -c1-300
