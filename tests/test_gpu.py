@@ -204,10 +204,10 @@ def test_split_master_kernels_equal_the_torch_ops():
     v = torch.rand(n, generator=g)
     out = {}
     for dev in ("cpu", "cuda"):
-        mm, vv = m.to(dev), v.to(dev)
+        mm, vv = m.to(dev, copy=True), v.to(dev, copy=True)
         r, d = (torch.empty(n, dtype=torch.int16, device=dev) for _ in range(2))
         sm.split_into(mm, r, d, vv)
-        split = (r.cpu(), d.cpu(), vv.view(torch.int32).cpu())
+        split = (r.cpu(), d.cpu(), vv.view(torch.int32).cpu().clone())  # join clears the marks in place
         back = torch.empty_like(mm)
         sm.join_into(back, r, d, vv)
         out[dev] = (*split, back.view(torch.int32).cpu(), vv.view(torch.int32).cpu())
