@@ -53,7 +53,8 @@ def main(argv=None) -> None:
         hw = H200 if not rate else dataclasses.replace(H200, host_adam_params_per_s=rate * 1e9)
         p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=hw, weight_slots=r.get("slots", 2),
                  cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
-                 placement=placement, lean_activations=bool(r.get("lean_activations", False)))
+                 placement=placement, lean_activations=bool(r.get("lean_activations", False)),
+                 split_master=r.get("split_master", False))  # rows before the eleventh session: fp32 masters
         got, want = p.steady_step_ms / 1e3, r["step_s"]
         err = got / want - 1
         errors.append(abs(err))
