@@ -197,6 +197,7 @@ def main(argv=None) -> None:
                        switch_ms=round(sys.getswitchinterval() * 1e3, 3), host_threads=th or torch.get_num_threads(),
                        adam_chunk=HostAdamW.chunk_numel, host_window=placing.HOST_WINDOW,
                        split_master=bool(s.store.split),  # Note: [Split master]
+                       mapped_reads=s.engine.io.norm_mapped is not None,  # Note: [Mapped reads]
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:

@@ -98,6 +98,39 @@ def memory_total(device) -> int:
     return psutil.virtual_memory().total
 
 
+class _Interface:
+    """An object torch.as_tensor reads as CUDA memory (``__cuda_array_interface__``)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "<f4", "data": (t.data_ptr(), False),
+                                         "strides": None, "version": 2}
+
+
+def mapped(host: torch.Tensor, device) -> torch.Tensor | None:
+    """A CUDA tensor over pinned fp32 ``host`` memory (the same addresses: unified addressing), or None
+    where that does not work here (checked once: a kernel writes it, the host reads the value back).
+
+    Note: [Mapped reads] the step reads each "device" unit's grad norm (a 4-byte copy out after its
+    backward) and, at its end, the last of them; a copy out goes through the copy engine that the state
+    write-backs (~0.9 GB each, on another stream) keep busy, and waits behind every one queued before
+    it (s9c8: 64 MiB pieces did not let a small read pass). On the H200 (s11c3, 3B x 4 under "stream")
+    the step so ended 6 ms before the last write-back, 89 ms after its compute. A kernel writing the
+    value into mapped host memory does not queue there.
+    """
+    try:
+        with torch.cuda.device(device):
+            alias = torch.as_tensor(_Interface(host), device=device)
+            if alias.data_ptr() != host.data_ptr():
+                return None
+            torch.mul(torch.full(host.shape, 1.5, device=device), 1, out=alias)
+            torch.cuda.synchronize(device)  # named sync, once at start-up: the probe's write is visible
+        ok = bool((host == 1.5).all())
+        host.zero_()
+        return alias if ok else None
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def chunks(n: int, size: int):
     """(start, end) of consecutive pieces of at most ``size`` elements."""
     for a in range(0, n, size):
@@ -147,8 +180,10 @@ class Transfers:
         self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
                           if ecfg.cast_on_device else [])  # fp32 landing buffers when the device casts
         self.norm_host = dev.host_buffer(norm_dev.numel(), torch.float32)
+        self.norm_mapped = mapped(self.norm_host, dev.device) if dev.cuda else None  # Note: [Mapped reads]
         self.update_wait_s = 0.0  # the packer's waits for host updates since the last take_update_wait
         self.loss_host = dev.host_buffer(1, torch.float32)
+        self.loss_mapped = mapped(self.loss_host, dev.device) if dev.cuda else None
         self.packer = Worker("host-pack", abort)
         self.unpacker = Worker("host-unpack", abort)
         self.writer = Worker("host-writeback", abort)  # Note: [State write-backs]
@@ -358,18 +393,23 @@ class Transfers:
 
     def read_norm(self, unit: int, done) -> Box:
         """Unpacker: ``unit``'s grad norm to the host once ``done`` passed (after every earlier copy-out's landing)."""
-        return self.unpacker.submit(lambda: self._read(self.norm_dev[unit + 1:unit + 2],
-                                                       self.norm_host[unit + 1:unit + 2], done))
+        k = slice(unit + 1, unit + 2)
+        return self.unpacker.submit(lambda: self._read(self.norm_dev[k], self.norm_host[k], done,
+                                                       None if self.norm_mapped is None else self.norm_mapped[k]))
 
     def read_loss(self, total: torch.Tensor, done, box: Box) -> Box:
         """Unpacker: the loss scalar to the host once ``done`` passed; put into ``box``."""
-        return self.unpacker.submit(lambda: box.put(self._read(total.view(1), self.loss_host, done)))
+        return self.unpacker.submit(lambda: box.put(self._read(total.view(1), self.loss_host, done, self.loss_mapped)))
 
-    def _read(self, src: torch.Tensor, host: torch.Tensor, done) -> float:
-        """Unpacker: the one-element ``src`` into ``host`` on the d2h stream after ``done``; its value."""
+    def _read(self, src: torch.Tensor, host: torch.Tensor, done, alias: torch.Tensor | None = None) -> float:
+        """Unpacker: the one-element ``src`` into ``host`` on the d2h stream after ``done``; its value. Given
+        ``alias`` (``host`` as the device sees it, Note: [Mapped reads]) a kernel writes it, not a copy."""
         with self.dev.on(self.dev.d2h):
             self.dev.wait(self.dev.d2h, done)
-            host.copy_(src, non_blocking=True)
+            if alias is not None:
+                torch.mul(src, 1, out=alias)  # SMs write host memory: x * 1 keeps every value, -0.0 and NaN too
+            else:
+                host.copy_(src, non_blocking=True)
             ev = self.dev.record(self.dev.d2h)
         if ev is not None:
             ev.synchronize()  # host wait (unpacker): the value

@@ -216,3 +216,21 @@ def test_split_master_kernels_equal_the_torch_ops():
     assert (out["cpu"][2] < 0).sum() > 1000  # ties marked
     assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["cuda"]))
     assert torch.equal(out["cuda"][3], m.view(torch.int32)) and torch.equal(out["cuda"][4], v.view(torch.int32))
+
+
+def test_mapped_reads_bypass_the_copy_engine_and_are_exact(model_dir):
+    """Note: [Mapped reads]: on the GPU the step's scalar reads are kernel writes into mapped host memory
+    (not copies queued behind state write-backs), and they give every value back exactly."""
+    import math
+    s = Session.from_pretrained(model_dir, device="cuda", lr=1e-3, placement=STREAMED)
+    try:
+        io = s.engine.io
+        assert io.norm_mapped is not None and io.loss_mapped is not None, "mapped host memory did not work here"
+        for x in (3.25, -0.0, float("inf"), float("nan"), 1e-42):
+            src = torch.tensor([x], device="cuda")
+            got = io._read(src, io.norm_host[1:2], None, io.norm_mapped[1:2])
+            assert (math.isnan(got) and math.isnan(x)) or (got == x and math.copysign(1, got) == math.copysign(1, x))
+        r = [s.step({"input_ids": ids}) for ids in _batches(2, seed=4)]
+        assert all(math.isfinite(x.grad_norm) and x.grad_norm > 0 for x in r)
+    finally:
+        s.close()
