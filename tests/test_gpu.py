@@ -228,6 +228,7 @@ def test_mapped_reads_bypass_the_copy_engine_and_are_exact(model_dir):
         assert io.norm_mapped is not None and io.loss_mapped is not None, "mapped host memory did not work here"
         for x in (3.25, -0.0, float("inf"), float("nan"), 1e-42):
             src = torch.tensor([x], device="cuda")
+            x = float(src.cpu())  # the fp32 value (1e-42 is a subnormal: 1.0005e-42)
             got = io._read(src, io.norm_host[1:2], None, io.norm_mapped[1:2])
             assert (math.isnan(got) and math.isnan(x)) or (got == x and math.copysign(1, got) == math.copysign(1, x))
         r = [s.step({"input_ids": ids}) for ids in _batches(2, seed=4)]
