@@ -49,12 +49,10 @@ def weights(master: torch.Tensor) -> torch.Tensor:
 def split_into(m: torch.Tensor, r: torch.Tensor, d: torch.Tensor, v: torch.Tensor) -> None:
     """Encode: ``m`` (n,) fp32 (read) -> ``r`` (n,) int16 = bits of bf16(m), ``d`` (n,) int16; marks ties
     in the sign bit of ``v`` (n,) fp32, exp_avg_sq. ``m`` must not overlap ``r``, ``d`` or ``v``."""
-    k = _kernels() if m.is_cuda else None
-    if k is not None:
-        return k.launch(k.split, m, r, d, v)
+    if _on_cuda("split", m, r, d, v):
+        return
     mb, vb = m.view(torch.int32), v.view(torch.int32)
-    for a in range(0, m.numel(), CHUNK):
-        b = min(m.numel(), a + CHUNK)
+    for a, b in _pieces(m.numel()):
         r[a:b].copy_(m[a:b].to(torch.bfloat16).view(torch.int16))
         x = mb[a:b] - r[a:b].to(torch.int32) * 65536  # in [-2**15, 2**15]: no int32 overflow (module note)
         tie = x == 2 ** 15
@@ -65,12 +63,10 @@ def split_into(m: torch.Tensor, r: torch.Tensor, d: torch.Tensor, v: torch.Tenso
 def join_into(out: torch.Tensor, r: torch.Tensor, d: torch.Tensor, v: torch.Tensor) -> None:
     """Decode: ``r``, ``d`` (n,) int16 -> ``out`` (n,) fp32; clears the tie marks in ``v`` (n,) fp32.
     ``out`` must not overlap ``r`` or ``d``."""
-    k = _kernels() if out.is_cuda else None
-    if k is not None:
-        return k.launch(k.join, out, r, d, v)
+    if _on_cuda("join", out, r, d, v):
+        return
     ob, vb = out.view(torch.int32), v.view(torch.int32)
-    for a in range(0, out.numel(), CHUNK):
-        b = min(out.numel(), a + CHUNK)
+    for a, b in _pieces(out.numel()):
         x = d[a:b].to(torch.int32)
         x += ((x == -2 ** 15) & (vb[a:b] < 0)).to(torch.int32) * 65536  # a marked tie: +2**15
         x += r[a:b].to(torch.int32) * 65536
@@ -88,6 +84,20 @@ def join_(master: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
     """A host slab in place: [R | D] -> fp32 master (temporary copies of the planes)."""
     r, d = planes(master)
     join_into(master, r.clone(), d.clone(), exp_avg_sq)
+
+
+def _pieces(n: int):
+    """(start, end) of the torch ops' passes: ``CHUNK`` elements at a time."""
+    for a in range(0, n, CHUNK):
+        yield a, min(n, a + CHUNK)
+
+
+def _on_cuda(name: str, m, r, d, v) -> bool:
+    """Run the CUDA kernel ``name`` where ``m`` is on the GPU and Triton is there; whether it ran."""
+    k = _kernels() if m.is_cuda else None
+    if k is not None:
+        k.launch(getattr(k, name), m, r, d, v)
+    return k is not None
 
 
 _KERNELS: list = []  # [the Triton kernels, or None where Triton cannot be imported]
