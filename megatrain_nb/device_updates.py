@@ -10,8 +10,9 @@ Does not own: the order of a step (engine.py calls in at named points: ``place``
 ``early_state``, ``loss_known``, ``landed``, ``stream_update``, ``stream_head``, ``end_backward``,
 ``wait_writes``, ``gated_update``, ``after_step``), the choice itself (placement.py, pure), the AdamW
 arithmetic (``optim.DeviceAdamW``), the copies (transfers.py).
-About 500 lines because resident groups and streamed units share one device AdamW, the step's
-non-finite flag, its hooks and its failure path (``recover``); apart, each half would hold a copy.
+About 560 lines because resident groups and streamed units share one device AdamW, the step's
+non-finite flag, its hooks and its failure path (``recover``); apart, each half would hold a copy. The
+split masters' codec is split_master.py's; here only where their planes load, join, split and go back.
 """
 from __future__ import annotations
 
@@ -176,8 +177,8 @@ class DeviceUpdates:
                     opt.stream_add(u)
                 n = max(self.store.units[i].layout.numel for i in range(self.L))
                 layers = streaming - set(self.head_units)
-                k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device))  # as many as before the
-                n *= self.state_rows
+                k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device))  # as many as fp32 masters
+                n *= self.state_rows  # get: the [R | D] rows come on top
                 self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
                 self.sslot_box = [Box(ready=True) for _ in self.sslots]
                 self.hstate = self.hgrad = None  # Note: [Streamed head] its state and gradient buffers
