@@ -58,8 +58,8 @@ class DeviceUpdates:
         self.hload: Box | None = None  # this step's load of the head group's state
         self.head_written: Box | None = None  # its last write-back's landing (in ``writes`` too until it lands)
         self.t_start = 0.0
-        self.split = (ecfg.split_master is not False and dtype == torch.bfloat16 and store.shadow_dtype is None
-                      and store.shared is None)  # "device" layers' masters held as [R | D] (Note: [Split master])
+        self.split = split_master.enabled(ecfg.split_master, dtype == torch.bfloat16, store.shadow_dtype is not None,
+                                          store.shared is not None)  # "device" layers' masters as [R | D]
         self.state_rows = 4 if self.split else 3  # a state slot's rows of the largest layer: master, moments, [R | D]
         self.held = ecfg.weight_slots is not None and ecfg.weight_slots >= self.L  # every layer keeps its weight
         # slot: a split layer's R is there when its state comes in, and D alone crosses (Note: [Held weights])
@@ -163,11 +163,10 @@ class DeviceUpdates:
                   if (want[g[0]].placement == "resident") != (g in opt.groups)]
         streaming = {u for u, c in want.items() if c.placement == "device"}
         split = self.splittable(streaming)
-        if split != self.store.split:  # Note: [Split master]: a layer leaving "device" is fp32 again before its
-            self.quiesce(steps_done)  # host update or its move to the device reads it
-            self.store.join_units(self.store.split - split)
-        if moving or streaming != set(opt.streamed):
-            self.quiesce(steps_done)  # device updates done before state moves
+        if moving or streaming != set(opt.streamed) or split != self.store.split:
+            self.quiesce(steps_done)  # device updates and write-backs done before state moves
+        self.store.join_units(self.store.split - split)  # Note: [Split master]: a layer leaving "device" is fp32
+        if moving or streaming != set(opt.streamed):  # again before its host update or its move reads it
             with self.dev.on(self.dev.compute):
                 for g in moving:
                     opt.remove(g) if g in opt.groups else opt.add(g)

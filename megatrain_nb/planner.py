@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from . import placement as placing
+from . import split_master as _split
 from .config import pinned_budget
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
@@ -422,7 +423,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
                     offload_checkpoints=offload_checkpoints, lean_activations=lean_activations,
                     attention_cache=attention_cache, split_master=split_master)
-    split = split_master is not False and d == 2 and not pin_store  # as DeviceUpdates.split
+    split = _split.enabled(split_master, d == 2, pin_store, False)  # as DeviceUpdates.split
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}

@@ -34,6 +34,20 @@ def applies(dtype: torch.dtype, numel: int) -> bool:
     return dtype == torch.bfloat16 and numel % 2 == 0
 
 
+def enabled(setting: bool | None, bf16: bool, shadow: bool, shared: bool) -> bool:
+    """``EngineConfig.split_master`` resolved for an engine (and the planner): bf16 compute, no pinned
+    compute-dtype copy (``pin_store``: it already is the weights), one process's own store.
+
+    Raises:
+        ValueError: ``setting`` is True where it cannot apply.
+    """
+    ok = bf16 and not shadow and not shared
+    if setting and not ok:
+        raise ValueError(f"split_master=True: needs bf16 compute (bf16={bf16}), no pin_store copy (pin_store={shadow}) "
+                         f"and a store of this process's own (shared={shared}); use split_master=None")
+    return ok and setting is not False
+
+
 def planes(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, D) views of a split slab: master (numel,) fp32 -> two (numel,) int16 planes of its bytes."""
     n = master.numel()

@@ -135,3 +135,11 @@ def test_split_master_true_needs_bf16():
     from megatrain_nb import EngineConfig
     with pytest.raises(ValueError, match="split_master=True needs dtype=torch.bfloat16"):
         EngineConfig(device="cpu", dtype=torch.float32, split_master=True)
+
+
+def test_enabled_resolves_the_setting_and_names_why_true_cannot_apply():
+    assert sm.enabled(None, bf16=True, shadow=False, shared=False)
+    assert not sm.enabled(False, bf16=True, shadow=False, shared=False)
+    assert not sm.enabled(None, bf16=True, shadow=False, shared=True)
+    with pytest.raises(ValueError, match="pin_store=True"):
+        sm.enabled(True, bf16=True, shadow=True, shared=False)
