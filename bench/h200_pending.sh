@@ -2,9 +2,9 @@
 # What is still to measure on the H200 (pending after 2026-12-02's tenth session). Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
 # s12:       Note [Split master] (a "device" layer's master held as bf16 weights + 16 bits; 10 bytes in, not 12):
-#            stream 3B x 1 / x 4 with it and without it in one session (--split-master on off), then tests/test_gpu.py.
-#            Ran as s11c2 / s11c3; run again at today's code: Note [Mapped reads] (344d487) is in both variants, and
-#            was measured once (s11c6), with no A/B; tests/test_gpu.py last ran whole at 6c77d27 (s11c5).
+#            stream 3B x 1 / x 4 with it and without it in one session (--split-master on off), each with Note [Mapped
+#            reads] (344d487) on and off (--mapped-reads on off: measured once, s11c6, with no A/B), then
+#            tests/test_gpu.py (last whole at 6c77d27, s11c5). Split on/off ran as s11c2 / s11c3.
 # s11b:      the host's AdamW beside the DMA with the upcast in smaller chunks (bench/host_contention.py --chunks:
 #            less host memory traffic), then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
@@ -67,11 +67,11 @@ s9)  # the head group streamed (4187ca1): stream x 1 / x 4 beside the code befor
     beside_old .s9old 868ef78
     gpu_tests 200
     pack && rm -rf "$OUT"/tr_* ;;
-s12)  # Note [Split master]: stream 3B x 1 / x 4 with the masters split (the default) and not, one session; then
-      # tests/test_gpu.py (~4 minutes)
+s12)  # Note [Split master]: stream 3B x 1 / x 4 with the masters split (the default) and not, each with Note
+      # [Mapped reads] on (the default) and off, one session; then tests/test_gpu.py (~6 minutes)
     . bench/h200_lib.sh
     timeout 300 python3 bench/throughput.py --shape 3b --batch 1 4 --seq 4096 --steps 6 --placement stream \
-        --split-master on off --out "$OUT/bench_split.jsonl" --save-trace "$OUT/tr_split" 2>&1 | tee -a "$OUT/steps.log" \
+        --split-master on off --mapped-reads on off --out "$OUT/bench_split.jsonl" --save-trace "$OUT/tr_split" 2>&1 | tee -a "$OUT/steps.log" \
         | grep -v "^  batch" | cut -c1-300
     gpu_tests 240
     pack && rm -rf "$OUT"/tr_* ;;

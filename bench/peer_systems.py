@@ -267,10 +267,18 @@ class Megatrain:
         self.num_params = self.session.store.num_params
         self.settings = dict(placement=placement, default_settings=not settings, **settings)
         self._done_steps = 0  # steps begun with the placement search done (``settled``)
+        self._raws = []  # the timed steps' raw trace records, resolved in ``extras``
 
     def before_batch(self) -> None:
         self.session.engine.keep = None  # re-derive the activation policy for this batch size
-        self._done_steps = 0
+        self._done_steps, self._raws = 0, []
+
+    def timed(self) -> None:
+        """``measure`` timed the last step: keep its raw trace records (reading ``session.trace`` would resolve
+        them, a GPU wait, and the engine keeps only the last step's)."""
+        eng = self.session.engine
+        if eng.rec.enabled and eng._pending is not None:
+            self._raws.append(eng._pending[0])
 
     def step(self, ids: torch.Tensor) -> tuple[float, None]:
         self._done_steps = self._done_steps + 1 if _search_done(self.session) else 0
@@ -291,6 +299,9 @@ class Megatrain:
             return {}
         df = tr.to_dataframe()  # resolving the trace here, after the timed steps, keeps it out of them
         sm = summarize(df)
+        rec = self.session.engine.rec  # every timed step's busy share; the last one's is the trace just read
+        busy = [summarize(rec.resolve(raw).to_dataframe())["compute_busy_share"] for raw in self._raws[:-1]]
+        busy.append(sm["compute_busy_share"])
         host_s = float(df[df.lane == "host-adam"].dur_ms.sum()) / 1e3  # overlaps the backward
         dev_s = float(df[df.lane == "device-adam"].dur_ms.sum()) / 1e3  # resident units: on the compute stream
         exposed_s = sm["wait_ms_by_cause"].get("optimizer", 0.0) / 1e3 + dev_s
@@ -304,6 +315,7 @@ class Megatrain:
         return dict(extra, optimizer_s=round(host_s + dev_s, 4), optimizer_share=round((host_s + dev_s) / step_s, 3),
                     optimizer_exposed_s=round(exposed_s, 4), host_adam_s=round(host_s, 4),
                     device_adam_s=round(dev_s, 4), compute_busy_share=round(sm["compute_busy_share"], 3),
+                    compute_busy_all=[round(b, 3) for b in busy], compute_busy_median=round(statistics.median(busy), 3),
                     waits_ms={k: round(v, 1) for k, v in sm["wait_ms_by_cause"].items()},
                     recomputed_layers=self.session.history[-1].recomputed_layers)
 
@@ -443,6 +455,7 @@ def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> 
         if k >= warmup and settled():
             times.append(dt)
             opts.append(opt_s)
+            getattr(system, "timed", lambda: None)()
         k += 1
     warmup = k - len(times)
     t = statistics.median(times)

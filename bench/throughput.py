@@ -102,6 +102,10 @@ def main(argv=None) -> None:
                     help="Note [Split master]: 'device' layers' masters held as [R | D] (on, the default where it "
                          "applies) or fp32 (off); each value a run of every batch in the same session, its share set "
                          "again from the host rate over the warm-up steps")
+    ap.add_argument("--mapped-reads", nargs="+", choices=["on", "off"], default=None,
+                    help="Note [Mapped reads]: grad-norm and loss scalars read through mapped host memory (on, the "
+                         "default on CUDA) or by a copy on the d2h stream (off); each value a run of every batch in "
+                         "the same session, after each --split-master")
     ap.add_argument("--adam-chunk", type=int, default=None,
                     help="HostAdamW.chunk_numel: elements of bf16 gradients upcast at a time (a multiple of 64; "
                          "the same numbers at any size, Note [Chunked upcast])")
@@ -132,11 +136,14 @@ def main(argv=None) -> None:
           f"host {rep['total'] / 2**30:.1f} GiB ({rep['bytes_per_param']:.2f} B/param), init {init_s:.0f}s", flush=True)
     g = torch.Generator().manual_seed(0)
     variants = list(itertools.product(a.switch_ms or [None], a.host_threads or [None], a.host_window or [None],
-                                      a.split_master or [None]))
-    du = s.engine.device_updates
+                                      a.split_master or [None], a.mapped_reads or [None]))
+    du, io = s.engine.device_updates, s.engine.io
+    maps = io.norm_mapped, io.loss_mapped  # Note: [Mapped reads]: None where the probe failed (and on the CPU)
+    if a.mapped_reads and "on" in a.mapped_reads and maps[0] is None:
+        ap.error("--mapped-reads on: mapped host memory does not work here (the probe failed, or no CUDA)")
     if a.split_master and "on" in a.split_master and not du.split:
         ap.error("--split-master on: it does not apply here (bf16 compute, no pin_store, one process's store)")
-    for sw, th, win, split in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
+    for sw, th, win, split, mapped in variants:  # same session, same weights: only rows of one call compare (docs/benchmarks.md)
         if sw is not None:
             sys.setswitchinterval(sw / 1e3)
         s.engine.adam.threads = th
@@ -146,14 +153,17 @@ def main(argv=None) -> None:
         if split is not None:  # place() joins or splits the "device" layers' masters before the next step
             du.split = split == "on"
             du.rated, du.adam_rate = 0, (0, 0.0)
+        if mapped is not None:
+            io.norm_mapped, io.loss_mapped = maps if mapped == "on" else (None, None)
+            du.rated, du.adam_rate = 0, (0, 0.0)
         suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}" + ("" if win is None else f"_w{win}") \
-            + ("" if split is None else f"_split{split}")
+            + ("" if split is None else f"_split{split}") + ("" if mapped is None else f"_mapped{mapped}")
         for B in a.batch:
             s.engine.keep = None  # re-derive the activation policy for this batch size
             cuda = a.device.startswith("cuda")
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            times, losses, summaries, waits = [], [], [], []
+            times, losses, summaries, waits, raws = [], [], [], [], []
             k = done_steps = 0
             while len(times) < a.steps and k < a.steps + a.warmup + 10:
                 ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
@@ -169,6 +179,8 @@ def main(argv=None) -> None:
                 if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
                     continue
                 times.append(r.seconds)
+                if s.engine.rec.enabled and s.engine._pending is not None:  # this step's raw records, resolved
+                    raws.append(s.engine._pending[0])  # after the timed steps (not s.trace: reading it waits for the GPU)
             if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
                 df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
                 summaries.append(summarize(df))
@@ -176,6 +188,12 @@ def main(argv=None) -> None:
                 summaries[-1]["host_adam_G_params_per_s"] = adam.bytes.sum() / 16 / adam.dur_ms.sum() / 1e6 if len(adam) else None
                 st = find_stalls(df)
                 waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
+            busy = []  # every timed step's compute busy share (the saved trace is the last one's only)
+            for raw in raws[:-1]:  # the last one is the engine's own, resolved above
+                sm = summarize(s.engine.rec.resolve(raw).to_dataframe())
+                busy.append(sm.get("compute_busy_share", float("nan")))
+            if summaries:
+                busy.append(summaries[-1].get("compute_busy_share", float("nan")))
             t = statistics.median(times)
             tokens = B * a.seq
             N = rep["params"]
@@ -203,6 +221,8 @@ def main(argv=None) -> None:
             if summaries:
                 sm = summaries[-1]
                 row["compute_busy_share"] = round(sm.get("compute_busy_share", float("nan")), 3)
+                row["compute_busy_all"] = [round(b, 3) for b in busy]  # the timed steps', in order
+                row["compute_busy_median"] = round(statistics.median(busy), 3)
                 row["trace_step_ms"] = round(sm.get("step_ms", float("nan")), 1)
                 row["waits_ms"] = {k: round(v, 1) for k, v in waits[-1].items()}
                 row["h2d_GBps"] = round(sm.get("h2d_GBps", float("nan")), 1)

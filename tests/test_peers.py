@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -137,6 +138,11 @@ def test_cpu_run_one_process_per_system_failures_included(tmp_path, monkeypatch)
         assert r["optimizer_s"] is not None and r["optimizer_share"] is not None
     assert by["fsdp2-offload", 1]["settings"]["master"] == "fp32 on the host"
     assert "waits_ms" in by["megatrain", 1] and by["megatrain", 1]["settings"]["placement"] is None
+    for b in (1, 2):  # one busy share per timed step (its trace resolved after them), the median of them
+        r = by["megatrain", b]
+        assert len(r["compute_busy_all"]) == len(r["step_s_all"]) and 0 < min(r["compute_busy_all"]) <= 1
+        assert r["compute_busy_median"] == pytest.approx(statistics.median(r["compute_busy_all"]), abs=1e-3)
+        assert r["compute_busy_all"][-1] == r["compute_busy_share"]  # the last step's is the saved trace's
     md = plot_peers.summary_markdown(rows)
     assert "| native | " in md and "megatrain / peer" in md and "- zero3-offload batch 1: crashed" in md
 
