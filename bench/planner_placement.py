@@ -10,6 +10,9 @@ ran with two, and the planner models what each row ran with. Rows that record th
 their steps (`host_adam_G_params_per_s`, since the eighth session) are planned with it: the H200 profile's
 is the rate alone (3.48 G params/s), and s8c2's steps ran it at 1.7-2.0. Rows with `streamed_head` (the
 ninth session's) streamed the tied head group too (Note: [Streamed head]), and count it in `streamed_units`.
+bench/peers.py rows of megatrain_nb (``system`` megatrain-*) are planned with the defaults they ran with on CUDA
+(placement from their settings, "auto" when unset; the planner makes the activation, lean and split choices);
+those since the twelfth session record their host AdamW rate too.
 """
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ from megatrain_nb.planner import H200, plan  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _lean(r: dict) -> bool | None:
+    """The row's lean activations: what it ran with, None (the engine's choice) for a peers row, off before they were."""
+    v = r.get("lean_activations", False)
+    return None if v is None else bool(v)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results_h200_2026-12-01_placement.jsonl"))
@@ -39,6 +48,9 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     errors = []
     for r in rows:
+        if str(r.get("system", "")).startswith("megatrain") and r.get("status") == "ok":  # a bench/peers.py row:
+            r = dict(r, placement=r["settings"].get("placement") or "auto", slots=None, cast_on_device=True,
+                     pin_store=False, lean_activations=None, split_master=None)  # the defaults on CUDA it ran with
         if "placement" not in r:
             continue
         cfg = qwen_config(r["shape"], layers=r["layers"], seq=r["seq"])
@@ -53,7 +65,7 @@ def main(argv=None) -> None:
         hw = H200 if not rate else dataclasses.replace(H200, host_adam_params_per_s=rate * 1e9)
         p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=hw, weight_slots=r.get("slots", 2),
                  cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
-                 placement=placement, lean_activations=bool(r.get("lean_activations", False)),
+                 placement=placement, lean_activations=_lean(r),
                  split_master=r.get("split_master", False))  # rows before the eleventh session: fp32 masters
         got, want = p.steady_step_ms / 1e3, r["step_s"]
         err = got / want - 1

@@ -143,6 +143,7 @@ def test_cpu_run_one_process_per_system_failures_included(tmp_path, monkeypatch)
         assert len(r["compute_busy_all"]) == len(r["step_s_all"]) and 0 < min(r["compute_busy_all"]) <= 1
         assert r["compute_busy_median"] == pytest.approx(statistics.median(r["compute_busy_all"]), abs=1e-3)
         assert r["compute_busy_all"][-1] == r["compute_busy_share"]  # the last step's is the saved trace's
+        assert r["host_adam_G_params_per_s"] > 0  # CPU: every unit updates on the host
     md = plot_peers.summary_markdown(rows)
     assert "| native | " in md and "megatrain / peer" in md and "- zero3-offload batch 1: crashed" in md
 
