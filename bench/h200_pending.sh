@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What is still to measure on the H200 (pending after 2026-12-02's tenth session). Writes under $OUT.
+# What was, and is still, to measure on the H200 (after 2026-12-02's twelfth session: nothing pending for issue 9).
+# Writes under $OUT.
 #   run: PYTHONPATH=$PWD bash bench/h200_pending.sh MODE   (each ~1-10 minutes; carry .whl for the peers)
 # s12:       Note [Split master] (a "device" layer's master held as bf16 weights + 16 bits; 10 bytes in, not 12):
 #            stream 3B x 1 / x 4 with it and without it in one session (--split-master on off), each with Note [Mapped
@@ -8,7 +9,7 @@
 # s11b:      the host's AdamW beside the DMA with the upcast in smaller chunks (bench/host_contention.py --chunks:
 #            less host memory traffic), then stream x 1 / x 4 at the default chunk and at 1M elements (~5 minutes).
 # tests:     the GPU tests over every module the device imports (plotly-based ones fail to collect).
-# Done: s12 (s11c2, s11c3), s11 (s11c1), s10b (s10c5: Note [Late write-backs] beside d19320a), s9c (s10c1), s9 (s9c5), s9b (s9c6), placement (s9c1),
+# Done: s12 (s11c2, s11c3, s12c1; mapped reads alone: s12c2), s11 (s11c1), s10b (s10c5: Note [Late write-backs] beside d19320a), s9c (s10c1), s9 (s9c5), s9b (s9c6), placement (s9c1),
 # s8d, search (s8c1, s8c2), peers7b (s8c1), s8b (s8c2), host RSS (s8c3), core (s7c1), depth (s7c1), layers (s5c1,
 # s5c2), long and 512k (s5c3), twinflow (s7c1), width (s6c1).
 # The modes kept for re-runs: layers, long (the 32K cache compare and 256K), core, depth, search, peers7b, s8b, s9c, s10b.
