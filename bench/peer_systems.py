@@ -276,9 +276,9 @@ class Megatrain:
     def timed(self) -> None:
         """``measure`` timed the last step: keep its raw trace records (reading ``session.trace`` would resolve
         them, a GPU wait, and the engine keeps only the last step's)."""
-        eng = self.session.engine
-        if eng.rec.enabled and eng._pending is not None:
-            self._raws.append(eng._pending[0])
+        raw = self.session.engine.step_records()
+        if raw is not None:
+            self._raws.append(raw)
 
     def step(self, ids: torch.Tensor) -> tuple[float, None]:
         self._done_steps = self._done_steps + 1 if _search_done(self.session) else 0

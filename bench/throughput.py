@@ -179,8 +179,9 @@ def main(argv=None) -> None:
                 if k <= a.warmup or done_steps < 2:  # untimed: warm-up, the search, the winner's first step
                     continue
                 times.append(r.seconds)
-                if s.engine.rec.enabled and s.engine._pending is not None:  # this step's raw records, resolved
-                    raws.append(s.engine._pending[0])  # after the timed steps (not s.trace: reading it waits for the GPU)
+                raw = s.engine.step_records()  # resolved after the timed steps (reading s.trace waits for the GPU)
+                if raw is not None:
+                    raws.append(raw)
             if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
                 df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
                 summaries.append(summarize(df))

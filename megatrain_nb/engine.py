@@ -347,6 +347,11 @@ class Engine:
         rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads - resident)
         rec.counter("pinned_in_use_bytes", size(self.io.staging + self.io.gstaging))
 
+    def step_records(self):
+        """The last step's raw trace records while its Trace is unread (else None): ``rec.resolve`` turns
+        them into a Trace later, so a caller can keep several steps' without a GPU wait between them."""
+        return None if self._pending is None else self._pending[0]
+
     @property
     def trace(self):
         """The last step's Trace, resolved from its CUDA events on first read (None before a step)."""

@@ -41,6 +41,26 @@ def test_fixed_checkpointing_is_never_rechosen():
     s.close()
 
 
+def test_step_records_keep_steps_for_a_later_resolve():
+    """A caller can keep several steps' raw records (no GPU wait) and resolve them after; reading the trace
+    consumes them, and a session without a trace has none."""
+    cfg = make_config("llama", num_hidden_layers=2)
+    s = Session.from_config(cfg, seed=0)
+    kept = []
+    for _ in range(2):
+        s.step(_batch(cfg.vocab_size, 1, 8))
+        kept.append(s.engine.step_records())
+    assert kept[0] is not kept[1] and all(r is not None for r in kept)
+    first, last = (s.engine.rec.resolve(r).to_dataframe() for r in kept)
+    assert set(first.layer[first.op == "fwd"]) == {0, 1} and len(first) and len(last)
+    assert len(s.trace.to_dataframe()) == len(last)  # the engine's own trace is the last step's
+    assert s.engine.step_records() is None  # read: nothing pending
+    s.tracing = False
+    s.step(_batch(cfg.vocab_size, 1, 8))
+    assert s.engine.step_records() is None
+    s.close()
+
+
 def test_offloaded_checkpoints_train_bitwise_like_device_checkpoints():
     """Parking block inputs in host memory and fetching them back changes no bit of the training."""
     cfg = make_config("llama", num_hidden_layers=5)
