@@ -35,6 +35,8 @@ import traceback
 
 import torch
 
+from rows import busy_shares, host_adam_rate  # bench/ is on the path: the parent's and each child's
+
 LR = 1e-5
 ROW_KEYS = ("system", "sweep", "status", "error", "shape", "layers", "hidden", "width", "params", "batch", "seq",
             "tokens", "step_s", "step_s_all", "model_tflops", "tokens_per_s", "optimizer_s", "optimizer_share",
@@ -299,12 +301,9 @@ class Megatrain:
             return {}
         df = tr.to_dataframe()  # resolving the trace here, after the timed steps, keeps it out of them
         sm = summarize(df)
-        rec = self.session.engine.rec  # every timed step's busy share; the last one's is the trace just read
-        busy = [summarize(rec.resolve(raw).to_dataframe())["compute_busy_share"] for raw in self._raws[:-1]]
-        busy.append(sm["compute_busy_share"])
+        busy = busy_shares(self.session.engine.rec, self._raws, sm)  # every timed step's; the last: the trace just read
         host_s = float(df[df.lane == "host-adam"].dur_ms.sum()) / 1e3  # overlaps the backward
-        adam = df[(df.lane == "host-adam") & (df.op == "adam") & (df.bytes > 0)]  # 16 bytes a parameter, as throughput.py
-        rate = adam.bytes.sum() / 16 / adam.dur_ms.sum() / 1e6 if len(adam) else None  # G params/s: for the planner
+        rate = host_adam_rate(df)
         dev_s = float(df[df.lane == "device-adam"].dur_ms.sum()) / 1e3  # resident units: on the compute stream
         exposed_s = sm["wait_ms_by_cause"].get("optimizer", 0.0) / 1e3 + dev_s
         extra = {}
@@ -319,7 +318,7 @@ class Megatrain:
                     device_adam_s=round(dev_s, 4), compute_busy_share=round(sm["compute_busy_share"], 3),
                     compute_busy_all=[round(b, 3) for b in busy], compute_busy_median=round(statistics.median(busy), 3),
                     waits_ms={k: round(v, 1) for k, v in sm["wait_ms_by_cause"].items()},
-                    host_adam_G_params_per_s=None if rate is None else round(float(rate), 2),
+                    host_adam_G_params_per_s=None if rate is None else round(rate, 2),
                     recomputed_layers=self.session.history[-1].recomputed_layers)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rows import emit, rss_bytes  # noqa: E402
+from rows import busy_shares, emit, host_adam_rate, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
@@ -147,15 +147,14 @@ def main(argv=None) -> None:
         if sw is not None:
             sys.setswitchinterval(sw / 1e3)
         s.engine.adam.threads = th
-        if win is not None:  # "stream" sets its share again from the next steps' host rate (Note: [Stream rate])
+        if win is not None:
             placing.HOST_WINDOW = win
-            s.engine.device_updates.rated, s.engine.device_updates.adam_rate = 0, (0, 0.0)
         if split is not None:  # place() joins or splits the "device" layers' masters before the next step
             du.split = split == "on"
-            du.rated, du.adam_rate = 0, (0, 0.0)
         if mapped is not None:
             io.norm_mapped, io.loss_mapped = maps if mapped == "on" else (None, None)
-            du.rated, du.adam_rate = 0, (0, 0.0)
+        if (win, split, mapped) != (None, None, None):  # "stream" sets its share again from the next steps'
+            du.rated, du.adam_rate = 0, (0, 0.0)  # host rate (Note: [Stream rate])
         suffix = "" if len(variants) == 1 else f"_sw{sw}_t{th}" + ("" if win is None else f"_w{win}") \
             + ("" if split is None else f"_split{split}") + ("" if mapped is None else f"_mapped{mapped}")
         for B in a.batch:
@@ -185,16 +184,10 @@ def main(argv=None) -> None:
             if s.trace is not None and len(s.trace.spans):  # the last step's, read after the timed steps: reading
                 df = s.trace.to_dataframe()  # resolves it, Python work that would compete for the GIL with AdamW
                 summaries.append(summarize(df))
-                adam = df[(df.lane == "host-adam") & (df.op == "adam") & (df.bytes > 0)]  # 16 bytes a parameter (Engine._update)
-                summaries[-1]["host_adam_G_params_per_s"] = adam.bytes.sum() / 16 / adam.dur_ms.sum() / 1e6 if len(adam) else None
+                summaries[-1]["host_adam_G_params_per_s"] = host_adam_rate(df)
                 st = find_stalls(df)
                 waits.append(st.groupby("waited_on")["dur_ms"].sum().to_dict() if len(st) else {})
-            busy = []  # every timed step's compute busy share (the saved trace is the last one's only)
-            for raw in raws[:-1]:  # the last one is the engine's own, resolved above
-                sm = summarize(s.engine.rec.resolve(raw).to_dataframe())
-                busy.append(sm.get("compute_busy_share", float("nan")))
-            if summaries:
-                busy.append(summaries[-1].get("compute_busy_share", float("nan")))
+            busy = busy_shares(s.engine.rec, raws, summaries[-1]) if summaries else []  # the saved trace: the last's
             t = statistics.median(times)
             tokens = B * a.seq
             N = rep["params"]
