@@ -9,6 +9,7 @@ import torch
 from .longcontext import keep_share
 
 SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZER_STATES = ("fp32", "int8", "int4")
 PINNED_BUDGET_BYTES = 2 << 30  # the staging pool when the store's slabs are pageable: every load is packed through it
 PINNED_BUDGET_PINNED_STORE = 512 << 20  # when they are pinned: only the embedding's rows and fp32 gradients pass
 
@@ -47,6 +48,15 @@ class OptimConfig:
     """Steps of linear warmup from 0 (as transformers' schedules: the first step uses lr 0 when > 0)."""
     total_steps: int | None = None
     """Length of the decay for "linear" and "cosine"."""
+    optimizer_state: str = "fp32"
+    """How the Adam moments are held (``compact_state.py``): "fp32" (exact ``torch.optim.AdamW``, 8 bytes a
+    parameter), "int8" (block-wise 8-bit, blocks of 256 with one fp32 scale each: ~2 bytes) or "int4" (blocks
+    of 128: ~1 byte). The fp32 master stays exact and the update's arithmetic is fp32; tensors under 4096
+    values and the input embedding keep fp32 moments (``compact_keep_fp32``)."""
+    compact_keep_fp32: tuple[str, ...] | None = None
+    """With a compact ``optimizer_state``: name patterns (``fnmatch``, against checkpoint names such as
+    "model.layers.3.mlp.up_proj.weight") of tensors whose moments stay fp32, besides those under 4096 values.
+    None: the input embedding's (as HF Trainer does for 8-bit Adam). ``()``: none but the small ones."""
 
     def __post_init__(self):
         if not (isinstance(self.lr, (int, float)) and self.lr >= 0 and math.isfinite(self.lr)):
@@ -60,6 +70,14 @@ class OptimConfig:
             raise ValueError(f"weight_decay={self.weight_decay!r}: must be >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r}: must be > 0, or None for no clipping")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state={self.optimizer_state!r}: choose one of {OPTIMIZER_STATES} "
+                             "('fp32' exact, 'int8' ~2 bytes a parameter of moments, 'int4' ~1)")
+        if self.compact_keep_fp32 is not None:
+            if isinstance(self.compact_keep_fp32, str) or not all(isinstance(x, str) for x in self.compact_keep_fp32):
+                raise ValueError(f"compact_keep_fp32={self.compact_keep_fp32!r}: a tuple of name patterns, e.g. "
+                                 "('*embed_tokens*',), () or None")
+            self.compact_keep_fp32 = tuple(self.compact_keep_fp32)
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r}: choose one of {SCHEDULES}")
         if self.warmup_steps < 0:

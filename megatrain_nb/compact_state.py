@@ -1,0 +1,410 @@
+"""Compact Adam moments: block-wise 8-bit or 4-bit ``exp_avg`` / ``exp_avg_sq`` beside the exact fp32 master.
+
+Owns: the schemes (bitsandbytes' 8-bit dynamic maps in blocks of 256, torchao's 4-bit maps in blocks of 128,
+one fp32 absmax scale per block), which positions of a unit keep fp32 moments (``Layout``: tensors under
+4096 values and those the user names, by default the input embedding), how a unit's compact moment is laid
+out in its store slab (``parts``), its bytes (``moment_words``, ``bytes_per_param``), conversion from and to
+fp32 (``quantize_into``, ``dequantize``), and one AdamW step over compact moments: ``update_host`` (a fused C
+kernel, ``compact_kernel.c``) and ``update_torch`` (torch ops: the device's path, and the host's where no C
+compiler is found).
+Does not own: when updates run, placement, streams (optim.py, device_updates.py), or the fp32 path.
+
+Why our own kernel: torchao's low-bit AdamW quantizes with eight dependent gathers per value and is built for
+``torch.compile`` on CUDA; bitsandbytes' CPU backend runs its blockwise 8-bit update in torch ops; neither
+updates a flat slab with exempt spans in place. ``bench/host_adam.py`` measures them side by side.
+
+Note: [Compact slab] a compact moment of a unit with n positions lives in one flat fp32 slab of
+``moment_words`` words, so that every copy of a unit's state (transfers, checkpoints, the shared store) moves
+it as it moves fp32 moments: [codes: ceil(n/B)*B bytes (int8) or half that (int4), as words | scales:
+ceil(n/B) fp32 | exempt: the kept positions' fp32 moments, span after span]. All zeros is the zero moment.
+
+Note: [Subnormals] on the H200 host (Intel Xeon) torch's fused CPU AdamW ran 8-13x slower when moments were
+subnormal (shared/LIMITS.md). The C kernel sets flush-to-zero and denormals-are-zero on each of its threads;
+``denormals.py`` does the same for the fp32 path's threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fnmatch
+import hashlib
+import math
+import os
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+KINDS = ("int8", "int4")
+BLOCK = {"int8": 256, "int4": 128}
+BITS = {"int8": 8, "int4": 4}
+MIN_QUANTIZED = 4096  # tensors under this many values keep fp32 moments (bitsandbytes' min_8bit_size)
+DEFAULT_KEEP = ("*embed_tokens*", "*wte*", "*word_embeddings*")  # the input embedding, by its usual names
+
+
+def _dynamic_map(signed: bool, max_exponent_bits: int, total_bits: int) -> list[float]:
+    """The dynamic quantization map of bitsandbytes (Dettmers 2015), as torchao writes it (no zero padding,
+    so that 4 bits work too): ``2 ** total_bits`` sorted values in [-1, 1] (signed) or [0, 1]."""
+    data = []
+    non_sign_bits = total_bits - 1
+    additional = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        items = int(2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed
+                    else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1)
+        bounds = torch.linspace(0.1, 1, items)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0).tolist()
+        data += [10 ** (-(max_exponent_bits - 1) + i) * x for x in means]
+        if signed:
+            data += [-(10 ** (-(max_exponent_bits - 1) + i)) * x for x in means]
+    if additional > 0:
+        bounds = torch.linspace(0.1, 1, additional + 1)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0).tolist()
+        data += [10 ** (-(max_exponent_bits - 1) + i) * x for x in means]
+        if signed:
+            data += [-(10 ** (-(max_exponent_bits - 1) + i)) * x for x in means]
+    data += [0.0, 1.0]
+    assert len(data) == 2 ** total_bits
+    return sorted(data)
+
+
+_MAPS: dict = {}
+
+
+def qmaps(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp_avg's map, exp_avg_sq's map), fp32 on the CPU: int8 the signed and unsigned dynamic maps
+    (bitsandbytes' Adam8bit, torchao's AdamW8bit); int4 the signed 4-bit dynamic map (3 exponent bits) and
+    the linear map without zero for the second moment (torchao's AdamW4bit, Li et al. 2023)."""
+    if kind not in _MAPS:
+        if kind == "int8":
+            m, v = _dynamic_map(True, 7, 8), _dynamic_map(False, 7, 8)
+        elif kind == "int4":
+            m, v = _dynamic_map(True, 3, 4), torch.linspace(0, 1, 17)[1:].tolist()
+        else:
+            raise ValueError(f"optimizer_state={kind!r}: compact kinds are {KINDS}")
+        _MAPS[kind] = (torch.tensor(m, dtype=torch.float32), torch.tensor(v, dtype=torch.float32))
+    return _MAPS[kind]
+
+
+def code_bytes(kind: str, nblocks: int) -> int:
+    return nblocks * BLOCK[kind] * BITS[kind] // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a unit's compact moment lives in its slab (Note: [Compact slab])."""
+
+    kind: str
+    n: int  # positions of the unit
+    spans: tuple[tuple[int, int], ...]  # sorted [a, b) positions whose moments stay fp32
+
+    @property
+    def nblocks(self) -> int:
+        return -(-self.n // BLOCK[self.kind])
+
+    @property
+    def kept(self) -> int:
+        return sum(b - a for a, b in self.spans)
+
+    @property
+    def words(self) -> int:
+        """fp32 words of one moment's slab."""
+        return code_bytes(self.kind, self.nblocks) // 4 + self.nblocks + self.kept
+
+    def span_offsets(self) -> list[tuple[int, int, int]]:
+        """(a, b, offset in the exempt part) of each kept span."""
+        out, off = [], 0
+        for a, b in self.spans:
+            out.append((a, b, off))
+            off += b - a
+        return out
+
+
+def layout_for(kind: str, names_shapes: list[tuple[str, int, int]], keep=None) -> Layout | None:
+    """The compact layout of a unit, or None where every position keeps fp32 moments.
+
+    Args:
+        kind: "int8" or "int4" ("fp32": None).
+        names_shapes: (checkpoint name, offset, numel) of each tensor of the unit's flat slab, in order.
+        keep: name patterns of tensors that keep fp32 moments (None: ``DEFAULT_KEEP``).
+    """
+    if kind == "fp32":
+        return None
+    keep = DEFAULT_KEEP if keep is None else keep
+    n = max((o + k for _, o, k in names_shapes), default=0)
+    spans = []
+    for name, off, numel in sorted(names_shapes, key=lambda t: t[1]):
+        if numel < MIN_QUANTIZED or any(fnmatch.fnmatch(name, pat) for pat in keep):
+            if spans and spans[-1][1] == off:
+                spans[-1] = (spans[-1][0], off + numel)
+            else:
+                spans.append((off, off + numel))
+    if sum(b - a for a, b in spans) == n:
+        return None
+    return Layout(kind=kind, n=n, spans=tuple(spans))
+
+
+def moment_words(kind: str, n: int, kept: int = 0) -> int:
+    """fp32 words of one compact moment of ``n`` positions, ``kept`` of them fp32 (Note: [Compact slab])."""
+    if kind == "fp32":
+        return n
+    nb = -(-n // BLOCK[kind])
+    return code_bytes(kind, nb) // 4 + nb + kept
+
+
+def bytes_per_param(kind: str) -> float:
+    """Host bytes a quantized parameter's two moments take, scales included (fp32: 8)."""
+    if kind == "fp32":
+        return 8.0
+    return 2 * (BITS[kind] / 8 + 4 / BLOCK[kind])
+
+
+def parts(slab: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales fp32 (nblocks,), exempt fp32 (kept,)): views into one moment's slab (any device)."""
+    cw = code_bytes(lay.kind, lay.nblocks) // 4
+    return (slab[:cw].view(torch.uint8), slab[cw:cw + lay.nblocks], slab[cw + lay.nblocks:cw + lay.nblocks + lay.kept])
+
+
+# ---- torch-op codec: the device's path, the reference for the C kernel, conversions ----------------------
+
+def _codes_of(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Nearest entry of sorted map ``q`` for each value of ``x`` (ties up), as torchao's quantize_*_with_qmap."""
+    c = (torch.searchsorted(q, x, right=True) - 1).clamp_(0, q.numel() - 1)
+    up = (c + 1).clamp_(max=q.numel() - 1)
+    lo = q[c]
+    return torch.where(x - lo >= (q[up] - lo) * 0.5, up, c).to(torch.uint8)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    c = codes.view(-1, 2)
+    return (c[:, 0] << 4) | c[:, 1]
+
+
+def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    return torch.stack([codes >> 4, codes & 15], dim=-1).flatten()
+
+
+def _block_range(lay: Layout, k0: int, k1: int) -> tuple[int, int]:
+    B = BLOCK[lay.kind]
+    return k0 * B, min(lay.n, k1 * B)
+
+
+def _kept_mask(lay: Layout, a: int, b: int, device) -> torch.Tensor | None:
+    """(b - a,) bool: positions of [a, b) that keep fp32 moments (None if none do)."""
+    hits = [(max(x, a), min(y, b)) for x, y in lay.spans if x < b and y > a]
+    if not hits:
+        return None
+    mask = torch.zeros(b - a, dtype=torch.bool, device=device)
+    for x, y in hits:
+        mask[x - a:y - a] = True
+    return mask
+
+
+def dequantize(slab: torch.Tensor, lay: Layout, which: int, out: torch.Tensor | None = None,
+               chunk_blocks: int = 1 << 16) -> torch.Tensor:
+    """A moment as fp32 (n,) from its compact slab (``which`` 0: exp_avg, 1: exp_avg_sq), chunk by chunk."""
+    codes, scales, kept = parts(slab, lay)
+    q = qmaps(lay.kind)[which].to(slab.device)
+    out = torch.empty(lay.n, dtype=torch.float32, device=slab.device) if out is None else out
+    B, bits = BLOCK[lay.kind], BITS[lay.kind]
+    for k0 in range(0, lay.nblocks, chunk_blocks):
+        k1 = min(lay.nblocks, k0 + chunk_blocks)
+        cb = codes[k0 * B * bits // 8:k1 * B * bits // 8]
+        vals = (q[_unpack(cb, bits).int()].view(k1 - k0, B) * scales[k0:k1].view(-1, 1)).flatten()
+        a, b = _block_range(lay, k0, k1)
+        out[a:b] = vals[:b - a]
+    for a, b, o in lay.span_offsets():
+        out[a:b] = kept[o:o + b - a]
+    return out
+
+
+def _quantize_blocks(x: torch.Tensor, lay: Layout, which: int, codes: torch.Tensor, scales: torch.Tensor,
+                     k0: int, k1: int) -> None:
+    """Blocks [k0, k1) of a moment from fp32 ``x`` (their positions; kept positions must hold 0)."""
+    B, bits = BLOCK[lay.kind], BITS[lay.kind]
+    a, b = _block_range(lay, k0, k1)
+    xb = torch.zeros((k1 - k0) * B, dtype=torch.float32, device=x.device)
+    xb[:b - a] = x
+    xb = xb.view(-1, B)
+    s = xb.abs().amax(-1).clamp_(min=1e-12)
+    scales[k0:k1] = s
+    c = _codes_of((xb / s.view(-1, 1)).flatten(), qmaps(lay.kind)[which].to(x.device))
+    codes[k0 * B * bits // 8:k1 * B * bits // 8] = _pack(c, bits)
+
+
+def quantize_into(slab: torch.Tensor, lay: Layout, which: int, x: torch.Tensor, chunk_blocks: int = 1 << 16) -> None:
+    """Store fp32 moment ``x`` (n,) into its compact slab, chunk by chunk (a conversion; ``x`` is not changed)."""
+    codes, scales, kept = parts(slab, lay)
+    for a, b, o in lay.span_offsets():
+        kept[o:o + b - a] = x[a:b]
+    B = BLOCK[lay.kind]
+    for k0 in range(0, lay.nblocks, chunk_blocks):
+        k1 = min(lay.nblocks, k0 + chunk_blocks)
+        a, b = _block_range(lay, k0, k1)
+        xs = x[a:b]
+        mask = _kept_mask(lay, a, b, x.device)
+        if mask is not None:
+            xs = xs.masked_fill(mask, 0.0)
+        _quantize_blocks(xs, lay, which, codes, scales, k0, k1)
+
+
+def _fp32_spans(lay: Layout, p, g, m32, v32, *, lr, betas, eps, weight_decay, step, grad_scale) -> None:
+    """Kept positions: torch's fused AdamW on fp32 moments (on the CPU) or its foreach path (elsewhere)."""
+    from torch.optim.adamw import adamw
+
+    for a, b, o in lay.span_offsets():
+        gs = g[a:b].float() * grad_scale if grad_scale != 1.0 or g.dtype != torch.float32 else g[a:b]
+        adamw([p[a:b]], [gs], [m32[o:o + b - a]], [v32[o:o + b - a]], [], [step.clone()],
+              fused=p.device.type in ("cpu", "cuda"), amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
+              weight_decay=weight_decay, eps=eps, maximize=False)
+
+
+def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, step: torch.Tensor,
+                 grad_scale: float = 1.0, chunk_blocks: int = 1 << 15) -> None:
+    """One AdamW step of a unit over compact moments, in torch ops (any device), in place.
+
+    Args:
+        p: (n,) fp32 master.  g: (n,) gradients, any float dtype.  m, v: the moments' slabs (fp32 words).
+        step: 0-dim fp32 step count *after* this step (as the fused kernel sees it); not changed here.
+    """
+    b1, b2 = betas
+    t = step.double().item() if step.device.type == "cpu" else None
+    if t is not None:
+        bc1, bc2s = 1 - b1 ** t, math.sqrt(1 - b2 ** t)
+    else:  # stays on the device: no host sync
+        bc1, bc2s = 1 - torch.pow(b1, step), torch.sqrt(1 - torch.pow(b2, step))
+    mc, ms, m32 = parts(m, lay)
+    vc, vs, v32 = parts(v, lay)
+    qm, qv = (q.to(p.device) for q in qmaps(lay.kind))
+    B, bits = BLOCK[lay.kind], BITS[lay.kind]
+    for k0 in range(0, lay.nblocks, chunk_blocks):
+        k1 = min(lay.nblocks, k0 + chunk_blocks)
+        a, b = _block_range(lay, k0, k1)
+        cs = slice(k0 * B * bits // 8, k1 * B * bits // 8)
+        mi = (qm[_unpack(mc[cs], bits).int()].view(-1, B) * ms[k0:k1].view(-1, 1)).flatten()[:b - a]
+        vi = (qv[_unpack(vc[cs], bits).int()].view(-1, B) * vs[k0:k1].view(-1, 1)).flatten()[:b - a]
+        gi = g[a:b].float()
+        if grad_scale != 1.0:
+            gi = gi * grad_scale
+        mi = mi + (1 - b1) * (gi - mi)
+        vi = vi + (1 - b2) * (gi * gi - vi)
+        pi = p[a:b]
+        mask = _kept_mask(lay, a, b, p.device)
+        new = pi - (lr * weight_decay) * pi
+        new = new - lr * (mi / bc1) / (vi.sqrt() / bc2s + eps)
+        if mask is not None:
+            new = torch.where(mask, pi, new)
+            mi, vi = mi.masked_fill(mask, 0.0), vi.masked_fill(mask, 0.0)
+        pi.copy_(new)
+        _quantize_blocks(mi, lay, 0, mc, ms, k0, k1)
+        _quantize_blocks(vi, lay, 1, vc, vs, k0, k1)
+    _fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step - 1,
+                grad_scale=grad_scale)
+
+
+# ---- the host's fused C kernel ---------------------------------------------------------------------------
+
+_lib = None
+_lib_lock = threading.Lock()
+_tables: dict = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MEGATRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain_nb")
+    return Path(root)
+
+
+def kernel():
+    """The compiled C kernel (ctypes library), built on first use; None where no C compiler works (the torch
+    path then runs, with a warning)."""
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            _lib = _build() or False
+        return _lib or None
+
+
+def _build():
+    src = Path(__file__).with_name("compact_kernel.c")
+    code = src.read_bytes()
+    tag = hashlib.sha256(code + os.uname().machine.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"compact_kernel_{tag}.so"
+    if not out.exists():
+        cc = os.environ.get("CC", "cc")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            obj = Path(tmp) / out.name
+            cmd = [cc, "-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-o", str(obj), str(src), "-lm"]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                err = getattr(e, "stderr", b"") or b""
+                warnings.warn(f"compact optimizer state: building the host kernel failed ({' '.join(cmd)}: "
+                              f"{err.decode(errors='replace')[-300:] or e}); host updates use torch ops, several "
+                              "times slower. Install a C compiler with OpenMP (gcc) or set CC.", stacklevel=3)
+                return None
+            os.replace(obj, out)  # atomic: other processes see a whole library or none
+    lib = ctypes.CDLL(str(out))
+    P, I64, F, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.adamw_compact.argtypes = [P, P, I, F, I64, P, P, P, P, I, I, P, P, P, P, P, I64, F, F, F, F, F, F, F, I]
+    lib.adamw_compact.restype = None
+    lib.build_table.argtypes = [P, I, P]
+    return lib
+
+
+def _table(kind: str) -> tuple:
+    if kind not in _tables:
+        lib = kernel()
+        out = []
+        for q in qmaps(kind):
+            tab = torch.empty(65536, dtype=torch.int32)
+            lib.build_table(q.data_ptr(), q.numel(), tab.data_ptr())
+            out.append((torch.cat([q, torch.tensor([math.inf])]), tab))  # q[N] = +inf: the search's sentinel
+        _tables[kind] = out
+    return _tables[kind]
+
+
+_spans_cache: dict = {}
+
+
+def _spans_tensor(lay: Layout) -> torch.Tensor:
+    key = lay.spans
+    if key not in _spans_cache:
+        _spans_cache[key] = torch.tensor([x for s in lay.spans for x in s] or [0], dtype=torch.int64)
+    return _spans_cache[key]
+
+
+def update_host(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
+                betas: tuple[float, float], eps: float, weight_decay: float, step: torch.Tensor,
+                grad_scale: float = 1.0) -> None:
+    """``update_torch`` on CPU tensors by the fused C kernel (same arithmetic; the torch path where none builds).
+
+    ``step`` (0-dim fp32, CPU) is the count after this step; not changed here.
+    """
+    lib = kernel()
+    if lib is None or g.dtype not in (torch.float32, torch.bfloat16):
+        return update_torch(lay, p, g, m, v, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step,
+                            grad_scale=grad_scale)
+    for t in (p, g, m, v):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("update_host needs contiguous CPU tensors")
+    b1, b2 = betas
+    t = float(step.item())  # host tensor: no sync
+    (qm, tm), (qv, tv) = _table(lay.kind)
+    mc, ms, m32 = parts(m, lay)
+    vc, vs, v32 = parts(v, lay)
+    spans = _spans_tensor(lay)
+    bc1, bc2s = 1 - b1 ** t, math.sqrt(1 - b2 ** t)  # rounded to fp32 as torch rounds a Python scalar
+    lib.adamw_compact(p.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16), float(grad_scale), lay.n,
+                      mc.data_ptr(), ms.data_ptr(), vc.data_ptr(), vs.data_ptr(), BITS[lay.kind], BLOCK[lay.kind],
+                      qm.data_ptr(), qv.data_ptr(), tm.data_ptr(), tv.data_ptr(), spans.data_ptr(), len(lay.spans),
+                      lr, 1 - b1, 1 - b2, eps, lr * weight_decay, bc1, bc2s, torch.get_num_threads())
+    _fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step - 1,
+                grad_scale=grad_scale)
