@@ -11,7 +11,8 @@ they are not saved.
 Layout of a checkpoint directory::
 
     state.json                 format version, config, settings, counters, RNG, history, file index
-    slabs-00001.safetensors    flat fp32 tensors "unit.<u>.<kind>" (kind: master, exp_avg, exp_avg_sq)
+    slabs-00001.safetensors    flat fp32 tensors "unit.<u>.<kind>" (kind: master, exp_avg, exp_avg_sq; a compact
+                               moment as its slab's fp32 words, Note: [Compact slab] in compact_state.py)
     slabs-00002.safetensors    ... each file <= max_shard_bytes; a larger slab is split into pieces
                                "unit.<u>.<kind>@<start>" that state.json's index reassembles
 
@@ -33,6 +34,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from . import compact_state
 
 FORMAT = "megatrain_nb.checkpoint"
 VERSION = 1
@@ -288,7 +291,8 @@ def _write_slabs(store, out: Path, max_bytes: int) -> tuple[dict, dict]:
 
 
 def _load_slabs(store, path: Path, state: dict) -> None:
-    """Session's ``_init``: fill masters and moments from the checkpoint; every element exactly once."""
+    """Session's ``_init``: fill masters and moments from the checkpoint; every element exactly once. Moments
+    saved in another ``optimizer_state`` (or with other fp32-kept tensors) are converted, with a warning."""
     from safetensors import SafetensorError, safe_open
 
     for u in store.order:
@@ -296,11 +300,22 @@ def _load_slabs(store, path: Path, state: dict) -> None:
         if got != want:
             raise ValueError(f"{path / STATE}: unit {u} has {got} elements, this model's has {want}; the "
                              "checkpoint belongs to another config")
-    by_file: dict[str, list] = {}
+    saved = _saved_layouts(store, state)
+    convert = {u for u in store.order if saved[u] != store.units[u].compact}
+    if convert:
+        warnings.warn(f"{path}: Adam moments saved with optimizer_state={state['optim_cfg'].get('optimizer_state', 'fp32')!r}"
+                      f" are converted to optimizer_state={store.optimizer_state!r} for {len(convert)} of "
+                      f"{len(store.order)} units; the resumed run is not bit-equal to one that kept the setting",
+                      stacklevel=4)
+    staged = {(u, k): torch.zeros(compact_state.moment_words(saved[u].kind, saved[u].n, saved[u].kept)
+                                  if saved[u] is not None else store.units[u].layout.numel)
+              for u in convert for k in KINDS[1:]}  # the saved form, converted below (one unit's at a time is
+    by_file: dict[str, list] = {}  # enough memory-wise, but the files are read in one pass)
     for name, pieces in state["tensors"].items():
         _, u, kind = name.split(".")
+        dst = staged.get((int(u), kind), getattr(store.units[int(u)], kind))
         for f, key, start, n in pieces:
-            by_file.setdefault(f, []).append((getattr(store.units[int(u)], kind), key, start, n))
+            by_file.setdefault(f, []).append((dst, key, start, n))
     filled = {name: 0 for name in state["tensors"]}
     for f, items in sorted(by_file.items()):
         try:
@@ -316,9 +331,25 @@ def _load_slabs(store, path: Path, state: dict) -> None:
     for u in store.order:
         for kind in KINDS:
             name = f"unit.{u}.{kind}"
-            if filled.get(name) != store.units[u].layout.numel:
-                raise ValueError(f"{path}: {name} has {filled.get(name)} of {store.units[u].layout.numel} "
-                                 "elements; the checkpoint is incomplete")
+            want = (staged[u, kind] if (u, kind) in staged else getattr(store.units[u], kind)).numel()
+            if filled.get(name) != want:
+                raise ValueError(f"{path}: {name} has {filled.get(name)} of {want} elements; the checkpoint is "
+                                 "incomplete")
+    for (u, kind), t in staged.items():
+        unit, k = store.units[u], KINDS.index(kind) - 1
+        fp32 = t if saved[u] is None else compact_state.dequantize(t, saved[u], k)
+        if unit.compact is None:
+            getattr(unit, kind).copy_(fp32)
+        else:
+            compact_state.quantize_into(getattr(unit, kind), unit.compact, k, fp32)
+
+
+def _saved_layouts(store, state: dict) -> dict:
+    """unit -> the compact layout its moments were saved in (None: fp32), from the saved optimizer settings."""
+    ocfg = state["optim_cfg"]
+    kind, keep = ocfg.get("optimizer_state", "fp32"), ocfg.get("compact_keep_fp32")
+    return {u: compact_state.layout_for(kind, store.units[u].tensors(), None if keep is None else tuple(keep))
+            for u in store.order}
 
 
 # ---- validation ------------------------------------------------------------------------------

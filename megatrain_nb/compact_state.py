@@ -225,17 +225,21 @@ def dequantize(slab: torch.Tensor, lay: Layout, which: int, out: torch.Tensor | 
 
 
 def _quantize_blocks(x: torch.Tensor, lay: Layout, which: int, codes: torch.Tensor, scales: torch.Tensor,
-                     k0: int, k1: int) -> None:
-    """Blocks [k0, k1) of a moment from fp32 ``x`` (their positions; kept positions must hold 0)."""
+                     k0: int, k1: int, skip: torch.Tensor | None = None) -> None:
+    """Blocks [k0, k1) of a moment from fp32 ``x`` (their positions; kept positions must hold 0); ``skip``
+    (0-dim bool, any device): where true, the blocks keep what they hold (a skipped step, no host sync)."""
     B, bits = BLOCK[lay.kind], BITS[lay.kind]
     a, b = _block_range(lay, k0, k1)
     xb = torch.zeros((k1 - k0) * B, dtype=torch.float32, device=x.device)
     xb[:b - a] = x
     xb = xb.view(-1, B)
     s = xb.abs().amax(-1).clamp_(min=1e-12)
+    c = _pack(_codes_of((xb / s.view(-1, 1)).flatten(), qmaps(lay.kind)[which].to(x.device)), bits)
+    cs = slice(k0 * B * bits // 8, k1 * B * bits // 8)
+    if skip is not None:
+        s, c = torch.where(skip, scales[k0:k1], s), torch.where(skip, codes[cs], c)
     scales[k0:k1] = s
-    c = _codes_of((xb / s.view(-1, 1)).flatten(), qmaps(lay.kind)[which].to(x.device))
-    codes[k0 * B * bits // 8:k1 * B * bits // 8] = _pack(c, bits)
+    codes[cs] = c
 
 
 def quantize_into(slab: torch.Tensor, lay: Layout, which: int, x: torch.Tensor, chunk_blocks: int = 1 << 16) -> None:
@@ -254,25 +258,27 @@ def quantize_into(slab: torch.Tensor, lay: Layout, which: int, x: torch.Tensor, 
         _quantize_blocks(xs, lay, which, codes, scales, k0, k1)
 
 
-def _fp32_spans(lay: Layout, p, g, m32, v32, *, lr, betas, eps, weight_decay, step, grad_scale) -> None:
-    """Kept positions: torch's fused AdamW on fp32 moments (on the CPU) or its foreach path (elsewhere)."""
+def _fp32_spans(lay: Layout, p, g, m32, v32, *, lr, betas, eps, weight_decay, step, grad_scale,
+                found_inf=None) -> None:
+    """Kept positions: torch's fused AdamW on their fp32 moments (``step``: the count before this step)."""
     from torch.optim.adamw import adamw
 
     for a, b, o in lay.span_offsets():
         gs = g[a:b].float() * grad_scale if grad_scale != 1.0 or g.dtype != torch.float32 else g[a:b]
-        adamw([p[a:b]], [gs], [m32[o:o + b - a]], [v32[o:o + b - a]], [], [step.clone()],
-              fused=p.device.type in ("cpu", "cuda"), amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
-              weight_decay=weight_decay, eps=eps, maximize=False)
+        adamw([p[a:b]], [gs], [m32[o:o + b - a]], [v32[o:o + b - a]], [], [step.clone()], fused=True,
+              amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr, weight_decay=weight_decay, eps=eps,
+              maximize=False, found_inf=found_inf)
 
 
 def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, step: torch.Tensor,
-                 grad_scale: float = 1.0, chunk_blocks: int = 1 << 15) -> None:
+                 grad_scale: float = 1.0, found_inf: torch.Tensor | None = None, chunk_blocks: int = 1 << 15) -> None:
     """One AdamW step of a unit over compact moments, in torch ops (any device), in place.
 
     Args:
         p: (n,) fp32 master.  g: (n,) gradients, any float dtype.  m, v: the moments' slabs (fp32 words).
         step: 0-dim fp32 step count *after* this step (as the fused kernel sees it); not changed here.
+        found_inf: 0-dim fp32 on ``p``'s device; 1.0 leaves everything as it was (as the fused kernel's flag).
     """
     b1, b2 = betas
     t = step.double().item() if step.device.type == "cpu" else None
@@ -284,6 +290,7 @@ def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
     vc, vs, v32 = parts(v, lay)
     qm, qv = (q.to(p.device) for q in qmaps(lay.kind))
     B, bits = BLOCK[lay.kind], BITS[lay.kind]
+    skip = None if found_inf is None else found_inf > 0
     for k0 in range(0, lay.nblocks, chunk_blocks):
         k1 = min(lay.nblocks, k0 + chunk_blocks)
         a, b = _block_range(lay, k0, k1)
@@ -302,11 +309,13 @@ def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
         if mask is not None:
             new = torch.where(mask, pi, new)
             mi, vi = mi.masked_fill(mask, 0.0), vi.masked_fill(mask, 0.0)
+        if skip is not None:
+            new = torch.where(skip, pi, new)
         pi.copy_(new)
-        _quantize_blocks(mi, lay, 0, mc, ms, k0, k1)
-        _quantize_blocks(vi, lay, 1, vc, vs, k0, k1)
-    _fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step - 1,
-                grad_scale=grad_scale)
+        _quantize_blocks(mi, lay, 0, mc, ms, k0, k1, skip)
+        _quantize_blocks(vi, lay, 1, vc, vs, k0, k1, skip)
+    _fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                step=step - (1 if found_inf is None else 1 - found_inf), grad_scale=grad_scale, found_inf=found_inf)
 
 
 # ---- the host's fused C kernel ---------------------------------------------------------------------------
@@ -341,7 +350,7 @@ def _build():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             obj = Path(tmp) / out.name
-            cmd = [cc, "-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-o", str(obj), str(src), "-lm"]
+            cmd = [cc, "-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-o", str(obj), str(src), "-lm"]
             try:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as e:

@@ -59,7 +59,7 @@ class DeviceUpdates:
         self.head_written: Box | None = None  # its last write-back's landing (in ``writes`` too until it lands)
         self.t_start = 0.0
         self.split = split_master.enabled(ecfg.split_master, dtype == torch.bfloat16, store.shadow_dtype is not None,
-                                          store.shared is not None)  # "device" layers' masters as [R | D]
+                                          store.shared is not None, store.optimizer_state != "fp32")  # "device" layers' masters as [R | D]
         self.state_rows = 4 if self.split else 3  # a state slot's rows of the largest layer: master, moments, [R | D]
         self.held = ecfg.weight_slots is not None and ecfg.weight_slots >= self.L  # every layer keeps its weight
         # slot: a split layer's R is there when its state comes in, and D alone crosses (Note: [Held weights])
@@ -366,7 +366,7 @@ class DeviceUpdates:
         out, off = [], 0
         for attr in ("master", "exp_avg", "exp_avg_sq"):
             for u in units:
-                n = self.store.units[u].layout.numel
+                n = getattr(self.store.units[u], attr).numel()  # a compact moment: its words (Note: [Compact slab])
                 out.append((u, attr, off, n))
                 off += n
         return out

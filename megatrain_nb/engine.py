@@ -155,7 +155,8 @@ class Engine:
     def _early_rows(self, unit: int, step: int, lr: float, grad_scale: float) -> bool:
         """Worker, before ``unit``'s update of step ``step``: serve the embedding rows the next forward
         asked for (Note: [Early rows]); False where this process does not update it on the host."""
-        if unit != -1 or -1 in self.dev_opt.of or -1 in self.dev_opt.streamed or not self.store.owns(-1):
+        if (unit != -1 or -1 in self.dev_opt.of or -1 in self.dev_opt.streamed or not self.store.owns(-1)
+                or self.store.units[-1].compact is not None):  # compact moments: no row-wise update
             return False
 
         def rows(ids):

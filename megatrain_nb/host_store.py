@@ -1,4 +1,4 @@
-"""Per-unit contiguous slabs in host RAM: fp32 master weights, gradients and fp32 Adam moments.
+"""Per-unit contiguous slabs in host RAM: fp32 master weights, gradients and Adam moments (fp32, or compact).
 
 Owns: allocating the slabs, filling them from safetensors (tensor by tensor, never the whole model
 twice) or a seeded random init, writing them back as a Hugging Face directory, and the byte report.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import split_master
+from . import compact_state, split_master
 from .binding import Layout
 from .hf import Architecture, checkpoint_map, convert_to_checkpoint
 
@@ -32,10 +32,22 @@ class Unit:
     layout: Layout
     master: torch.Tensor  # (numel,) fp32
     grad: torch.Tensor  # (numel,) grad dtype: fp32 for the embedding, else the compute dtype
-    exp_avg: torch.Tensor  # (numel,) fp32
-    exp_avg_sq: torch.Tensor  # (numel,) fp32
+    exp_avg: torch.Tensor  # (numel,) fp32, or (compact.words,) fp32 words of a compact moment
+    exp_avg_sq: torch.Tensor  # likewise
     prefix: str  # checkpoint-name prefix of layout names ("model.layers.3." or "")
     shadow: torch.Tensor | None = None  # (numel,) compute dtype, pinned: the weights as the device reads them
+    compact: compact_state.Layout | None = None  # its moments' layout when compact (Note: [Compact slab])
+
+    def tensors(self) -> list[tuple[str, int, int]]:
+        """(checkpoint name, offset, numel) of each tensor of the flat slab."""
+        lay = self.layout
+        return [(self.prefix + n, o, s.numel()) for n, s, o in zip(lay.names, lay.shapes, lay.offsets)]
+
+
+@dataclasses.dataclass
+class _Named:  # what Unit.tensors reads, before the unit exists
+    layout: Layout
+    prefix: str
 
 
 def unit_layouts(arch: Architecture) -> dict[int, tuple[Layout, str]]:
@@ -82,7 +94,7 @@ class HostStore:
 
     def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32,
                  shadow_dtype: torch.dtype | None = None, pin_master: bool = False, pin_moments: bool = False,
-                 shared=None):
+                 shared=None, optimizer_state: str = "fp32", keep_fp32=None):
         """
         Args:
             grad_dtype: dtype of the layer and head gradient slabs (the compute dtype).
@@ -94,11 +106,16 @@ class HostStore:
                 their whole optimizer state over PCIe by DMA (no extra bytes).
             shared: a ``shared_store.SharedHost``: every slab but the embedding's gradient lives in the
                 machine's one shared segment (pinned as a whole on CUDA); None: this process's own memory.
+            optimizer_state: "fp32", "int8" or "int4": the moments' form (compact_state.py); ``keep_fp32``
+                the name patterns of tensors whose moments stay fp32 (None: the input embedding's).
         """
         self.arch = arch
         self.num_layers = arch.num_layers
         self.shadow_dtype = shadow_dtype
         layouts = unit_layouts(arch)
+        self.optimizer_state = optimizer_state
+        compact = {u: compact_state.layout_for(optimizer_state, Unit.tensors(_Named(layout, prefix)), keep_fp32)
+                   for u, (layout, prefix) in layouts.items()}
         pin = shadow_dtype is not None or pin_master
         want = {}  # (unit, slab) -> (numel, dtype, pinned)
         for u, (layout, _) in layouts.items():
@@ -106,7 +123,8 @@ class HostStore:
             want[u, "grad"] = (layout.numel, torch.float32 if u == -1 else grad_dtype, pin and u != -1)
             if shadow_dtype is not None:
                 want[u, "shadow"] = (layout.numel, shadow_dtype, True)
-            want[u, "exp_avg"] = want[u, "exp_avg_sq"] = (layout.numel, torch.float32, pin_moments)
+            words = layout.numel if compact[u] is None else compact[u].words
+            want[u, "exp_avg"] = want[u, "exp_avg_sq"] = (words, torch.float32, pin_moments)
         self.shared = shared
         if shared is None:
             slabs = self._alloc_all(want)
@@ -120,7 +138,7 @@ class HostStore:
         for u, (layout, prefix) in layouts.items():
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix, master=slabs[u, "master"],
                                  grad=slabs[u, "grad"], exp_avg=slabs[u, "exp_avg"], exp_avg_sq=slabs[u, "exp_avg_sq"],
-                                 shadow=slabs.get((u, "shadow")))
+                                 shadow=slabs.get((u, "shadow")), compact=compact[u])
         self.split: set[int] = set()  # units whose master slab holds [R | D] planes (Note: [Split master])
 
     @classmethod

@@ -3,7 +3,9 @@
 Owns: one ``torch.optim.AdamW`` (fused CPU kernel) per unit whose single parameter is the unit's
 flat fp32 master slab and whose state *is* the store's moment slabs; the LR schedule; the global
 gradient-norm clip factor. The arithmetic is torch's own, so the semantics are exactly
-``torch.optim.AdamW``'s (decoupled weight decay, bias correction).
+``torch.optim.AdamW``'s (decoupled weight decay, bias correction). A unit with compact moments
+(``optimizer_state`` "int8" / "int4") is updated by ``compact_state`` instead, with the same
+hyper-parameters and step count.
 ``DeviceAdamW`` does the same for units resident on the device (placement.py).
 Does not own: when an update runs (the engine and its worker decide), or streams.
 """
@@ -15,6 +17,7 @@ import math
 import torch
 from torch.optim.adamw import adamw as _adamw
 
+from . import compact_state
 from .config import OptimConfig
 from .host_store import HostStore
 
@@ -76,6 +79,13 @@ class HostAdamW:
         unit = self.store.units[u]
         opt = self.opts[u]
         opt.param_groups[0]["lr"] = lr
+        if unit.compact is not None:
+            step = opt.state[unit.master]["step"]
+            compact_state.update_host(unit.compact, unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, lr=lr,
+                                      betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
+                                      step=step + 1, grad_scale=grad_scale)
+            step.add_(1)
+            return None
         if unit.grad.dtype != torch.float32 or grad_scale != 1.0:
             return self._update_in_chunks(unit, opt, lr, grad_scale)
         unit.master.grad = unit.grad
@@ -108,6 +118,9 @@ class HostAdamW:
         ``update`` with these arguments will leave them; computed on gathered copies, the slabs untouched
         (Note: [Early rows] in early_rows.py: bitwise the slab's values when ``width`` is a multiple of 64)."""
         unit = self.store.units[u]
+        if unit.compact is not None:
+            raise ValueError(f"unit {u} has compact moments: its rows cannot be updated apart (the engine serves "
+                             "early rows only for an embedding with fp32 moments)")
         opt = self.opts[u]
         state, group = opt.state[unit.master], opt.param_groups[0]
         take = lambda t: t.view(-1, width).index_select(0, rows).flatten()  # noqa: E731 - a copy
@@ -123,6 +136,18 @@ class HostAdamW:
         if self.cfg.grad_clip is None:
             return total, 1.0
         return total, min(1.0, self.cfg.grad_clip / (total + 1e-6))
+
+
+def state_slices(store: HostStore, units: tuple[int, ...], state: torch.Tensor) -> list[tuple]:
+    """(unit, master, exp_avg, exp_avg_sq) views of a streamed-in state buffer: each kind's slabs of ``units``
+    back to back, masters first (``DeviceUpdates.state_segments`` lays it out the same way)."""
+    offs, off = {}, 0
+    for attr in ("master", "exp_avg", "exp_avg_sq"):
+        for u in units:
+            n = getattr(store.units[u], attr).numel()
+            offs[u, attr] = state[off:off + n]
+            off += n
+    return [(u, offs[u, "master"], offs[u, "exp_avg"], offs[u, "exp_avg_sq"]) for u in units]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -181,8 +206,12 @@ class DeviceAdamW:
         for u, a, b in segs:
             unit = self.store.units[u]
             r.master[a:b].copy_(unit.master)
-            r.exp_avg[a:b].copy_(unit.exp_avg)
-            r.exp_avg_sq[a:b].copy_(unit.exp_avg_sq)
+            if unit.compact is None:
+                r.exp_avg[a:b].copy_(unit.exp_avg)
+                r.exp_avg_sq[a:b].copy_(unit.exp_avg_sq)
+            else:  # Note: [Resident compact] fp32 moments on the device, as the host's compact ones read
+                for k, (slab, out) in enumerate(((unit.exp_avg, r.exp_avg), (unit.exp_avg_sq, r.exp_avg_sq))):
+                    compact_state.dequantize(slab.to(self.device), unit.compact, k, out=out[a:b])
             r.steps[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
         r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
         self.groups[units] = r
@@ -205,18 +234,24 @@ class DeviceAdamW:
         streamed-in state: one fused call.
 
         Args:
-            state: (3 * numel,) fp32 on the device: master, exp_avg, exp_avg_sq, each the units' slabs back
-                to back, as the host holds them (``DeviceUpdates.state_segments``).
+            state: fp32 on the device: master, exp_avg, exp_avg_sq, each the units' slabs back to back, as the
+                host holds them (``state_slices``; a compact moment's slab is its words, Note: [Compact slab]).
             grads: each unit's gradients, compute dtype or fp32 (upcast here).
         """
-        sizes = [self.store.units[u].layout.numel for u in units]
-        N = sum(sizes)
-        offs = [sum(sizes[:k]) for k in range(len(sizes))]
-        part = lambda k: [state[k * N + a:k * N + a + n] for a, n in zip(offs, sizes)]  # noqa: E731
-        _adamw(part(0), [g if g.dtype == torch.float32 else g.float() for g in grads], part(1), part(2), [],
-               [self.streamed[u] for u in units], fused=True, amsgrad=False, maximize=False, lr=lr,
-               beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], eps=self.cfg.eps,
-               weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+        segs = state_slices(self.store, units, state)
+        flat = [(u, p, m, v, g) for (u, p, m, v), g in zip(segs, grads) if self.store.units[u].compact is None]
+        if flat:
+            _adamw([x[1] for x in flat], [g if g.dtype == torch.float32 else g.float() for *_, g in flat],
+                   [x[2] for x in flat], [x[3] for x in flat], [], [self.streamed[x[0]] for x in flat], fused=True,
+                   amsgrad=False, maximize=False, lr=lr, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1],
+                   eps=self.cfg.eps, weight_decay=self.cfg.weight_decay, found_inf=found_inf)
+        for (u, p, m, v), g in zip(segs, grads):
+            lay = self.store.units[u].compact
+            if lay is not None:  # its moments came in compact (Note: [Compact slab]); the step advances unless skipped
+                step = self.streamed[u]
+                step.add_(1 if found_inf is None else 1 - found_inf)
+                compact_state.update_torch(lay, p, g, m, v, lr=lr, betas=self.cfg.betas, eps=self.cfg.eps,
+                                           weight_decay=self.cfg.weight_decay, step=step, found_inf=found_inf)
 
     def write_back(self, units: tuple[int, ...] | None = None) -> None:
         """Copy master, moments and step counts of resident groups (``None``: all) into the host store.
@@ -233,10 +268,23 @@ class DeviceAdamW:
             for u, a, b in r.segs:
                 unit = self.store.units[u]
                 unit.master.copy_(r.master[a:b])
-                unit.exp_avg.copy_(r.exp_avg[a:b])
-                unit.exp_avg_sq.copy_(r.exp_avg_sq[a:b])
+                if unit.compact is None:
+                    unit.exp_avg.copy_(r.exp_avg[a:b])
+                    unit.exp_avg_sq.copy_(r.exp_avg_sq[a:b])
+                else:
+                    self._write_compact(unit, r.exp_avg[a:b], r.exp_avg_sq[a:b])
                 self.host.set_steps_done(u, int(r.steps[u].item()))  # .item(): host sync (write-back only)
                 self.store.refresh_shadow(u)
+
+    def _write_compact(self, unit, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Note: [Resident compact] a resident unit whose host moments are compact keeps fp32 moments on the
+        device (its bytes are counted as fp32's); a write-back quantizes them into the host slabs and sets the
+        device's to what those hold, so that a run resumed from the write-back continues bit-exactly as this one."""
+        for k, (slab, dev) in enumerate(((unit.exp_avg, m), (unit.exp_avg_sq, v))):
+            packed = torch.zeros(slab.numel(), dtype=torch.float32, device=self.device)
+            compact_state.quantize_into(packed, unit.compact, k, dev)
+            compact_state.dequantize(packed, unit.compact, k, out=dev)
+            slab.copy_(packed)
 
     def remove(self, units: tuple[int, ...]) -> None:
         """Write a group back to the host and free its device memory."""

@@ -67,7 +67,8 @@ class Session:
         shared = shared_store.attach(resolved.share_host_store, cuda=torch.device(resolved.device).type == "cuda")
         self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
                                pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement),
-                               shared=shared)  # data parallel: one store per machine (shared_store.py)
+                               shared=shared,  # data parallel: one store per machine (shared_store.py)
+                               optimizer_state=self.optim_cfg.optimizer_state, keep_fp32=self.optim_cfg.compact_keep_fp32)
         shared_store.fill(self.store, _init)  # _init and the shadow's refresh, once per machine
         self.optim = HostAdamW(self.store, self.optim_cfg)
         self.recorder = Recorder(enabled=self.engine_cfg.trace, device=self.engine_cfg.device)

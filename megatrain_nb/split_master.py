@@ -34,17 +34,19 @@ def applies(dtype: torch.dtype, numel: int) -> bool:
     return dtype == torch.bfloat16 and numel % 2 == 0
 
 
-def enabled(setting: bool | None, bf16: bool, shadow: bool, shared: bool) -> bool:
+def enabled(setting: bool | None, bf16: bool, shadow: bool, shared: bool, compact: bool = False) -> bool:
     """``EngineConfig.split_master`` resolved for an engine (and the planner): bf16 compute, no pinned
-    compute-dtype copy (``pin_store``: it already is the weights), one process's own store.
+    compute-dtype copy (``pin_store``: it already is the weights), one process's own store, fp32 moments
+    (``compact``: the tie marks live in the sign bits of an fp32 exp_avg_sq).
 
     Raises:
         ValueError: ``setting`` is True where it cannot apply.
     """
-    ok = bf16 and not shadow and not shared
+    ok = bf16 and not shadow and not shared and not compact
     if setting and not ok:
-        raise ValueError(f"split_master=True: needs bf16 compute (bf16={bf16}), no pin_store copy (pin_store={shadow}) "
-                         f"and a store of this process's own (shared={shared}); use split_master=None")
+        raise ValueError(f"split_master=True: needs bf16 compute (bf16={bf16}), no pin_store copy (pin_store={shadow}), "
+                         f"a store of this process's own (shared={shared}) and optimizer_state='fp32' (compact="
+                         f"{compact}); use split_master=None")
     return ok and setting is not False
 
 
