@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: cuda if available, else cpu (default: %(default)s). The compute dtype follows: "
                              "bf16 on cuda, fp32 on cpu")
     common.add_argument("--seed", type=int, default=0, help="seed of the data order / init (default: %(default)s)")
+    common.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8", "int4"),
+                        help="Adam moments: fp32 (exact AdamW, 8 bytes a parameter), int8 (~2) or int4 (~1), "
+                             "block-wise quantized; the fp32 master stays exact (default: %(default)s)")
 
     d = sub.add_parser("demo", parents=[common], help="train a tiny Llama (16M params) on a synthetic task",
                        description="Train the package's tiny Llama from random init on a synthetic task and check "
@@ -160,7 +163,7 @@ def _demo(args) -> int:
     cfg = tiny_config()
     batches = synthetic_batches(cfg.vocab_size, args.batch, args.seq, seed=args.seed, kind=args.task)
     t0 = time.perf_counter()
-    s = Session.from_config(cfg, seed=args.seed, device=device, lr=args.lr)
+    s = Session.from_config(cfg, seed=args.seed, device=device, lr=args.lr, optimizer_state=args.optimizer_state)
     try:
         print(f"{s}; task {args.task!r}, batch {args.batch} x seq {args.seq}, {args.steps} steps")
         losses = _loop(s, batches, args.steps, "demo")
@@ -210,7 +213,8 @@ def _train_ranks(args, device: str) -> int:
                 if args.eval_data else None)
     schedule = {} if args.lr_schedule == "constant" else {"total_steps": args.steps}
     s = Session.from_pretrained(model, device=device, lr=args.lr, checkpoint_every=args.checkpoint_every,
-                                lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, **schedule)
+                                lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                                optimizer_state=args.optimizer_state, **schedule)
     try:
         ranks = f", {size} ranks (data parallel)" if size > 1 else ""
         _say(rank, f"{s}; data {args.data} ({len(data.examples)} {data.format} examples, "

@@ -539,7 +539,8 @@ class DeviceUpdates:
         self.store.join_units()  # readers of the store see fp32 masters; the next step splits them again
 
     def frame(self):
-        """One row per unit: unit, name, placement, params, device_GiB (resident state), reason."""
+        """One row per unit: unit, name, placement, params, device_GiB (resident state), moments (how the host
+        holds them: ``optimizer_state``), reason."""
         import pandas as pd
 
         cand = self.search.candidate
@@ -551,5 +552,6 @@ class DeviceUpdates:
             c, n = choice[u], self.store.units[u].layout.numel
             name = "embedding" if u == -1 else "head" if u == self.L else f"layer {u}"
             dev_bytes = placing.resident_bytes(u, n, size, self.arch.tied) if c.placement == "resident" else 0
-            rows.append((u, name, c.placement, n, dev_bytes / 2**30, c.reason + (f"; {tried}" if tried else "")))
-        return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "reason"])
+            rows.append((u, name, c.placement, n, dev_bytes / 2**30, self.store.moments_of(u),
+                         c.reason + (f"; {tried}" if tried else "")))
+        return pd.DataFrame(rows, columns=["unit", "name", "placement", "params", "device_GiB", "moments", "reason"])

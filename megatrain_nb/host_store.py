@@ -227,6 +227,20 @@ class HostStore:
         rep["bytes_per_param"] = rep["total"] / rep["params"]
         return rep
 
+    def fp32_moment_params(self) -> int:
+        """Parameters whose Adam moments are fp32 (all of them with optimizer_state="fp32")."""
+        return sum(u.layout.numel if u.compact is None else u.compact.kept for u in self.units.values())
+
+    def moments_of(self, u: int) -> str:
+        """How unit ``u``'s Adam moments are held, in words (``Session.placement``'s "moments" column)."""
+        unit, kind = self.units[u], self.optimizer_state
+        if kind == "fp32":
+            return "fp32"
+        if unit.compact is None:
+            return "fp32 (kept: the embedding, a tensor named in compact_keep_fp32, or all under 4096 values)"
+        kept = unit.compact.kept
+        return f"{kind}" + (f", {kept:,} of {unit.compact.n:,} fp32 (small or named tensors)" if kept else "")
+
     def views(self, u: int) -> dict[str, torch.Tensor]:
         """Model-named views of unit ``u``'s master weights (names as in ``model.named_parameters``)."""
         if u in self.split:

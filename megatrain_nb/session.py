@@ -372,8 +372,10 @@ class Session:
 
     def memory_report(self) -> dict:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
-        bytes of the units placed there (see ``placement``)."""
-        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30)}
+        bytes of the units placed there (see ``placement``); ``fp32_moment_params`` the parameters whose Adam
+        moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which)."""
+        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30),
+                "fp32_moment_params": self.store.fp32_moment_params()}
 
     @property
     def activations(self) -> dict:
@@ -395,8 +397,9 @@ class Session:
         """Where each unit's AdamW and state live, and why (see ``EngineConfig.placement``).
 
         Returns:
-            DataFrame, one row per unit (embedding, layers, head): unit, name, placement ("host" or
-            "resident"), params, device_GiB, reason.
+            DataFrame, one row per unit (embedding, layers, head): unit, name, placement ("host",
+            "device" or "resident"), params, device_GiB, moments (fp32, or int8 / int4 and which parts stay
+            fp32: ``optimizer_state``), reason.
         """
         return self.engine.placement_frame()
 

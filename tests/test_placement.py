@@ -227,7 +227,8 @@ def test_placement_frame_says_what_and_why(hf_dir):
     s = Session.from_pretrained(d, lr=LR, placement={0: "resident", -1: "resident", L_: "resident"})
     try:
         df = s.placement
-        assert list(df.columns) == ["unit", "name", "placement", "params", "device_GiB", "reason"]
+        assert list(df.columns) == ["unit", "name", "placement", "params", "device_GiB", "moments", "reason"]
+        assert set(df.moments) == {"fp32"}
         assert df.set_index("unit").placement.to_dict() == {-1: "resident", **{i: "host" for i in range(1, L_)},
                                                            0: "resident", L_: "resident"}
         assert df.set_index("unit").loc[1, "reason"] == "not named in the placement dict"
