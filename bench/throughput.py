@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import resource
 import statistics
 import sys
 import time
@@ -66,6 +67,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=6, help="untimed steps per batch, at least (placement='auto' "
                                                           "also waits for its search and its winner's first step)")
     ap.add_argument("--placement", default="auto", help="'auto', 'host', 'stream' (EngineConfig.placement)")
+    ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8", "int4"),
+                    help="OptimConfig.optimizer_state: the Adam moments' form (default: %(default)s)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--slots", type=int, default=None, help="weight_slots (default: the engine's choice)")
@@ -129,6 +132,7 @@ def main(argv=None) -> None:
                             pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
                             offload_checkpoints=a.offload_checkpoints, placement=a.placement,
+                            optimizer_state=a.optimizer_state,
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])
     init_s = time.perf_counter() - t0
     rep = s.memory_report()
@@ -197,6 +201,8 @@ def main(argv=None) -> None:
                        recomputed_layers=r.recomputed_layers,
                        peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                        host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
+                       host_rss_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
+                       optimizer_state=a.optimizer_state,
                        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                        checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
                        offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
