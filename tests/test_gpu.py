@@ -295,4 +295,4 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
         x, y = cs.dequantize(a, lay, which), cs.dequantize(b.cpu(), lay, which)
         scale = cs.parts(a, lay)[1].repeat_interleave(cs.BLOCK[kind])[:n]
         step = (cs.qmaps(kind)[which].diff().max() * scale).clamp(min=1e-12)
-        assert ((x - y).abs() <= step + 1e-7).all()
+        assert ((x - y).abs() <= step + 1e-5 * x.abs() + 1e-12).all()  # kept spans: fp32 rounding on both sides
