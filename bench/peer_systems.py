@@ -439,9 +439,9 @@ def measure(system, batch: int, spec: dict, vocab: int, device, params: int) -> 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, opts, losses = [], [], []
-    # placement "auto" (megatrain_nb's default) settles in up to 9 steps: a measuring step, then two or three steps of
-    # each candidate it times (placement.Search), then its winner's first step moves state: timed steps begin after
-    # that (``settled``); "stream" sizes its streamed share from its first step's host AdamW
+    # placement "auto" (megatrain_nb's default) settles by its third step: a measuring step, then, where the planner
+    # picks a candidate with more residents, its gated first step (placement.Search): timed steps begin after that
+    # (``settled``); "stream" sizes its streamed share from its first step's host AdamW
     warmup = spec["warmup"] + {"megatrain-stream": 1}.get(spec["system"], 0)
     settled = getattr(system, "settled", lambda: True)
     k = 0

@@ -170,7 +170,7 @@ def main(argv=None) -> None:
             k = done_steps = 0
             while len(times) < a.steps and k < a.steps + a.warmup + 10:
                 ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
-                done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto" times its candidates
+                done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto": its measuring step and a trial step
                 r = s.step({"input_ids": ids})
                 losses.append(r.loss)
                 du = s.engine.device_updates

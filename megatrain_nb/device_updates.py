@@ -39,7 +39,9 @@ class DeviceUpdates:
         self.mode = placing.validate(ecfg.placement, self.L, arch.tied)
         self.gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
-        self.search = placing.Search()  # "auto": a measuring step, then timed candidates (Note: [Auto search])
+        self.search = placing.Search()  # "auto": a measuring step, then the planner's pick (Note: [Auto search])
+        self.micro: dict[tuple[int, int], tuple[int, str]] = {}  # "auto": (rows, seq) -> (micro-batch, why)
+        self.micro_reason = ""  # the last micro-batch choice's (Note: [Micro-batch choice] in autoplan.py)
         self.share = 0.0  # "stream": share of the layers placed "device", from the host's AdamW rate (stream_rate)
         self.rated = 0  # "stream": times the share was set from a host AdamW rate (Note: [Stream rate])
         self.adam_rate = (0, 0.0)  # host AdamW since the share was last set: (params, seconds)
@@ -232,7 +234,8 @@ class DeviceUpdates:
         self.adam_rate = (0, 0.0)
 
     def after_step(self, *, keep, act_bytes: int, mbs) -> None:
-        """Feed the "auto" search: the measuring step's free memory, or a candidate's step time."""
+        """Feed the "auto" search: after the measuring step its budgets and the planner's predictions
+        (Note: [Auto search]); after a trial's first step, its end; then the winner's first step times."""
         if self.measuring:
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
             free = int(self.agree(self.ecfg.keep_share * total - torch.cuda.max_memory_allocated(self.dev.device),
@@ -240,20 +243,57 @@ class DeviceUpdates:
             size = torch.tensor([], dtype=self.dtype).element_size()
             all_in = all(c.placement == "resident" for c in self.choose(free).values())
             params, seconds = self.adam_rate
-            adam_s = self.store.num_params() / (params / seconds if seconds else 3e9)  # 3e9: a guess until measured
+            rate = self.agree(params / seconds if seconds else 3e9, "min")  # 3e9: a guess until measured
+            adam_s = self.store.num_params() / rate
             tokens = sum(mb["input_ids"].numel() for mb in mbs)
             elapsed = self.agree(time.perf_counter() - self.t_start, "max")
             numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
             head = placing.head_groups(numel, {u for u, c in self.choose(free).items() if c.placement == "resident"},
-                                       dtype_bytes=size, tied=self.arch.tied,
-                                       adam_params_per_s=self.agree(params / seconds if seconds else 3e9, "min"))
+                                       dtype_bytes=size, tied=self.arch.tied, adam_params_per_s=rate)
             self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
-                                 host_bound=placing.host_bound(elapsed, self.agree(adam_s, "max")), head=head,
+                                 host_bound=placing.host_bound(elapsed, adam_s), head=head,
                                  checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
+            if self.search.phase == "plan":  # the one point where the planner decides (autoplan.py)
+                self.search.planned(self._predictor(mbs, total, rate if seconds else None))
             self.io.take_update_wait()
-        elif self.search.phase != "done":
+        elif self.search.phase != "done" or self.search.observing:
             self.search.stepped(self.agree(time.perf_counter() - self.t_start, "max"), keep,
                                 waited=self.agree(self.io.take_update_wait(), "max"))
+
+    def _predictor(self, mbs, device_bytes: int, adam_rate: float | None):
+        """``Search.planned``'s predict for this batch (Note: [Auto search]): the planner on a profile
+        calibrated with the measured device memory and host AdamW rate, its seconds agreed over ranks; None
+        where the planner cannot read the model."""
+        from . import autoplan, planner
+
+        try:
+            planner.model_shape(self.arch.config)
+        except (ValueError, KeyError, TypeError):
+            return None
+        predict = autoplan.predictor(
+            self.arch.config, batch=sum(mb["input_ids"].shape[0] for mb in mbs), seq=mbs[0]["input_ids"].shape[-1],
+            hardware=autoplan.calibrated(device_bytes=device_bytes, adam_params_per_s=adam_rate),
+            numel={u: unit.layout.numel for u, unit in self.store.units.items()}, tied=self.arch.tied,
+            dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
+            settings=autoplan.plan_settings(self.ecfg, self.ocfg.grad_clip))
+        return lambda free: tuple(self.agree(x, "max") for x in predict(free))
+
+    def micro_batch(self, batch: int, seq: int) -> int | None:
+        """Rows per micro-batch for a batch of ``batch`` x ``seq``: ``micro_batch_size`` where set; under
+        "auto" on CUDA the planner's choice, made once per shape, before its measuring step (Note:
+        [Micro-batch choice] in autoplan.py; ``micro_reason`` says why); else None (the whole batch)."""
+        if self.ecfg.micro_batch_size is not None or not (self.dev.cuda and self.mode == "auto"):
+            return self.ecfg.micro_batch_size
+        if (batch, seq) not in self.micro:
+            from . import autoplan
+
+            total = torch.cuda.get_device_properties(self.dev.device).total_memory
+            self.micro[(batch, seq)] = autoplan.micro_batch(
+                self.arch.config, batch=batch, seq=seq, hardware=autoplan.calibrated(device_bytes=total),
+                dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
+                settings=autoplan.plan_settings(self.ecfg, self.ocfg.grad_clip))
+        m, self.micro_reason = self.micro[(batch, seq)]
+        return m
 
     # ---- within a step (driver thread, compute stream) --------------------------------------------
     def begin(self, gate: bool) -> None:
@@ -545,7 +585,7 @@ class DeviceUpdates:
 
         cand = self.search.candidate
         choice = self.choice or self.choose(None if cand is None else self.search.free[cand])
-        tried = self.search.summary()
+        tried = "; ".join(x for x in (self.search.summary(), self.micro_reason) if x)
         size = torch.tensor([], dtype=self.dtype).element_size()
         rows = []
         for u in self.store.order:

@@ -2,7 +2,7 @@
 
 Owns: the public ``placement=`` setting (its modes and the expert dict), the device bytes a resident
 unit costs, the order in which units earn residency, and the choice itself with a reason per unit.
-Pure Python: no torch, no devices, no clocks. A little over 400 lines: the placement notes ([Streamed
+Pure Python: no torch, no devices, no clocks. About 500 lines: the placement notes ([Streamed
 updates], [Held weights], [Auto search]) live here, beside the rules they explain. The engine measures the free device memory and applies
 what this module decides; ``optim.DeviceAdamW`` holds and updates the resident state.
 
@@ -21,7 +21,7 @@ Placements of one unit (-1 embedding, 0..L-1 decoder layers, L head):
 Modes:
   "auto":   on CUDA, after the first step of a batch size has measured what the activations use,
             the units the next forward needs first become resident while they fit; the rest stay "host".
-            How much the activations give up for residents is timed (Note: [Auto search]).
+            How much the activations give up for residents, the planner predicts (Note: [Auto search]).
   "host":   nothing resident (the behaviour before placements existed).
   "stream": nothing kept on the device between steps: the head group and the first layers (the next
             forward needs them first) are placed "device", the share that balances PCIe against the
@@ -306,7 +306,7 @@ def head_budget(free_a: int, free_b: int, head: list, wait: float, step: float) 
         free_a, free_b: candidate A's and B's bytes for residents.
         head: (device bytes, host AdamW seconds) of each group that A leaves on the host, in the order
             the forward needs them.
-        wait, step: A's timed step and how long its forward waited for host updates (seconds).
+        wait, step: A's step and how long its forward waits for host updates (seconds; the planner's).
     Returns:
         ``free_a`` (at least the reserve) plus the bytes of the first groups of ``head`` whose host
         AdamW adds up to ``wait``;
@@ -346,119 +346,166 @@ def host_bound(step_s: float, adam_s: float) -> bool:
     return step_s < HOST_HIDES * adam_s
 
 
+MARGIN = 0.05  # the planner's best must beat a candidate that holds fewer residents by this much (Note: [Auto search])
+
+
 @dataclasses.dataclass
 class Search:
-    """The "auto" mode's choice between ways to share the device, made by timing them.
+    """The "auto" mode's choice between ways to share the device, made by the planner's predictions.
 
     Note: [Auto search] candidate A, activations first: the layers the activation policy keeps stay
     kept, and residency takes what they leave. Candidate C, the forward's head resident: A, plus
     just enough residency for the units the next forward needs first that the forward no longer
     waits for their host AdamW (the last gradients to land are the first weights the next step
-    reads: measured as the packer's wait for host updates in A's timed step); those bytes come from
-    the activations, so the policy keeps a layer or two fewer. Candidate B, residency first: the kept
-    activations give their memory back (less one layer's working set and a checkpoint per layer),
-    units become resident in that, and the activation policy keeps what is still free. A is right
-    when the host's AdamW hides behind a long step; C when only its tail shows; B when the host's
-    AdamW is what the step waits for. The engine runs one measuring step (nothing resident), then A
-    for two steps and C and B for three each; the last is timed: it carries the step before's
-    trailing host updates, as every later step will. A trial's first step is gated (below), so its
-    host AdamW all runs after its backward and the next step's forward waits for it: that step is
-    untimed, and the one after it is as every later step will be (s7c4, 7B x 8: C timed in the step
-    after its gated one took 4.15 s, A 3.71; s3c1, before the gate, ran C at 3.23). The fastest
-    wins (C or B only if 3% faster than A).
-    C is not tried when A's forward waited under 3% of its step, or when its budget would reach B's.
-    When A already makes every unit resident, or the measuring step lasted over ``HOST_HIDES`` times
-    the host AdamW of every unit (long context: the host hides; ``host_bound``), nothing else is
-    tried: A at once.
-    A trial's first step (C1, B1; untimed) is gated: no update starts before its backward has run, so
-    an out-of-memory error anywhere in it leaves nothing applied and the engine runs the batch again
-    as the best candidate so far (``abandon``). Its later steps overlap as every later one will; they
-    peak where the first did, bar the device AdamW's fp32 copy of one unit's gradients beside the
-    backward. (s6c2, 3B x 16: C1 ran out in its backward after the loss had started the updates, and
-    the error ended the run.)
-    Phases: measure -> A1 -> A2 -> C1 -> C2 -> C3 -> B1 -> B2 -> B3 -> done (timed: A2, C3, B3).
+    reads); those bytes come from the activations, so the policy keeps a layer or two fewer. Candidate
+    B, residency first: the kept activations give their memory back (less one layer's working set and
+    a checkpoint per layer), units become resident in that, and the activation policy keeps what is
+    still free. A is right when the host's AdamW hides behind a long step; C when only its tail shows;
+    B when the host's AdamW is what the step waits for.
+    The engine runs one measuring step (nothing resident): it measures what the activations leave
+    free, the policy's kept layers and the host's AdamW rate. The planner (``autoplan.py``), given
+    those, predicts each candidate's steady step: A's from A's budget, C's budget from the wait for
+    host updates the planner predicts in A's step (``head_budget``), B's and C's from theirs. The
+    predicted best wins, except that a candidate holding fewer residents (A before C before B) wins
+    when predicted within ``MARGIN`` of it: it moves less state and needs no trial step. Nothing is
+    timed against anything. Timing cannot fit the budget of three steps to settle with no step after
+    the first over 1.5 times the steady one: a trial's first step is gated (below), so the next one
+    carries its whole host AdamW (7B x 8: C timed in the step after its gated one took 4.15 s, 3.23
+    where nothing was gated before it) and only the step after that is as every later step will be.
+    Timing C and B took ten steps to settle at 7B x 8, with steps of up to 10 s against 3.25. The
+    planner predicted the measured step within 10% on 24 of 25 benchmark rows; the margin leaves
+    ties to the cheaper candidate. The winner's first settled steps are still timed (``observed``)
+    and reported beside the predictions, so a wrong pick shows in ``Session.placement``.
+    When A already makes every unit resident, nothing is kept, or the measuring step lasted over
+    ``HOST_HIDES`` times the host AdamW of every unit (long context: the host hides; ``host_bound``),
+    nothing is predicted: A at once. Where the planner cannot predict (a shape it cannot read), A.
+    C's or B's first step (C1, B1) is a trial and is gated: no update starts before its backward has
+    run, so an out-of-memory error anywhere in it leaves nothing applied and the engine runs the batch
+    again as A (``abandon``). Its later steps overlap as every later one will; they peak where the first
+    did, bar the device AdamW's fp32 copy of one unit's gradients beside the backward. (3B x 16: C1 ran
+    out in its backward after the loss had started the updates, and the error ended the run.)
+    Phases: measure -> done (A), or measure -> C1 / B1 -> done. Settled from the third step at most.
     """
 
     phase: str = "measure"
     free: dict = dataclasses.field(default_factory=dict)  # candidate -> device bytes for residents
     keep: dict = dataclasses.field(default_factory=dict)  # candidate -> activation policy (list of bool)
-    seconds: dict = dataclasses.field(default_factory=dict)  # candidate -> its timed step
-    waited: dict = dataclasses.field(default_factory=dict)  # candidate -> the forward's wait for host updates
+    predicted: dict = dataclasses.field(default_factory=dict)  # candidate -> the planner's steady step (s)
+    waited: dict = dataclasses.field(default_factory=dict)  # candidate -> predicted forward's wait for host updates (s)
+    seconds: dict = dataclasses.field(default_factory=dict)  # candidate -> measured step (s); inf: ran out of memory
+    observed: list = dataclasses.field(default_factory=list)  # the winner's first settled steps (s)
     head: list = dataclasses.field(default_factory=list)  # [(device bytes, host AdamW s)] per group A leaves host
     winner: str | None = None
+    why: str = ""  # why the winner won, for ``summary``
 
     NAMES = {"A": "activations first", "C": "the forward's head resident", "B": "residency first"}
-    ORDER = ("A1", "A2", "C1", "C2", "C3", "B1", "B2", "B3", "done")
-    TIMED = ("A2", "C3", "B3")  # a candidate's last step: as every later step will be
+    ORDER = ("A", "C", "B")  # fewer residents first: the cheaper candidate wins ties
+    OBSERVE = 3  # settled steps of the winner timed for ``summary``
 
     @classmethod
     def done_with(cls, free: int) -> "Search":
         """A finished search that places from ``free`` bytes (a resumed run: its checkpoint says so)."""
-        return cls(phase="done", free={"A": free}, winner="A")
+        return cls(phase="done", free={"A": free}, winner="A", why="restored from a checkpoint")
 
     @property
     def candidate(self) -> str | None:
         """What the next step runs: None (measuring: nothing resident), "A", "C" or "B"."""
         if self.phase == "measure":
             return None
+        if self.phase == "plan":
+            return "A"  # measured, not yet predicted: what A would run
         return self.winner if self.phase == "done" else self.phase[0]
 
     @property
     def trial(self) -> bool:
-        """This step tries C or B: an out-of-memory error in it is the trial's, not the run's."""
-        return self.phase in self.ORDER[2:-1]
+        """This step is C's or B's first: an out-of-memory error in it is the trial's, not the run's."""
+        return self.phase in ("C1", "B1")
 
     def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool,
                  host_bound: bool = True, head: list | None = None) -> None:
         """After the measuring step: A's and B's budgets (see the Note). ``host_bound``: the host's AdamW
-        could hold the step back (else, a long step that hides it, nothing else is worth trial steps).
+        could hold the step back (else, a long step that hides it, nothing else is worth predicting).
         ``head``: (device bytes, host AdamW seconds) of each group that A leaves on the host, in the
-        order the forward needs them (what C makes resident, as far as A's forward waited)."""
+        order the forward needs them (what C makes resident, as far as A's forward waits). Leaves the
+        phase "plan" (``planned`` decides) or "done" (A)."""
         kept = sum(keep)
         self.free["A"], self.keep["A"] = free, list(keep)
         self.free["B"] = free + kept * (layer_bytes - checkpoint_bytes) - layer_bytes
         self.head = list(head or [])
-        if everything_fits or kept == 0 or not host_bound:
-            self.phase, self.winner = "done", "A"
+        why = ("every unit fits beside the activations" if everything_fits else
+               "the activation policy keeps no layer" if kept == 0 else
+               "" if host_bound else f"the measuring step hides the host's AdamW (over {HOST_HIDES}x it)")
+        if why:
+            self.phase, self.winner, self.why = "done", "A", why
         else:
-            self.phase = "A1"
+            self.phase = "plan"
+
+    def planned(self, predict) -> None:
+        """Decide from the planner (see the Note); ``predict(free_bytes)`` -> (steady step s, the forward's
+        wait for host updates s) of the candidate with that many bytes for residents, or None where the
+        planner cannot say (then A)."""
+        if predict is None:
+            self.phase, self.winner, self.why = "done", "A", "the planner cannot predict this model"
+            return
+        self.predicted["A"], self.waited["A"] = predict(self.free["A"])
+        c = head_budget(self.free["A"], self.free["B"], self.head, self.waited["A"], self.predicted["A"])
+        if c is not None:
+            self.free["C"] = c
+            self.predicted["C"], self.waited["C"] = predict(c)
+        self.predicted["B"], self.waited["B"] = predict(self.free["B"])
+        self.winner, self.why = pick(self.predicted)
+        self.phase = "done" if self.winner == "A" else self.winner + "1"
 
     def stepped(self, seconds: float, keep: list, waited: float = 0.0) -> None:
-        """After a step of a candidate: time it (its last step, ``TIMED``) and move on. ``waited``: seconds
-        the step's forward waited for host updates (the packer's wait)."""
-        if self.phase in self.TIMED:
-            self.seconds[self.phase[0]] = seconds
-            self.waited[self.phase[0]] = waited
-        if self.phase in ("C1", "B1"):
-            self.keep[self.phase[0]] = list(keep)  # decided in the trial's first forward, around the residents
-        if self.phase in self.ORDER[:-1]:
-            self.phase = self.ORDER[self.ORDER.index(self.phase) + 1]
-        if self.phase == "C1":
-            free = head_budget(self.free["A"], self.free["B"], self.head, self.waited.get("A", 0.0),
-                               self.seconds.get("A", 0.0))
-            if free is None:
-                self.phase = "B1"
-            else:
-                self.free["C"] = free
-        if self.phase == "done" and self.winner is None:
-            self._decide()
+        """After a step of the search's choice: a trial's first step ends the search (its activation policy,
+        decided in its forward around the residents, stays); later ones are timed for ``summary``."""
+        if self.trial:
+            self.keep[self.phase[0]] = list(keep)
+            self.phase = "done"
+        elif self.phase == "done" and len(self.observed) < self.OBSERVE:
+            self.observed.append(seconds)
+            self.seconds[self.winner] = seconds  # the last observed: as every later step will be
 
-    def _decide(self) -> None:
-        a = self.seconds.get("A", float("inf"))
-        best = min((c for c in ("C", "B") if c in self.seconds), key=self.seconds.get, default=None)
-        self.winner = best if best is not None and self.seconds[best] < 0.97 * a else "A"
+    @property
+    def observing(self) -> bool:
+        """Settled, and the winner's first steps are still being timed (``stepped``)."""
+        return self.phase == "done" and self.winner is not None and len(self.observed) < self.OBSERVE
 
     def abandon(self) -> None:
-        """The trial (C or B) ran out of device memory: it is out of the running, and so is anything
-        that holds more residents (B after C); the fastest of what ran wins."""
-        self.seconds[self.phase[0]] = float("inf")
-        self.phase = "done"
-        self._decide()
+        """The trial (C or B) ran out of device memory: it is out of the running, and A, which holds fewer
+        residents and whose policy the measuring step ran, wins."""
+        c = self.phase[0]
+        self.seconds[c] = float("inf")
+        self.phase, self.winner, self.why = "done", "A", f"{self.NAMES[c]} ran out of device memory"
 
     def summary(self) -> str:
-        """One line for Session.placement: what was tried and what won."""
-        if not self.seconds or self.winner is None:
+        """One line for Session.placement: the planner's prediction per candidate, what won and why, and
+        the winner's measured step."""
+        if self.winner is None:
             return ""
-        tried = ", ".join(f"{self.NAMES[c]} ({'ran out of device memory' if s == float('inf') else f'{s:.3f} s a step'})"
-                          for c, s in self.seconds.items())
-        return f"auto tried {tried}: {self.NAMES[self.winner]} won"
+        out = "auto chose " + self.NAMES[self.winner]
+        if self.predicted:
+            out += " (planner: " + ", ".join(f"{self.NAMES[c]} {self.predicted[c]:.3f} s" for c in self.ORDER
+                                             if c in self.predicted) + " a step)"
+        out += f": {self.why}" if self.why else ""
+        for c, s in self.seconds.items():
+            out += (f"; {self.NAMES[c]} ran out of device memory" if s == float("inf") else
+                    f"; measured {s:.3f} s a step")
+        return out
+
+
+def pick(predicted: dict[str, float], margin: float = MARGIN) -> tuple[str, str]:
+    """The winner among predicted steady steps (candidate -> seconds) and why: the fastest, unless a
+    candidate holding fewer residents (``Search.ORDER``) is predicted within ``margin`` of it.
+
+    Example:
+        >>> pick({"A": 3.41, "C": 3.21, "B": 3.50})[0], pick({"A": 3.30, "C": 3.21, "B": 3.50})[0]
+        ('C', 'A')
+    """
+    best = min(predicted, key=predicted.get)
+    for c in Search.ORDER:
+        if c in predicted and predicted[c] <= predicted[best] * (1 + margin):
+            if c == best:
+                return c, "predicted fastest"
+            return c, (f"predicted within {margin:.0%} of {Search.NAMES[best]}, with fewer residents")
+    return best, "predicted fastest"

@@ -611,7 +611,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         if free_c is not None:
             tried.append(trial(free_c))  # C, the forward's head resident
         q = min(tried, key=lambda x: x.steady_step_ms)
-        if q.steady_step_ms < 0.97 * p.steady_step_ms:  # as the engine's search decides (3% better than A)
+        if q.steady_step_ms * (1 + placing.MARGIN) < p.steady_step_ms:  # as placement.pick: A within the margin wins
             q.settings["placement"] = "auto"
             return q
     return p

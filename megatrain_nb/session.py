@@ -196,7 +196,7 @@ class Session:
         if n_valid == 0:
             raise ValueError("no supervised tokens: every label after shifting is -100, so the loss is undefined")
         B = ids.shape[0]
-        mb = self.engine_cfg.micro_batch_size or B
+        mb = self.engine.device_updates.micro_batch(B, ids.shape[1]) or B  # set, or "auto"'s (Note: [Micro-batch choice])
         mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
                 "attention_mask": None if mask is None else mask[a:a + mb],
                 "position_ids": None if pos is None else pos[a:a + mb]} for a in range(0, B, mb)]

@@ -474,88 +474,102 @@ def test_non_finite_loss_skips_resident_updates_too(hf_dir, nonfinite):
 
 
 # ---- the auto search (pure) -------------------------------------------------------------------------
-def _searched(a_s: float, b_s: float, *, kept=3, fits=False) -> placing.Search:
-    s = placing.Search()
-    assert s.candidate is None  # measuring: nothing resident
-    s.measured(free=10, keep=[True] * kept + [False], layer_bytes=4, checkpoint_bytes=1, everything_fits=fits)
-    for phase, t in (("A1", 9.0), ("A2", a_s), ("B1", 9.0), ("B2", 9.0), ("B3", b_s)):
-        if s.phase == "done":
-            break
-        assert s.phase == phase and s.candidate == phase[0]
-        s.stepped(t, keep=[False] * 4 if phase[0] == "B" else [True] * kept + [False])
-    return s
-
-
-def test_search_times_both_candidates_and_keeps_the_faster():
-    s = _searched(1.65, 1.02)
-    assert (s.phase, s.winner, s.candidate) == ("done", "B", "B")
-    assert s.free == {"A": 10, "B": 10 + 3 * (4 - 1) - 4} and s.keep["B"] == [False] * 4
-    assert "residency first won" in s.summary() and "1.650 s" in s.summary()
-    assert _searched(1.00, 0.99).winner == "A", "B must be 3% faster to win (timing noise)"
-
-
-def test_search_skips_b_when_a_places_everything_or_nothing_is_kept():
-    assert _searched(1.0, 0.5, fits=True).seconds == {} and _searched(1.0, 0.5, fits=True).winner == "A"
-    assert _searched(1.0, 0.5, kept=0).winner == "A"
-    assert placing.Search.done_with(123).free["A"] == 123
-
-
 GiB = 2**30
+HEAD = [(6 * GiB, 0.10)] + [(1 * GiB, 0.02)] * 8  # (device bytes, host AdamW s) of the groups A leaves on the host
 
 
-def _with_head(wait: float, *, free_b_layers=40) -> placing.Search:
-    """A search whose A step (1.0 s) waited ``wait`` s for host updates; head groups of 6, 1, 1... GiB."""
+def _fake_planner(search: placing.Search, steps: dict, wait_a: float = 0.0):
+    """A planner that predicts ``steps[c]`` s for the candidate whose budget it is asked about, and ``wait_a``
+    s of A's forward waiting for host updates (none for the others)."""
+    def predict(free):
+        c = next(k for k in search.ORDER if search.free.get(k) == free)
+        return steps[c], wait_a if c == "A" else 0.0
+    return predict
+
+
+def _run_search(steps: dict, *, wait_a=0.15, kept=40, fits=False, host_bound=True, step_s=None):
+    """Drive a search as the engine does (one ``place`` / ``after_step`` per step); returns it and the
+    phases the steps ran in, the measuring step's first."""
     s = placing.Search()
-    head = [(6 * GiB, 0.10)] + [(1 * GiB, 0.02)] * 8
-    s.measured(free=1 * GiB, keep=[True] * free_b_layers + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
-               everything_fits=False, head=head)
-    s.stepped(1.2, keep=[True] * free_b_layers + [False])  # A1
-    s.stepped(1.0, keep=[True] * free_b_layers + [False], waited=wait)  # A2: timed, with its forward's wait
-    return s
+    ran = [s.phase]
+    s.measured(free=1 * GiB, keep=[True] * kept + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
+               everything_fits=fits, host_bound=host_bound, head=HEAD)
+    if s.phase == "plan":
+        s.planned(_fake_planner(s, steps, wait_a))
+    while s.phase != "done":
+        ran.append(s.phase)
+        s.stepped(step_s or 9.0, keep=[True] * 35 + [False] * 6)
+    for t in (3.30, 3.26, 3.25, 3.24):  # settled steps of the winner
+        ran.append(s.phase)
+        if s.observing:
+            s.stepped(t, keep=[True] * 35 + [False] * 6)
+    return s, ran
 
 
-def test_search_tries_the_forwards_head_resident_when_as_forward_waited():
-    s = _with_head(0.15)
-    assert s.phase == "C1" and s.candidate == "C"
+def _settled_at(ran: list) -> int:
+    """The first step (1-based) that ran the final placement."""
+    return next(i for i, p in enumerate(ran) if p == "done") + 1
+
+
+@pytest.mark.parametrize("steps,winner", [({"A": 3.41, "C": 3.21, "B": 3.50}, "C"),
+                                          ({"A": 3.41, "C": 3.40, "B": 2.90}, "B"),
+                                          ({"A": 3.20, "C": 3.40, "B": 3.50}, "A")])
+def test_search_takes_the_planners_best_and_settles_by_the_third_step(steps, winner):
+    s, ran = _run_search(steps)
+    assert s.winner == winner and s.predicted == steps, (s.predicted, s.summary())
+    assert _settled_at(ran) <= 3, ran
+    assert ran[:_settled_at(ran) - 1] == ["measure"] + ([] if winner == "A" else [winner + "1"]), ran
+    # nothing is timed against anything: only the winner's settled steps, for the summary
+    assert set(s.seconds) == {winner} and s.seconds[winner] == 3.25 and s.observed == [3.30, 3.26, 3.25]
+    assert s.NAMES[winner] + " (planner: " in s.summary() and "measured 3.250 s" in s.summary(), s.summary()
+    assert all(f"{v:.3f} s" in s.summary() for v in steps.values()), s.summary()
+
+
+def test_a_candidate_with_fewer_residents_wins_within_the_margin():
+    s, ran = _run_search({"A": 3.30, "C": 3.21, "B": 3.50})  # C is 2.7% faster: A moves nothing and needs no trial
+    assert s.winner == "A" and _settled_at(ran) == 2 and "within 5%" in s.summary()
+    assert _run_search({"A": 3.50, "C": 3.40, "B": 3.25})[0].winner == "C"  # B 4.4% faster than C: C
+    assert placing.pick({"A": 1.0, "B": 0.94}) == ("B", "predicted fastest")
+
+
+def test_c_budget_follows_the_predicted_wait_of_a():
+    s, _ = _run_search({"A": 1.0, "C": 0.9, "B": 1.3}, wait_a=0.15)
     # the reserve (A overshot nothing: 1 GiB < 2 GiB reserve) plus the head group and three layers: 0.10 + 3 * 0.02 >= 0.15
-    assert s.free["C"] == placing.RESERVE_BYTES + 6 * GiB + 3 * GiB
-    s.stepped(0.95, keep=[True] * 35 + [False] * 6)  # C1: its policy was decided around the residents
-    assert s.keep["C"] == [True] * 35 + [False] * 6 and s.phase == "C2" and s.trial
-    # C2 carries gated C1's whole host AdamW (its forward waits for it): untimed, however slow
-    s.stepped(1.40, keep=s.keep["C"], waited=0.45)
-    assert s.phase == "C3" and "C" not in s.seconds
-    s.stepped(0.90, keep=s.keep["C"], waited=0.0)  # C3: as every later step will be
-    assert s.phase == "B1" and s.seconds["C"] == 0.90 and s.waited["C"] == 0.0
-    for t in (1.5, 2.0, 1.3):
-        s.stepped(t, keep=[False] * 41)
-    assert (s.phase, s.winner, s.candidate) == ("done", "C", "C") and s.seconds["B"] == 1.3
-    assert "the forward's head resident won" in s.summary() and "0.900 s" in s.summary()
+    assert s.free["C"] == placing.RESERVE_BYTES + 6 * GiB + 3 * GiB and s.winner == "C"
+    s, _ = _run_search({"A": 1.0, "B": 1.3}, wait_a=0.02)  # under 3% of A's step: C is not a candidate
+    assert "C" not in s.predicted and "C" not in s.free and s.winner == "A"
+    s, _ = _run_search({"A": 1.0, "B": 1.3}, wait_a=0.15, kept=2)  # C's budget would reach B's
+    assert "C" not in s.predicted
 
 
-def test_search_skips_c_when_the_forward_did_not_wait_or_c_would_be_b():
-    assert _with_head(0.02).phase == "B1", "under 3% of the step: nothing to hide"
-    assert _with_head(0.15, free_b_layers=2).phase == "B1", "C's budget would reach B's"
-    assert placing.head_budget(0, GiB, [], wait=1.0, step=1.0) is None
-
-
-def test_a_trial_that_runs_out_of_memory_leaves_the_best_of_what_ran():
-    s = _with_head(0.15)
-    assert s.trial
-    s.abandon()  # C1 ran out of device memory
-    assert (s.phase, s.winner) == ("done", "A") and not s.trial
-    assert "the forward's head resident (ran out of device memory)" in s.summary()
-    s = _with_head(0.15)
-    for t in (0.95, 1.4, 0.90):
-        s.stepped(t, keep=[True] * 41, waited=0.0)
-    assert s.phase == "B1" and s.trial
-    s.abandon()  # B1 ran out: C, timed and faster, wins
-    assert s.winner == "C" and s.seconds["B"] == float("inf")
-
-
-def test_search_takes_a_at_once_when_the_step_hides_the_host():
+def test_search_takes_a_at_once_when_nothing_is_worth_predicting():
+    for kw in (dict(fits=True), dict(kept=0), dict(host_bound=False)):  # long context: the host hides
+        s, ran = _run_search({"A": 9.0, "C": 1.0, "B": 1.0}, **kw)
+        assert (s.winner, s.predicted, _settled_at(ran)) == ("A", {}, 2), kw
     s = placing.Search()
-    s.measured(free=10, keep=[True, False], layer_bytes=4, checkpoint_bytes=1, everything_fits=False, host_bound=False)
-    assert (s.phase, s.winner, s.candidate) == ("done", "A", "A")  # long context: no trial steps
+    s.measured(free=10, keep=[True, False], layer_bytes=4, checkpoint_bytes=1, everything_fits=False)
+    s.planned(None)  # the planner cannot read the model
+    assert (s.phase, s.winner, s.candidate) == ("done", "A", "A") and "cannot predict" in s.summary()
+    assert placing.Search.done_with(123).free["A"] == 123 and placing.Search.done_with(1).candidate == "A"
+
+
+def test_a_trial_that_runs_out_of_memory_falls_back_to_a():
+    s = placing.Search()
+    s.measured(free=1 * GiB, keep=[True] * 40 + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
+               everything_fits=False, head=HEAD)
+    s.planned(_fake_planner(s, {"A": 3.41, "C": 3.21, "B": 3.50}, 0.15))
+    assert s.phase == "C1" and s.candidate == "C" and s.trial and s.keep.get("C") is None
+    s.abandon()  # C1 ran out of device memory
+    assert (s.phase, s.winner, s.candidate) == ("done", "A", "A") and not s.trial
+    assert "ran out of device memory" in s.summary() and "the forward's head resident 3.210 s" in s.summary()
+    for t in (3.5, 3.4, 3.41):
+        s.stepped(t, keep=[True] * 41)
+    assert s.seconds == {"C": float("inf"), "A": 3.41} and not s.observing
+
+
+def test_a_trial_keeps_the_policy_its_first_forward_chose():
+    s, ran = _run_search({"A": 3.41, "C": 3.40, "B": 2.90})
+    assert s.keep["B"] == [True] * 35 + [False] * 6 and s.keep["A"] == [True] * 40 + [False]
 
 
 def _in_trial(hf_dir, phase: str):
