@@ -166,7 +166,7 @@ def test_session_pinning_rule_is_the_one_used(monkeypatch):
     import megatrain_nb.preflight as preflight_mod
 
     arch = load_architecture(make_config("llama"))
-    monkeypatch.setattr(preflight_mod, "resolve_pinning", lambda cfg, arch: (True, False))
+    monkeypatch.setattr(preflight_mod, "resolve_pinning", lambda cfg, arch, **kw: (True, False))
     assert estimate(arch)["store"]["shadow"] > 0
 
 
