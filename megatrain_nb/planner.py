@@ -1,8 +1,9 @@
 """Memory and step-time model of a layer-streaming configuration, and its simulated timeline.
 
 This module owns `Hardware` (measured or illustrative rates), `model_shape` (parameter counts from a
-transformers config) and `plan` (host/device bytes, activation checkpointing, per-layer times, a
-simulated step). It touches no device: a plan is arithmetic plus a small list-scheduling
+transformers config), `moment_bytes` (the Adam moments of each unit under an `optimizer_state`) and `plan`
+(host/device bytes, activation checkpointing, per-layer times, a simulated step); `host_table` (host RAM of
+each optimizer_state, and the deepest model it holds) is preflight's, exported here beside `plan`. It touches no device: a plan is arithmetic plus a small list-scheduling
 simulation of the engine's own operation order and slot assignment (`schedule.py`, pure Python),
 whose spans have the columns of `Trace.to_dataframe`, so `viz.timeline` and `trace.find_stalls`
 work on a plan exactly as on a recorded step. The same simulation runs one step from cold

@@ -11,6 +11,9 @@ counted for each ``OptimConfig.optimizer_state`` ("fp32", "int8", "int4") unit b
 model shapes and the largest depth this machine's host RAM holds at each.
 Does not own: step-time modelling or what-if sweeps over hardware (planner), allocating anything,
 the compact moments' format (compact_state.py).
+Over 400 lines because it counts every allocation a Session makes before it makes one (store, staging,
+device buffers, activations) and words the refusal: one count, so that the refusal, ``host_table`` and the
+tests that hold it equal to HostStore and the engine read the same numbers.
 """
 from __future__ import annotations
 
