@@ -137,7 +137,8 @@ def resident_bytes(unit: int, numel: int, dtype_bytes: int, tied: bool) -> int:
 
 
 def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached: bool = False, *,
-                 host_extra: float = 0.0, in_extra: float = 0.0, window: float = 1.0, split: bool = False) -> float:
+                 host_extra: float = 0.0, in_extra: float = 0.0, window: float = 1.0, split: bool = False,
+                 state_bytes: float = 12.0) -> float:
     """The share of the layers' parameters placed "device" that balances PCIe against host AdamW
     (Note: [Streamed updates]).
 
@@ -150,7 +151,9 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
     ``window``: the share of the step the host's updates can use (``HOST_WINDOW``, Note: [Host window]);
     they must then fit in it: (host_extra + 1 - f) / (window A). ``split``: "device" layers' masters are
     held as [R | D] (Note: [Split master] in split_master.py): 10 bytes in, not 12, where the weights are
-    held; else both planes and two 2-byte weight loads (16, not 20).
+    held; else both planes and two 2-byte weight loads (16, not 20). ``state_bytes``: a "device" parameter's
+    state in bytes, master and moments (12 with fp32 moments; 4 + ~2.03 with ``optimizer_state="int8"``,
+    ``compact_state.bytes_per_param``, where the split is off).
 
     Example:
         >>> round(stream_share(3.5e9, 55e9), 2), round(stream_share(3.5e9, 55e9, cached=True), 2)
@@ -159,7 +162,8 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
         0.67
     """
     a, b = 1 / (window * host_adam_params_per_s), 1 / pcie_bytes_per_s
-    w, device_in = (4, 12) if cached else (8, 20)  # weights in per "host" parameter; all bytes in per "device" one
+    w = 4 if cached else 8  # weights in per "host" parameter
+    device_in = state_bytes + (0 if cached else 8)  # all bytes in per "device" one
     device_in -= 2 if cached and split else 4 if split else 0
     f = (a * (1 + host_extra) - b * (w + in_extra)) / (a + b * (device_in - w))
     return min(1.0, max(0.0, f))

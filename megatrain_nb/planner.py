@@ -1,8 +1,9 @@
 """Memory and step-time model of a layer-streaming configuration, and its simulated timeline.
 
 This module owns `Hardware` (measured or illustrative rates), `model_shape` (parameter counts from a
-transformers config) and `plan` (host/device bytes, activation checkpointing, per-layer times, a
-simulated step). It touches no device: a plan is arithmetic plus a small list-scheduling
+transformers config), `moment_bytes` (the Adam moments of each unit under an `optimizer_state`) and `plan`
+(host/device bytes, activation checkpointing, per-layer times, a simulated step); `host_table` (host RAM of
+each optimizer_state, and the deepest model it holds) is preflight's, exported here beside `plan`. It touches no device: a plan is arithmetic plus a small list-scheduling
 simulation of the engine's own operation order and slot assignment (`schedule.py`, pure Python),
 whose spans have the columns of `Trace.to_dataframe`, so `viz.timeline` and `trace.find_stalls`
 work on a plan exactly as on a recorded step. The same simulation runs one step from cold
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from . import compact_state
 from . import placement as placing
 from . import split_master as _split
-from .config import pinned_budget
+from .config import OPTIMIZER_STATES, pinned_budget
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
 from .schedule import make_blocks
@@ -146,6 +148,35 @@ CPU_LAPTOP = Hardware(
 # model_shape and the per-token activation estimate live in shape.py (a leaf: tiling, lean and the
 # engine read them without importing the planner); re-exported here, where callers found them first.
 from .shape import _act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
+from .preflight import host_table  # noqa: E402,F401  (host RAM of each optimizer_state; beside plan, as asked for)
+
+
+def moment_bytes(shape: dict, optimizer_state: str = "fp32") -> dict[int, int]:
+    """Host bytes of both Adam moments of each unit (-1 embedding, 0..L-1 layers, L head), from `model_shape`.
+
+    With a compact `optimizer_state` ("int8", "int4") a unit's moments are `compact_state.moment_words` of
+    its values, the input embedding and each tensor under `compact_state.MIN_QUANTIZED` values kept fp32 (the
+    default `OptimConfig.compact_keep_fp32`); alignment padding is not counted (`preflight.estimate` counts
+    it: a few hundred values a unit).
+
+    Example:
+        >>> s = model_shape(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, vocab_size=100))
+        >>> m = moment_bytes(s, "int8")  # a layer: 41088 values in 161 blocks of 256, its two norms' 128 fp32
+        >>> m[0] == 2 * 4 * (161 * 256 // 4 + 161 + 128), m[-1] == 8 * s["embed_params"], m[0] / 41088
+        (True, True, 2.0625)
+    """
+    L, E, P = shape["layers"], shape["embed_params"], shape["params_per_layer"]
+    if optimizer_state == "fp32":
+        return {-1: 8 * E, **dict.fromkeys(range(L), 8 * P), L: 8 * shape["head_params"]}
+
+    def both(n: int, kept: int) -> int:  # two moments of n values, kept of them fp32
+        return 8 * (n if kept == n else compact_state.moment_words(optimizer_state, n, kept))
+
+    small = lambda sizes: sum(k for k in sizes if k < compact_state.MIN_QUANTIZED)  # noqa: E731
+    head = [shape["hidden"]] + ([] if shape["tied"] else [shape["head_params"] - shape["hidden"]])  # final norm, lm_head
+    layer = both(P, small(shape["layer_tensors"]))
+    return {-1: 8 * E, **dict.fromkeys(range(L), layer), L: both(sum(head), small(head))}
 
 
 @dataclass(kw_only=True)
@@ -159,11 +190,13 @@ class Plan:
     settings: dict
     """batch, seq, tokens and every plan() keyword as used."""
     host_bytes: dict
-    """master_fp32, adam_moments, grads (fp32 for the embedding, compute dtype for the rest), pinned_pool,
-    and pinned_copy with pin_store."""
+    """master_fp32, adam_moments (both moments, as `optimizer_state` holds them), grads (fp32 for the
+    embedding, compute dtype for the rest), pinned_pool, and pinned_copy with pin_store."""
     host_bytes_per_param: float
-    """Host bytes per parameter excluding the pinned pool: 12 + dtype_bytes, + dtype_bytes with pin_store,
-    plus (4 - dtype_bytes) * embedding / all parameters for the fp32 embedding grads (14.2 for Qwen2.5-3B)."""
+    """Host bytes per parameter excluding the pinned pool: 4 (master) + the moments' (8 with fp32 moments,
+    ~2.03 / ~1.06 with "int8" / "int4" beside the fp32 embedding's) + dtype_bytes, + dtype_bytes with
+    pin_store, plus (4 - dtype_bytes) * embedding / all parameters for the fp32 embedding grads (14.2 for
+    Qwen2.5-3B with fp32 moments)."""
     device_bytes: dict
     """weight_slots, grad_slots, head_slots, cast_stage (cast_on_device only), embedding_rows,
     activations_kept, checkpoints, recompute_workspace, logits, reserve."""
@@ -279,7 +312,8 @@ class Plan:
     def summary(self) -> dict:
         """Returns the headline numbers as a flat dict."""
         s = self.settings
-        return {"batch": s["batch"], "seq": s["seq"], "tokens": s["tokens"], "step_ms": self.step_ms,
+        return {"batch": s["batch"], "seq": s["seq"], "tokens": s["tokens"], "optimizer_state": s["optimizer_state"],
+                "host_bytes_per_param": self.host_bytes_per_param, "step_ms": self.step_ms,
                 "tokens_per_s": s["tokens"] / self.step_ms * 1e3, "model_tflops": self.model_tflops,
                 "paper_tflops": self.paper_tflops, "tile_rows": self.tile_rows, "block": self.block,
                 "parked": self.parked, "attention_cached": self.attention_cached,
@@ -305,8 +339,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          overlap_optimizer: bool = True, grad_clip: bool = False, pin_store: bool = False,
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
          offload_checkpoints: bool | None = None, lean_activations: bool | None = None,
-         attention_cache: bool | None = None, split_master: bool | None = None, _advise: bool = True,
-         _search: bool = True) -> Plan:
+         attention_cache: bool | None = None, split_master: bool | None = None, optimizer_state: str = "fp32",
+         _advise: bool = True, _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
     Follows the engine: the host keeps fp32 master + Adam moments + grads (fp32 for the embedding,
@@ -343,7 +377,15 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             cast of the unit in the Adam worker); +dtype_bytes per parameter of host memory.
         split_master: as `EngineConfig.split_master` (None: with a 2-byte dtype and no pin_store): a "device"
             layer's state comes in as 10 bytes a parameter where every layer has a weight slot, else 12
-            (Note: [Split master] in split_master.py); its state slots hold 16.
+            (Note: [Split master] in split_master.py); its state slots hold 16. Off with a compact
+            `optimizer_state` (the split marks ties in the fp32 exp_avg_sq's sign bit).
+        optimizer_state: as `OptimConfig.optimizer_state`: "fp32", "int8" or "int4". The host's moments
+            and a "device" unit's state over PCIe (its master's 4 bytes a parameter and the moments as
+            `compact_state.moment_words` lays them out, from `model_shape`'s tensors, without alignment
+            padding; the input embedding and tensors under 4096 values keep fp32 moments, the default
+            `compact_keep_fp32`) and in its state slots. Not modelled: the compact update's own rates on
+            the host and the device (`Hardware`'s AdamW rates are fp32's), and resident units' state
+            (`placement.resident_bytes`: fp32 moments).
         cast_on_device: as `EngineConfig.cast_on_device`: the fp32 master and the grad slabs are
             pinned; loads copy fp32 (4 bytes/param over PCIe) into two fp32 landing buffers on the
             device (`cast_stage`) and the device casts (its cast is not timed: ~0.1 ms per 3B layer);
@@ -406,6 +448,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     if pin_store and cast_on_device:
         raise ValueError("pin_store=True and cast_on_device=True both pin the store (as in EngineConfig); "
                          "set one of them to False.")
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}.")
     s, hw = model_shape(config), hardware
     L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
                            s["params_per_layer"], s["n_params"])
@@ -422,10 +466,13 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
                     offload_checkpoints=offload_checkpoints, lean_activations=lean_activations,
-                    attention_cache=attention_cache, split_master=split_master)
-    split = _split.enabled(split_master, d == 2, pin_store, False)  # as DeviceUpdates.split
+                    attention_cache=attention_cache, split_master=split_master, optimizer_state=optimizer_state)
+    split = _split.enabled(split_master, d == 2, pin_store, False) and optimizer_state == "fp32"  # as DeviceUpdates.split
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
-    host = {"master_fp32": 4 * N, "adam_moments": 8 * N, "grads": d * N + (4 - d) * E,  # embedding grads: fp32
+    moments = moment_bytes(s, optimizer_state)  # unit -> both moments' host bytes
+    layer_state = 4 * P + moments[0]  # a "device" layer's state over PCIe: fp32 master and moments (12 P with fp32)
+    head_state = 4 * head_n + moments[L] + (moments[-1] if s["tied"] else 0)  # the head group's (Note: [Streamed head])
+    host = {"master_fp32": 4 * N, "adam_moments": sum(moments.values()), "grads": d * N + (4 - d) * E,  # embedding grads: fp32
             "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N
@@ -497,18 +544,21 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                   logits=batch * min(seq, loss_positions(loss_chunk_tokens, batch)) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
+    extras = placing.stream_extras(numel, s["tied"])
+    if optimizer_state != "fp32":  # the head group's state in, compact (stream_extras counts 12 bytes a parameter)
+        extras["in_extra"] = head_state / (L * P)
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,
                                  cached=weight_slots >= L, window=placing.HOST_WINDOW, split=split,
-                                 **placing.stream_extras(numel, s["tied"]))  # as the engine
+                                 state_bytes=layer_state / P, **extras)  # as the engine
     choice = placing.choose(numel, mode=mode, free_bytes=int(free), dtype_bytes=d, tied=s["tied"], cuda=True,
                             share=share)
     streamed = {u for u, c in choice.items() if c.placement == "device"}
     resident = {u for u, c in choice.items() if c.placement == "resident"}
     device["resident_state"] = sum(placing.resident_bytes(u, numel[u], d, s["tied"]) for u in resident)
-    sslots = placing.state_slots(len(streamed - {L, -1}), 12 * P, hw.device_mem_bytes)  # as DeviceUpdates.place
-    device["state_slots"] = sslots * (16 if split else 12) * P
+    sslots = placing.state_slots(len(streamed - {L, -1}), layer_state, hw.device_mem_bytes)  # as DeviceUpdates.place
+    device["state_slots"] = sslots * (16 * P if split else layer_state)
     if L in streamed:  # Note: [Streamed head]: its state on the way through, a tied embedding's fp32 gradient
-        device["head_state"] = 12 * head_n + (4 * E if s["tied"] else 0)
+        device["head_state"] = head_state + (4 * E if s["tied"] else 0)
     dev_adam = hw.device_adam_params_per_s or 25 * hw.host_adam_params_per_s
     dev_adam_ms = {u: numel[u] / dev_adam * 1e3 for u in resident}
 
@@ -542,11 +592,11 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     t = dict(pack=P / cast, h2d=P * wb / up / 1e6, h2d_bwd=P * wb / both_up / 1e6, fwd=fwd, bwd=bwd,
              recompute_cached=max(fwd - attn_fwd, hw.layer_launch_ms[0]),
              d2h=P * d / both_down / 1e6, unpack=P / cast, adam=P / adam)
-    state_in = (10 if split and weight_slots >= L else 12) * P  # Note: [Split master]: D alone where R is held
-    t.update(state_bytes=state_in, state_in=state_in / both_up / 1e6, state_out=12 * P / both_down / 1e6,
+    state_in = 10 * P if split and weight_slots >= L else layer_state  # Note: [Split master]: D alone where R is held
+    t.update(state_bytes=state_in, state_in=state_in / both_up / 1e6, state_out=layer_state / both_down / 1e6,
              dev_adam=P / dev_adam * 1e3,  # a "device" layer's fp32 master and moments, in and out
-             head_state_bytes=12 * head_n, head_state_in=12 * head_n / both_up / 1e6,
-             head_state_out=12 * head_n / both_down / 1e6, head_dev_adam=head_n / dev_adam * 1e3)  # the head group's
+             head_state_bytes=head_state, head_state_in=head_state / both_up / 1e6,
+             head_state_out=head_state / both_down / 1e6, head_dev_adam=head_n / dev_adam * 1e3)  # the head group's
     if pin_store:  # the cast moves from the load path into the optimizer worker
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
     if cast_on_device:  # pinned fp32 master in, pinned grad slabs out: no host cast anywhere
@@ -632,6 +682,9 @@ def _advice(p: Plan, ckpt_error: str | None, kwargs: dict) -> list[str]:
                    f"parked checkpoints {p.host_bytes.get('parked_checkpoints', 0) / _GIB:.1f}, "
                    f"margin {HOST_MARGIN / _GIB:.0f}).")
     tries = []
+    if not p.fits_host:  # fewer bytes of moments, from the fewest saved up
+        tries += [("optimizer_state", k) for k in ("int8", "int4")
+                  if compact_state.bytes_per_param(k) < compact_state.bytes_per_param(kwargs["optimizer_state"])]
     if kwargs["offload_checkpoints"] is not None:
         tries.append(("offload_checkpoints", None))
     if kwargs["tile_tokens"] != 16384 and kwargs["batch"] * kwargs["seq"] > 16384:

@@ -5,8 +5,15 @@ Owns: the byte count of a configuration as the code allocates it — the host st
 ``HostStore`` lays it out (aligned per-unit slabs), the engine's transfer staging and its device
 buffers exactly as ``Engine.__init__`` sizes them, activations and logits by the planner's per-token
 estimate — its comparison with ``psutil.virtual_memory().available`` and
-``torch.cuda.mem_get_info()``, and the advice text shared with ``oom_advice``.
-Does not own: step-time modelling or what-if sweeps over hardware (planner), allocating anything.
+``torch.cuda.mem_get_info()``, and the advice text shared with ``oom_advice``. The Adam moments are
+counted for each ``OptimConfig.optimizer_state`` ("fp32", "int8", "int4") unit by unit, as
+``compact_state.layout_for`` lays them out; ``host_table`` puts the settings side by side for a few
+model shapes and the largest depth this machine's host RAM holds at each.
+Does not own: step-time modelling or what-if sweeps over hardware (planner), allocating anything,
+the compact moments' format (compact_state.py).
+Over 400 lines because it counts every allocation a Session makes before it makes one (store, staging,
+device buffers, activations) and words the refusal: one count, so that the refusal, ``host_table`` and the
+tests that hold it equal to HostStore and the engine read the same numbers.
 """
 from __future__ import annotations
 
@@ -14,10 +21,11 @@ import math
 
 import torch
 
+from . import compact_state
 from .binding import Layout
-from .config import EngineConfig, pinned_budget
+from .config import OPTIMIZER_STATES, EngineConfig, pinned_budget
 from .host_store import unit_layouts
-from .shape import loss_positions
+from .shape import QWEN25, loss_positions
 
 _GIB = 1 << 30
 _CUDA_WORKSPACE = 512 << 20  # cuBLAS / attention workspaces and allocator slack; the CUDA context is
@@ -35,7 +43,8 @@ def gib(n: float) -> str:
 
 
 def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,
-             seq: int | None = None) -> dict:
+             seq: int | None = None, optimizer_state: str | None = None,
+             keep_fp32: tuple[str, ...] | None = None) -> dict:
     """Bytes a Session of this model and these settings allocates, next to what is available. Never raises
     for lack of memory (``check`` does).
 
@@ -44,45 +53,51 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
             meta device: no weights) or a ``Session`` (whose ``engine_cfg`` is the default).
         engine_cfg: the EngineConfig; None: the Session's, else ``EngineConfig()``.
         batch, seq: a step's shape; with both, activations, embedding rows and logits are counted.
+        optimizer_state: as ``OptimConfig.optimizer_state``: "fp32", "int8" or "int4"; None: a Session's
+            ``optim_cfg`` (with its ``compact_keep_fp32``), else "fp32".
+        keep_fp32: as ``OptimConfig.compact_keep_fp32``: name patterns whose moments stay fp32 (None: the
+            input embedding's, ``compact_state.DEFAULT_KEEP``); read only with a compact optimizer_state.
     Returns:
         dict with
           ``store``: as ``HostStore.bytes_report()`` — master, grad, exp_avg, exp_avg_sq, shadow,
-            total, params, bytes_per_param (exact);
+            total, params, bytes_per_param (exact; a compact moment is its slab of
+            ``compact_state.moment_words`` fp32 words per unit);
+          ``bytes_per_param``: master, grad, moments (both), shadow, store, staging, host (``host``'s
+            needed) per parameter;
           ``host``: store, staging (transfer buffers; pinned on CUDA), device_buffers (on "cpu" the
             "device" is host RAM), needed, available;
           ``device``: weight_slots, grad_slots, head_slots, cast_stage (cast_on_device), embedding_rows,
             activations, logits, workspace, needed, available (None on "cpu": everything counts as host);
-          ``fits_host``, ``fits_device``, ``fits`` (bools) and ``settings`` (what was assumed).
+          ``fits_host``, ``fits_device``, ``fits`` (bools) and ``settings`` (what was assumed,
+            optimizer_state and keep_fp32 included).
     Raises:
-        ValueError: an invalid setting (e.g. pin_store=True without CUDA), an unsupported model.
+        ValueError: an invalid setting (e.g. pin_store=True without CUDA, an unknown optimizer_state), an
+            unsupported model.
     Example:
         >>> est = estimate(config, EngineConfig(device="cpu"), batch=8, seq=1024)  # doctest: +SKIP
         >>> est["host"]["needed"] / 2**30, est["fits"]                            # doctest: +SKIP
     """
+    if optimizer_state is None:
+        oc = getattr(arch_or_config, "optim_cfg", None)  # a Session's
+        optimizer_state, keep_fp32 = (oc.optimizer_state, oc.compact_keep_fp32) if oc is not None else ("fp32", keep_fp32)
+    _check_state(optimizer_state)
     arch, cfg = _resolve(arch_or_config, engine_cfg)
     if (batch is None) != (seq is None):
         raise ValueError(f"pass both batch and seq, or neither (got batch={batch!r}, seq={seq!r})")
 
     cuda = torch.device(cfg.device).type == "cuda"
-    pin, cast = resolve_pinning(cfg, arch)
+    pin, cast = resolve_pinning(cfg, arch, optimizer_state=optimizer_state)
     d = torch.tensor([], dtype=cfg.dtype).element_size()
-    units = {u: lay for u, (lay, _) in unit_layouts(arch).items()}
+    layouts = unit_layouts(arch)
+    units = {u: lay for u, (lay, _) in layouts.items()}
 
     # host store, as HostStore.__init__ allocates it
     numel = {u: lay.numel for u, lay in units.items()}
-    N = sum(numel.values())
-    store = {"master": 4 * N, "grad": 4 * numel[-1] + d * (N - numel[-1]),  # the embedding's grads are fp32
-             "exp_avg": 4 * N, "exp_avg_sq": 4 * N, "shadow": d * N if pin else 0}
-    store["total"] = sum(store.values())
-    store["params"] = sum(s.numel() for lay in units.values() for s in lay.shapes)
-    store["bytes_per_param"] = store["total"] / store["params"]
+    store = _store(layouts, d, pin, unit_moment_words(arch, optimizer_state, keep_fp32, layouts))
 
     # engine buffers, as Engine.__init__ allocates them (Note: [Staging])
-    largest = max(numel.values())
     n_layer = max(numel[i] for i in range(arch.num_layers))
-    chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
-    budget = pinned_budget(cfg.pinned_budget_bytes, pin or cast)
-    staging = max(4, budget // cfg.transfer_chunk_bytes) * chunk * d
+    chunk, budget, staging = _staging(cfg, d, max(numel.values()), pin or cast)
     head = Layout.build(arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else []))
     slots = resolve_weight_slots(cfg, arch)
     dev = {"weight_slots": slots * n_layer * d, "grad_slots": 2 * n_layer * d,
@@ -96,6 +111,10 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
 
     host = {"store": store["total"], "staging": staging, "device_buffers": 0 if cuda else dev["needed"]}
     host["needed"] = sum(host.values())
+    per = {k: v / store["params"] for k, v in (("master", store["master"]), ("grad", store["grad"]),
+                                                ("moments", store["exp_avg"] + store["exp_avg_sq"]),
+                                                ("shadow", store["shadow"]), ("store", store["total"]),
+                                                ("staging", staging), ("host", host["needed"]))}
     host["available"] = _host_available()
     dev["available"] = _device_available(cfg.device) if cuda else None
     fits_host = host["needed"] <= host["available"]
@@ -103,29 +122,157 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     settings = dict(device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."), pin_store=pin, cast_on_device=cast,
                     weight_slots=slots, micro_batch_size=cfg.micro_batch_size,
                     checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=budget,
-                    loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq)
-    return {"store": store, "host": host, "device": dev, "fits_host": fits_host, "fits_device": fits_device,
-            "fits": fits_host and fits_device, "settings": settings}
+                    loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq,
+                    optimizer_state=optimizer_state, keep_fp32=keep_fp32,
+                    model=f"{type(arch.config).__name__.removesuffix('Config')} {_count(store['params'])}")
+    return {"store": store, "bytes_per_param": per, "host": host, "device": dev, "fits_host": fits_host,
+            "fits_device": fits_device, "fits": fits_host and fits_device, "settings": settings}
+
+
+def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[str, ...] | None = None,
+               engine_cfg: EngineConfig | None = None):
+    """Host RAM of each ``optimizer_state`` for a few models, and the deepest model of each width it holds.
+
+    The store is counted exactly as ``estimate`` counts it (per unit, from the model's skeleton on the meta
+    device: nothing is allocated), plus the engine's transfer staging; with ``engine_cfg=None`` the engine's
+    default on CUDA where the store fits in 90% of RAM: bf16 grads, ``cast_on_device`` (the fp32 master
+    pinned, no copy) and a 512 MiB pinned staging pool. Activations and device buffers are not host bytes
+    on CUDA; the CUDA context and libraries (~2 GiB, ``planner.H200.host_runtime_bytes``) are not counted.
+    The largest model keeps the width and scales ``num_hidden_layers`` (layers are alike: each adds the
+    same bytes).
+
+    Args:
+        configs: a transformers config or a dict of its fields (``model_type`` names the family), or
+            {name: config or dict}; None: Qwen2.5 3B, 7B, 14B and 32B (``shape.QWEN25``).
+        host_bytes: host RAM the store may take; None: what ``psutil`` says is available now.
+        keep_fp32: as ``OptimConfig.compact_keep_fp32`` (None: the input embedding keeps fp32 moments).
+        engine_cfg: an EngineConfig instead of the CUDA default (pinning then as ``resolve_pinning``).
+    Returns:
+        pandas DataFrame, one row per model and optimizer_state: model, optimizer_state, layers, params,
+        master / grad / moments / shadow / store (bytes a parameter), store_GiB, staging_GiB, host_GiB
+        (store + staging), available_GiB, fits, max_layers and max_params (the deepest model of this
+        width that fits: 0 where not even the embedding and head do).
+    Raises:
+        ValueError: a config the skeleton cannot be built from (the message names it).
+    Example:
+        >>> df = host_table(host_bytes=118 << 30)  # doctest: +SKIP
+        >>> df.pivot(index="model", columns="optimizer_state", values="host_GiB")  # doctest: +SKIP
+    """
+    import pandas as pd
+    from transformers import AutoConfig
+
+    if configs is None:
+        configs = QWEN25
+    if not isinstance(configs, dict) or "hidden_size" in configs:
+        configs = {None: configs}
+    host_bytes = _host_available() if host_bytes is None else int(host_bytes)
+    cfg = engine_cfg or EngineConfig(dtype=torch.bfloat16)
+    d = torch.tensor([], dtype=cfg.dtype).element_size()
+    rows = []
+    for name, config in configs.items():
+        if isinstance(config, dict):
+            kw = dict(config)
+            config = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw)
+        arch = _resolve(config, cfg)[0]
+        layouts = unit_layouts(arch)
+        L, numel = arch.num_layers, {u: lay.numel for u, (lay, _) in layouts.items()}
+        layer_params = sum(s.numel() for i in range(L) for s in layouts[i][0].shapes) / L
+        for state in OPTIMIZER_STATES:
+            pin, cast = resolve_pinning(cfg, arch, optimizer_state=state) if engine_cfg else (False, True)
+            words = unit_moment_words(arch, state, keep_fp32, layouts)
+            store = _store(layouts, d, pin, words)
+            staging = _staging(cfg, d, max(numel.values()), pin or cast)[2]
+            need, P = store["total"] + staging, store["params"]
+            per_layer = sum((4 + d + (d if pin else 0)) * numel[i] + 8 * words[i] for i in range(L)) / L
+            deepest = max(0, L + math.floor((host_bytes - need) / per_layer))
+            rows.append(dict(model=name or f"{type(config).__name__.removesuffix('Config')} {_count(P)}",
+                             optimizer_state=state, layers=L, params=P, master=store["master"] / P,
+                             grad=store["grad"] / P, moments=(store["exp_avg"] + store["exp_avg_sq"]) / P,
+                             shadow=store["shadow"] / P, store=store["bytes_per_param"], store_GiB=store["total"] / _GIB,
+                             staging_GiB=staging / _GIB, host_GiB=need / _GIB, available_GiB=host_bytes / _GIB,
+                             fits=need <= host_bytes, max_layers=deepest,
+                             max_params=round(P + (deepest - L) * layer_params) if deepest else 0))
+    return pd.DataFrame(rows)
+
+
+def unit_moment_words(arch, optimizer_state: str = "fp32", keep_fp32: tuple[str, ...] | None = None,
+                      layouts: dict | None = None) -> dict[int, int]:
+    """fp32 words of one Adam moment's slab of each unit, as the host store allocates it.
+
+    Args:
+        arch: an ``hf.Architecture``.
+        optimizer_state: "fp32" (a word a position), "int8" or "int4".
+        keep_fp32: name patterns whose moments stay fp32 (``compact_state.layout_for``'s ``keep``).
+        layouts: ``host_store.unit_layouts(arch)``, when at hand.
+    Returns:
+        unit -> words: the unit's padded numel where every position keeps fp32 moments (fp32, or a unit
+        ``layout_for`` keeps whole), else ``moment_words`` of its compact layout over (checkpoint name,
+        offset, numel) of each tensor (Note: [Compact slab] in compact_state.py).
+    Example:
+        >>> unit_moment_words(arch, "int8")  # doctest: +SKIP
+        {-1: 544997376, 0: 1319424, ...}
+    """
+    out = {}
+    for u, (lay, prefix) in (layouts or unit_layouts(arch)).items():
+        c = compact_state.layout_for(optimizer_state, [(prefix + n, o, s.numel()) for n, s, o in lay.items()],
+                                     keep_fp32)
+        out[u] = lay.numel if c is None else compact_state.moment_words(optimizer_state, c.n, c.kept)
+    return out
+
+
+def _check_state(optimizer_state) -> None:
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")
+
+
+def _store(layouts: dict, d: int, pin: bool, words: dict[int, int]) -> dict:
+    """HostStore.bytes_report() of these unit layouts: grads in ``d`` bytes (the embedding's fp32), a shadow
+    of ``d`` bytes with ``pin``, moments of ``words`` fp32 words each."""
+    numel = {u: lay.numel for u, (lay, _) in layouts.items()}
+    N = sum(numel.values())
+    store = {"master": 4 * N, "grad": 4 * numel[-1] + d * (N - numel[-1]),  # the embedding's grads are fp32
+             "exp_avg": 4 * sum(words.values()), "exp_avg_sq": 4 * sum(words.values()), "shadow": d * N if pin else 0}
+    store["total"] = sum(store.values())
+    store["params"] = sum(s.numel() for lay, _ in layouts.values() for s in lay.shapes)
+    store["bytes_per_param"] = store["total"] / store["params"]
+    return store
+
+
+def _staging(cfg: EngineConfig, d: int, largest: int, pinned: bool) -> tuple[int, int, int]:
+    """(chunk elements, pinned budget, staging bytes) as Engine.__init__ sizes them (Note: [Staging])."""
+    chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
+    budget = pinned_budget(cfg.pinned_budget_bytes, pinned)
+    return chunk, budget, max(4, budget // cfg.transfer_chunk_bytes) * chunk * d
 
 
 def check(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,
-          seq: int | None = None) -> dict:
+          seq: int | None = None, optimizer_state: str | None = None,
+          keep_fp32: tuple[str, ...] | None = None) -> dict:
     """``estimate``, raising when host RAM or device memory is short.
 
+    Args:
+        As ``estimate``: a Session passes ``optimizer_state=optim_cfg.optimizer_state,
+        keep_fp32=optim_cfg.compact_keep_fp32``.
     Returns:
         The estimate, when everything fits.
     Raises:
         PreflightError: (a MemoryError and a ValueError) naming GiB needed vs available, what needs
-            them, and the settings to change.
+            them, and the settings to change; short of host RAM, the host RAM each other optimizer_state
+            needs and which of them fit.
     Example:
-        >>> check(config, EngineConfig(device="cuda"), batch=4, seq=4096)  # doctest: +SKIP
+        >>> check(config, EngineConfig(device="cuda"), batch=4, seq=4096, optimizer_state="int8")  # doctest: +SKIP
     """
-    est = estimate(arch_or_config, engine_cfg, batch=batch, seq=seq)
+    est = estimate(arch_or_config, engine_cfg, batch=batch, seq=seq, optimizer_state=optimizer_state,
+                   keep_fp32=keep_fp32)
     if est["fits"]:
         return est
     parts = []
     if not est["fits_host"]:
-        parts.append(_host_message(est))
+        arch, cfg = _resolve(arch_or_config, engine_cfg)
+        st = est["settings"]
+        others = {k: estimate(arch, cfg, batch=batch, seq=seq, optimizer_state=k, keep_fp32=st["keep_fp32"])["host"]
+                  for k in OPTIMIZER_STATES if k != st["optimizer_state"]}
+        parts.append(_host_message(est, {k: h["needed"] for k, h in others.items()}))
     if not est["fits_device"]:
         parts.append(_device_message(est))
     raise PreflightError("\n".join(parts))
@@ -203,15 +350,25 @@ def _device_available(device: str) -> int:
     return int(torch.cuda.mem_get_info(torch.device(device))[0])  # free bytes now; creates the context
 
 
-def _host_message(est: dict) -> str:
+def _host_message(est: dict, others: dict[str, int] | None = None) -> str:
+    """``others``: optimizer_state -> host bytes it needs, for the settings not used."""
     s, h, st = est["store"], est["host"], est["settings"]
+    others = others or {}
+    fit = {k: n for k, n in others.items() if n <= h["available"]}
+    head = (f"Not enough host RAM: {st['model']} needs {gib(h['needed'])} with optimizer_state={st['optimizer_state']!r} "
+            f"({s['bytes_per_param']:.1f} bytes a parameter), {gib(h['available'])} available")
+    if fit:
+        head += "; " + ", ".join(f"optimizer_state={k!r} needs {gib(n)} (fits)" for k, n in fit.items())
+    elif others:
+        head += "; no optimizer_state fits: " + ", ".join(f"{k!r} needs {gib(n)}" for k, n in others.items())
     what = (f"host store {gib(s['total'])} ({_count(s['params'])} params x {s['bytes_per_param']:.1f} bytes: "
             f"master {gib(s['master'])}, grads {gib(s['grad'])}, Adam moments {gib(s['exp_avg'] + s['exp_avg_sq'])}"
             + (f", pinned shadow {gib(s['shadow'])}" if s["shadow"] else "")
             + f"), transfer staging {gib(h['staging'])}"
             + (f", layer buffers and activations {gib(h['device_buffers'])} (device='cpu' keeps them in RAM)"
                if h["device_buffers"] else ""))
-    advice = []
+    advice = [f"optimizer_state={k!r} (needs {gib(n)}; moments of ~{compact_state.bytes_per_param(k):.2f} bytes "
+              "a parameter, the input embedding's and small tensors' fp32)" for k, n in fit.items()]
     if s["shadow"]:
         advice.append(f"pin_store=False (saves {gib(s['shadow'])})")
     if h["staging"] > (64 << 20):
@@ -222,9 +379,8 @@ def _host_message(est: dict) -> str:
             advice.append(f"device='cuda' (moves the {gib(h['device_buffers'])} of layer buffers and activations "
                           "off RAM)")
         advice += _device_advice_settings(st)
-    advice.append("a smaller model (the store alone needs 12 bytes/param + grads)")
-    return (f"Not enough host RAM: needs {gib(h['needed'])}, {gib(h['available'])} available — {what}. "
-            f"To fit, change one of: {'; '.join(advice)}.")
+    advice.append(f"a smaller model (the store alone needs {s['bytes_per_param']:.1f} bytes a parameter)")
+    return f"{head} — {what}. To fit, change one of: {'; '.join(advice)}."
 
 
 def _device_message(est: dict) -> str:
@@ -324,13 +480,15 @@ def resolve_weight_slots(cfg: EngineConfig, arch) -> int:
                         total)
 
 
-def resolve_pinning(cfg: EngineConfig, arch) -> tuple[bool, bool]:
+def resolve_pinning(cfg: EngineConfig, arch, *, optimizer_state: str = "fp32") -> tuple[bool, bool]:
     """Resolve EngineConfig's (pin_store, cast_on_device); pinning needs CUDA.
 
     Auto (None) pins the fp32 master and casts on the device when CUDA is used and the store fits in
     90% of host RAM: measured faster than a pinned bf16 copy at every batch on the H200 (3B:
     227 vs 194 model TFLOPS at 4x4096, docs/benchmarks.md) and 2 bytes/param smaller. With
-    cast_on_device=False, pin_store=None pins a bf16 copy when store + copy fit.
+    cast_on_device=False, pin_store=None pins a bf16 copy when store + copy fit. The store is taken as
+    6 bytes a parameter (master and grads) plus the moments' (``compact_state.bytes_per_param`` of
+    ``optimizer_state``: 14 with fp32 moments).
     """
     cuda = torch.device(cfg.device).type == "cuda"
     if cfg.pin_store and not cuda:
@@ -347,6 +505,7 @@ def resolve_pinning(cfg: EngineConfig, arch) -> tuple[bool, bool]:
 
     params = sum(p.numel() for p in arch.model.parameters())
     ram = 0.9 * psutil.virtual_memory().total
-    if cfg.cast_on_device is None and cfg.pin_store is None and params * 14 < ram:
+    store = 6 + compact_state.bytes_per_param(optimizer_state)  # bytes a parameter, the pinned copy aside
+    if cfg.cast_on_device is None and cfg.pin_store is None and params * store < ram:
         return False, True
-    return cfg.pin_store is None and params * 16 < ram, False
+    return cfg.pin_store is None and params * (store + 2) < ram, False

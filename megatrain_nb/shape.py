@@ -7,6 +7,19 @@ from __future__ import annotations
 
 _MISSING = object()
 
+# Qwen2.5 base models' shapes (their config.json files), for what-if tables; ``model_shape`` reads them as
+# they are, a transformers ``Qwen2Config(**{k: v ... if k != "model_type"})`` builds the model's skeleton.
+QWEN25 = {
+    "3B": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7B": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14B": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32B": dict(model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+
 
 def _get(config, name: str, default=_MISSING):
     """Field `name` of a config object or dict; ValueError naming it when missing and no default."""
@@ -31,7 +44,9 @@ def model_shape(config) -> dict:
     Returns:
         dict: hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied, experts,
         experts_per_tok, params_per_layer, active_params_per_layer (per token, for FLOPs),
-        embed_params, head_params (lm_head unless tied, plus final norm), n_params.
+        embed_params, head_params (lm_head unless tied, plus final norm), n_params, and
+        layer_tensors: the values of each of a layer's tensors (the experts' as one), summing to
+        params_per_layer (which of them keep fp32 moments under a compact optimizer state).
 
     Raises:
         ValueError: a required field is missing (the message names it).
@@ -55,23 +70,29 @@ def model_shape(config) -> dict:
     experts = int(_get(config, "num_experts", None) or _get(config, "num_local_experts", None) or 0)
     bias = _get(config, "attention_bias", None)
     bias = model_type in ("qwen2", "qwen2_moe") if bias is None else bool(bias)
-    attn = h * heads * hd * 2 + h * kv * hd * 2 + (heads * hd + 2 * kv * hd if bias else 0)
-    attn += 2 * hd if model_type.startswith("qwen3") else 0
+    tensors = [h * heads * hd, h * kv * hd, h * kv * hd, heads * hd * h]  # q k v o
+    tensors += [heads * hd, kv * hd, kv * hd] if bias else []
+    tensors += [hd, hd] if model_type.startswith("qwen3") else []  # q and k norms
+    attn = sum(tensors)
     if experts:
         inter = int(_get(config, "moe_intermediate_size", None) or _get(config, "intermediate_size"))
         top_k = int(_get(config, "num_experts_per_tok"))
         shared = int(_get(config, "shared_expert_intermediate_size", None) or 0)
         shared_p = 3 * h * shared + (h if shared else 0)
         mlp, active_mlp = experts * 3 * h * inter + h * experts + shared_p, top_k * 3 * h * inter + h * experts + shared_p
+        tensors += [experts * 3 * h * inter, h * experts] + ([h * shared] * 3 + [h] if shared else [])
     else:
         inter, top_k = int(_get(config, "intermediate_size")), 0
         mlp = active_mlp = 3 * h * inter
+        tensors += [h * inter] * 3
+    tensors += [h, h]  # the two norms
     per_layer, embed = attn + mlp + 2 * h, vocab * h
     head = (0 if tied else vocab * h) + h
     return dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
                 vocab=vocab, tied=tied, experts=experts, experts_per_tok=top_k,
                 params_per_layer=per_layer, active_params_per_layer=attn + active_mlp + 2 * h,
-                embed_params=embed, head_params=head, n_params=layers * per_layer + embed + head)
+                embed_params=embed, head_params=head, n_params=layers * per_layer + embed + head,
+                layer_tensors=tuple(tensors))
 
 
 # Note: [Activation estimate]

@@ -467,3 +467,82 @@ def test_the_simulated_loader_starts_state_loads_while_it_waits_for_a_host_updat
     assert len(early) >= 1 and set(early.layer) <= set(range(12, 20))  # the backward's first "device" layers
     waits = df[(df.op == "wait-update") & (df.start_ms >= 0)]
     assert early.start_ms.min() >= waits.start_ms.min()  # started during the loader's wait
+
+
+# ---- optimizer_state: compact Adam moments -----------------------------------------------------------------
+TINY_QWEN2 = dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8", "int4"])
+def test_optimizer_state_host_bytes_agree_with_preflight(state, monkeypatch):
+    """Every tensor of TINY_QWEN2 is a multiple of 64 values: no alignment padding, so plan's moments equal
+    preflight's, unit by unit as compact_state lays them out."""
+    import torch
+    from transformers import Qwen2Config
+
+    from megatrain_nb import preflight
+    from megatrain_nb.config import EngineConfig
+
+    config = Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k != "model_type"})
+    cfg = EngineConfig(dtype=torch.bfloat16, transfer_chunk_bytes=1 << 20, pinned_budget_bytes=8 << 20)
+    cfg.device, cfg.cast_on_device, cfg.pin_store = "cuda", True, False
+    monkeypatch.setattr(preflight, "_device_available", lambda device: 1 << 40)
+    est = preflight.estimate(config, cfg, optimizer_state=state)
+    p = plan(TINY_QWEN2, batch=1, seq=16, cast_on_device=True, transfer_chunk_bytes=1 << 20,
+             pinned_budget_bytes=8 << 20, optimizer_state=state)
+    assert p.host_bytes["adam_moments"] == est["store"]["exp_avg"] + est["store"]["exp_avg_sq"]
+    assert p.host_bytes_per_param == pytest.approx(est["store"]["bytes_per_param"])
+    assert p.summary()["optimizer_state"] == state and p.summary()["host_bytes_per_param"] == p.host_bytes_per_param
+    rows = p.to_dataframe().query("section == 'step'").set_index("quantity").value
+    assert rows["optimizer_state"] == state
+
+
+def test_optimizer_state_host_bytes_qwen25_7b():
+    from megatrain_nb.compact_state import bytes_per_param
+
+    n, e = 7_615_616_512, 152064 * 3584
+    b = {k: plan(QWEN25_7B, batch=1, seq=4096, optimizer_state=k) for k in ("fp32", "int8", "int4")}
+    assert b["fp32"].host_bytes["adam_moments"] == 8 * n and round(b["fp32"].host_bytes_per_param, 2) == 14.14
+    for k in ("int8", "int4"):  # the embedding keeps fp32 moments; the rest: ~bytes_per_param, plus norms and k/v biases
+        rest = (b[k].host_bytes["adam_moments"] - 8 * e) / (n - e)
+        assert bytes_per_param(k) < rest < bytes_per_param(k) + 0.01, (k, rest)
+        assert b[k].host_bytes["master_fp32"] == 4 * n and b[k].host_bytes["grads"] == b["fp32"].host_bytes["grads"]
+    assert round(b["int8"].host_bytes_per_param, 2) == 8.60 and round(b["int4"].host_bytes_per_param, 2) == 7.70
+    with pytest.raises(ValueError, match="optimizer_state='int2'"):
+        plan(QWEN25_7B, batch=1, seq=4096, optimizer_state="int2")
+
+
+def test_optimizer_state_changes_the_streamed_state_bytes():
+    """A "device" unit's state over PCIe: master 4 bytes + its compact moments; the split master is off."""
+    from megatrain_nb.planner import moment_bytes
+
+    p = {k: plan(QWEN25_7B, batch=1, seq=4096, cast_on_device=True, placement="stream", weight_slots=28,
+                 optimizer_state=k) for k in ("fp32", "int8", "int4")}
+    s, P = p["fp32"].shape, 233_057_792
+    assert p["fp32"].layer_ms["state_bytes"] == 10 * P  # split master, weights held: D alone
+    assert p["fp32"].device_bytes["state_slots"] % (16 * P) == 0
+    for k in ("int8", "int4"):
+        want = 4 * P + moment_bytes(s, k)[0]
+        assert 4 + 2 * {"int8": 1, "int4": 0.5}[k] < want / P < 4 + 2 * {"int8": 1.04, "int4": 0.54}[k]
+        t = p[k].layer_ms
+        assert t["state_bytes"] == want and t["state_out"] == pytest.approx(want / 52.1e6)
+        assert t["head_state_bytes"] == 4 * (s["head_params"]) + moment_bytes(s, k)[s["layers"]]  # untied lm_head
+        assert p[k].device_bytes["state_slots"] % want == 0 and p[k].device_bytes["head_state"] == t["head_state_bytes"]
+        df = p[k].simulate()
+        layers = df[(df.op == "state-in") & (df.layer >= 0) & (df.layer < 28)]
+        assert len(layers) and set(layers.bytes) == {want}
+    streamed = {k: sum(v == "device" for v in q.placement.values()) for k, q in p.items()}
+    assert streamed["fp32"] < streamed["int8"] <= streamed["int4"]  # less state a unit: more units on the device
+    # fp32 unchanged by the new keyword: 12 bytes a parameter without the split
+    q = plan(QWEN25_7B, batch=1, seq=4096, cast_on_device=True, placement="stream", weight_slots=28, split_master=False)
+    assert q.layer_ms["state_bytes"] == 12 * P and q.layer_ms["head_state_bytes"] == 12 * s["head_params"]
+
+
+def test_host_short_plan_advises_the_optimizer_state():
+    from megatrain_nb.shape import QWEN25
+
+    with pytest.warns(UserWarning, match="does not fit host RAM"):
+        p = plan(QWEN25["14B"], batch=1, seq=4096, cast_on_device=True)
+    assert not p.fits_host and "Fits with optimizer_state='int8' or optimizer_state='int4'." in p.advice
+    assert plan(QWEN25["14B"], batch=1, seq=4096, cast_on_device=True, optimizer_state="int8").fits_host

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_config
-from megatrain_nb import Session, preflight
+from megatrain_nb import Session, compact_state, preflight
 from megatrain_nb.config import EngineConfig
 from megatrain_nb.hf import load_architecture
 from megatrain_nb.host_store import HostStore
@@ -166,7 +166,7 @@ def test_session_pinning_rule_is_the_one_used(monkeypatch):
     import megatrain_nb.preflight as preflight_mod
 
     arch = load_architecture(make_config("llama"))
-    monkeypatch.setattr(preflight_mod, "resolve_pinning", lambda cfg, arch: (True, False))
+    monkeypatch.setattr(preflight_mod, "resolve_pinning", lambda cfg, arch, **kw: (True, False))
     assert estimate(arch)["store"]["shadow"] > 0
 
 
@@ -240,3 +240,163 @@ def test_cuda_allocator_grows_segments_unless_the_user_chose(monkeypatch):
     assert cuda_allocator() == "set" and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOCATOR
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert cuda_allocator() == "user's setting" and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+# ---- optimizer_state: compact Adam moments (compact_state.py) --------------------------------------------
+TINY_QWEN2 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+# one layer's tensors in binding.Layout's order, every size a multiple of its 64-value alignment (no padding):
+# q 128x128 | q bias | k 64x128 | k bias | v 64x128 | v bias | o 128x128 | gate, up 256x128 | down 128x256 | 2 norms
+LAYER = [16384, 128, 8192, 64, 8192, 64, 16384, 32768, 32768, 32768, 128, 128]
+LAYER_KEPT = 128 + 64 + 64 + 2 * 128  # the tensors under 4096 values keep fp32 moments
+EMBED, HEAD = 1000 * 128, 128 + 1000 * 128  # head: final norm (kept), then lm_head
+
+
+def _qwen2(**overrides):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**TINY_QWEN2, **overrides})
+
+
+def _words(n: int, kept: int, block: int, bits: int) -> int:
+    """One compact moment's fp32 words, by hand: codes, one fp32 scale a block, the kept values (Note: [Compact slab])."""
+    blocks = -(-n // block)
+    return blocks * block * bits // 8 // 4 + blocks + kept
+
+
+def _cuda_cast(monkeypatch) -> EngineConfig:
+    """host_table's default: the engine on CUDA with cast_on_device (bf16 grads, 512 MiB pinned staging)."""
+    cfg = _fake_cuda(monkeypatch, 1 << 40, dtype=torch.bfloat16)
+    cfg.cast_on_device = True  # after validation (needs CUDA)
+    return cfg
+
+
+@pytest.mark.parametrize("state, block, bits", [("int8", 256, 8), ("int4", 128, 4)])
+def test_compact_moments_counted_by_hand(state, block, bits):
+    arch = load_architecture(_qwen2())
+    n_layer = sum(LAYER)
+    N = EMBED + 2 * n_layer + HEAD
+    layer = _words(n_layer, LAYER_KEPT, block, bits)
+    for keep, embed in ((None, EMBED), ((), _words(EMBED, 0, block, bits))):  # () quantizes the embedding too
+        words = embed + 2 * layer + _words(HEAD, 128, block, bits)
+        est = estimate(arch, EngineConfig(dtype=torch.bfloat16), optimizer_state=state, keep_fp32=keep)
+        s, per = est["store"], est["bytes_per_param"]
+        assert s["params"] == N and s["exp_avg"] == s["exp_avg_sq"] == 4 * words
+        assert s["total"] == 4 * N + (4 * EMBED + 2 * (N - EMBED)) + 8 * words  # master, grads (fp32 embedding's)
+        assert per["moments"] == 8 * words / N and per["master"] == 4.0 and per["shadow"] == 0.0
+        assert per["store"] == pytest.approx(per["master"] + per["grad"] + per["moments"]) == s["bytes_per_param"]
+        assert per["host"] == est["host"]["needed"] / N
+        assert est["settings"]["optimizer_state"] == state and est["settings"]["keep_fp32"] == keep
+    # a layer alone (whole blocks): compact_state.bytes_per_param of every value, plus its kept values in fp32
+    assert 8 * layer == pytest.approx(compact_state.bytes_per_param(state) * n_layer + 8 * LAYER_KEPT, rel=1e-12)
+    fp32 = estimate(arch, EngineConfig(dtype=torch.bfloat16))
+    assert fp32["store"]["exp_avg"] == 4 * N and fp32["bytes_per_param"]["moments"] == 8.0
+    with pytest.raises(ValueError, match="optimizer_state='fp16'"):
+        estimate(arch, optimizer_state="fp16")
+
+
+def test_compact_store_estimate_equals_bytes_report():
+    """Once HostStore holds compact moments, estimate counts what it allocates (a tiny model, allocated)."""
+    import inspect
+
+    if "optimizer_state" not in inspect.signature(HostStore).parameters:
+        pytest.skip("HostStore does not take optimizer_state yet")
+    arch = load_architecture(_qwen2())
+    for state in ("int8", "int4"):
+        want = HostStore(arch, grad_dtype=torch.bfloat16, optimizer_state=state).bytes_report()
+        assert estimate(arch, EngineConfig(dtype=torch.bfloat16), optimizer_state=state)["store"] == want
+
+
+def test_short_host_ram_names_the_optimizer_state_that_fits(monkeypatch):
+    config = _qwen2()
+    arch = load_architecture(config)
+    need = {k: estimate(arch, optimizer_state=k)["host"]["needed"] for k in ("fp32", "int8", "int4")}
+    assert need["fp32"] > need["int8"] > need["int4"]
+    avail = (need["fp32"] + need["int8"]) // 2
+    _fake_ram(monkeypatch, available=avail)
+
+    def no_store(*a, **k):
+        raise AssertionError("the host store was allocated before the check")
+
+    monkeypatch.setattr(HostStore, "__init__", no_store)
+    with pytest.raises(PreflightError) as info:
+        Session.from_config(config, seed=0)  # checks before it allocates
+    msg = str(info.value)
+    assert f"needs {gib(need['fp32'])} with optimizer_state='fp32' (" in msg and f"{gib(avail)} available" in msg
+    assert f"optimizer_state='int8' needs {gib(need['int8'])} (fits)" in msg
+    assert f"optimizer_state='int4' needs {gib(need['int4'])} (fits)" in msg
+    assert "To fit, change one of: optimizer_state='int8' (needs" in msg and "smaller model" in msg
+    assert check(arch, optimizer_state="int8")["fits"]
+
+    _fake_ram(monkeypatch, available=need["int4"] - 1)
+    with pytest.raises(PreflightError) as info:
+        check(arch, optimizer_state="int8")
+    msg = str(info.value)
+    assert f"needs {gib(need['int8'])} with optimizer_state='int8'" in msg
+    assert f"no optimizer_state fits: 'fp32' needs {gib(need['fp32'])}, 'int4' needs {gib(need['int4'])}" in msg
+
+
+def test_session_optimizer_state_is_estimated(monkeypatch):
+    """estimate(session) counts the session's OptimConfig.optimizer_state (fp32 here: the store's own)."""
+    s = Session.from_config(_qwen2(), seed=0, optimizer_state="fp32")
+    assert estimate(s)["store"] == s.store.bytes_report() and estimate(s)["settings"]["optimizer_state"] == "fp32"
+    s.optim_cfg.optimizer_state = "int8"  # what estimate reads; the store is the integrator's
+    assert estimate(s)["store"]["exp_avg"] < s.store.bytes_report()["exp_avg"]
+    s.close()
+
+
+@pytest.mark.parametrize("state, ram_params, want", [
+    ("fp32", 13.5, (False, False)),  # 14 bytes a parameter do not fit in 90% of RAM
+    ("int8", 13.5, (False, True)),   # 6 + 2.03 do: the master pinned, the device casts
+    ("int8", 8.0, (False, False)),
+    ("int4", 8.0, (False, True)),    # 6 + 1.06
+])
+def test_pinning_rule_counts_the_optimizer_state(monkeypatch, state, ram_params, want):
+    arch = load_architecture(make_config("llama"))
+    params = sum(p.numel() for p in arch.model.parameters())
+    _fake_ram(monkeypatch, available=1 << 40, total=int(params * ram_params / 0.9))
+    cfg = _fake_cuda(monkeypatch, 1 << 40)
+    assert preflight.resolve_pinning(cfg, arch, optimizer_state=state) == want
+
+
+def test_host_table_extrapolates_layers_exactly(monkeypatch):
+    """max_layers: the deepest model of this width whose estimate fits, checked against estimate at that depth."""
+    cfg = _cuda_cast(monkeypatch)
+    deep = {k: estimate(_qwen2(num_hidden_layers=5), cfg, optimizer_state=k)["host"]["needed"]
+            for k in ("fp32", "int8", "int4")}
+    for k, need in deep.items():
+        for host, layers in ((need, 5), (need - 1, 4)):
+            df = preflight.host_table(_qwen2(), host_bytes=host).set_index("optimizer_state")
+            assert df.loc[k, "max_layers"] == layers, (k, host)
+            assert df.loc[k, "max_params"] == EMBED + layers * sum(LAYER) + HEAD
+    two = estimate(_qwen2(), cfg, optimizer_state="int8")
+    row = preflight.host_table(_qwen2(), host_bytes=1 << 40).set_index("optimizer_state").loc["int8"]
+    assert row["host_GiB"] * (1 << 30) == pytest.approx(two["host"]["needed"])
+    assert row["store"] == two["store"]["bytes_per_param"] and row["moments"] == two["bytes_per_param"]["moments"]
+    assert row["model"] == "Qwen2 552,064"  # no name given: the class and the count
+
+
+def test_qwen25_14b_fits_118_gib_with_int8_not_fp32(monkeypatch):
+    from megatrain_nb.shape import QWEN25
+
+    df = preflight.host_table({"14B": QWEN25["14B"]}, host_bytes=118 << 30).set_index("optimizer_state")
+    assert (df.params == 14_770_033_664).all() and (df.layers == 48).all()
+    assert not df.loc["fp32", "fits"] and df.loc["int8", "fits"] and df.loc["int4", "fits"]
+    assert df.loc["fp32", "host_GiB"] > 190 and df.loc["int8", "host_GiB"] < 118
+    assert df.loc["fp32", "max_layers"] < 48 <= df.loc["int8", "max_layers"] < df.loc["int4", "max_layers"]
+    # the table's bytes are estimate's, under the engine's CUDA default (cast_on_device)
+    est = estimate(_qwen2(**{k: v for k, v in QWEN25["14B"].items() if k != "model_type"}), _cuda_cast(monkeypatch),
+                   optimizer_state="int8")
+    assert df.loc["int8", "host_GiB"] * (1 << 30) == pytest.approx(est["host"]["needed"])
+    _fake_ram(monkeypatch, available=118 << 30)
+    with pytest.raises(PreflightError, match=r"optimizer_state='fp32' \(14\.1 bytes a parameter\), 118\.00 GiB "
+                                             r"available; optimizer_state='int8' needs 116\.\d\d GiB \(fits\)"):
+        check(_qwen2(**{k: v for k, v in QWEN25["14B"].items() if k != "model_type"}), _cuda_cast(monkeypatch))
+
+
+def test_qwen25_32b_fits_125_gib_at_no_setting():
+    from megatrain_nb.shape import QWEN25
+
+    df = preflight.host_table({"32B": QWEN25["32B"]}, host_bytes=125 << 30)
+    assert list(df.optimizer_state) == ["fp32", "int8", "int4"] and not df.fits.any()
+    assert (df.max_layers < 64).all() and df.host_GiB.min() > 200
