@@ -369,9 +369,11 @@ class DeviceUpdates:
         that keeps them into the next step, Note: [Held weights]), if given. Returns the event after it."""
         dev, n = self.dev, sum(self.store.units[u].layout.numel for u in units)
         found = self.bad.float()  # made on compute, read on optim (see landed)
+        verdict = dev.record(dev.compute)  # after ``found``: ``done`` was recorded before landed() wrote the verdict
         ev = loaded.get()  # driver waits until the state's copy is enqueued
         with dev.on(dev.optim):
             dev.wait(dev.optim, done)
+            dev.wait(dev.optim, verdict)  # the stream waits for the verdict's snapshot (it read stale memory before)
             dev.wait(dev.optim, ev)
             if dev.cuda:
                 found.record_stream(dev.optim)
