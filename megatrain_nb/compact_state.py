@@ -5,8 +5,8 @@ one fp32 absmax scale per block), which positions of a unit keep fp32 moments (`
 4096 values and those the user names, by default the input embedding), how a unit's compact moment is laid
 out in its store slab (``parts``), its bytes (``moment_words``, ``bytes_per_param``), conversion from and to
 fp32 (``quantize_into``, ``dequantize``), and one AdamW step over compact moments: ``update_host`` (a fused C
-kernel, ``compact_kernel.c``) and ``update_torch`` (torch ops: the device's path, and the host's where no C
-compiler is found).
+kernel, ``compact_kernel.c``) and ``update_torch`` (torch ops: the reference, and the host's path where no C
+compiler is found; on CUDA it hands over to ``compact_cuda``'s Triton kernel).
 Does not own: when updates run, placement, streams (optim.py, device_updates.py), or the fp32 path.
 
 Why our own kernel: torchao's low-bit AdamW quantizes with eight dependent gathers per value and is built for
@@ -280,6 +280,12 @@ def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
         step: 0-dim fp32 step count *after* this step (as the fused kernel sees it); not changed here.
         found_inf: 0-dim fp32 on ``p``'s device; 1.0 leaves everything as it was (as the fused kernel's flag).
     """
+    if p.is_cuda:
+        from . import compact_cuda
+
+        if compact_cuda.available():  # one kernel instead of ~30 passes a chunk
+            return compact_cuda.update(lay, p, g, m, v, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                       step=step, grad_scale=grad_scale, found_inf=found_inf)
     b1, b2 = betas
     t = step.double().item() if step.device.type == "cpu" else None
     if t is not None:

@@ -296,3 +296,33 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
         scale = cs.parts(a, lay)[1].repeat_interleave(cs.BLOCK[kind])[:n]
         step = (cs.qmaps(kind)[which].diff().max() * scale).clamp(min=1e-12)
         assert ((x - y).abs() <= step + 1e-5 * x.abs() + 1e-12).all()  # kept spans: fp32 rounding on both sides
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_compact_cuda_kernel_equals_the_torch_ops(kind):
+    """The Triton kernel against update_torch's ops on the same CUDA tensors, a skipped step included."""
+    from megatrain_nb import compact_cuda, compact_state as cs
+
+    if not compact_cuda.available():
+        pytest.skip("Triton is not installed")
+    torch.manual_seed(0)
+    n = 300 * cs.BLOCK[kind] + 77
+    lay = cs.layout_for(kind, [("a", 0, 1000), ("b", 1000, n - 2000), ("c", n - 1000, 1000)], keep=())
+    p = torch.randn(n, device="cuda")
+    m, v = torch.zeros(lay.words, device="cuda"), torch.zeros(lay.words, device="cuda")
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for k, (t, skip) in enumerate([(1, 0), (2, 0), (3, 1), (3, 0)]):  # the third step is skipped
+        g = torch.randn(n, device="cuda").bfloat16()
+        found, step = torch.tensor(float(skip), device="cuda"), torch.tensor(float(t), device="cuda")
+        compact_cuda.update(lay, p, g, m, v, step=step, found_inf=found, **hp)
+        compact_cuda._KERNEL[:] = [None]  # the torch ops for the reference
+        try:
+            cs.update_torch(lay, p2, g, m2, v2, step=step, found_inf=found, **hp)
+        finally:
+            compact_cuda._KERNEL[:] = []
+        assert (p - p2).abs().max() < 1e-6, k
+        for which, (a, b) in enumerate(((m, m2), (v, v2))):
+            x, y = cs.dequantize(a, lay, which), cs.dequantize(b, lay, which)
+            scale = cs.parts(a, lay)[1].repeat_interleave(cs.BLOCK[kind])[:n]
+            assert ((x - y).abs() <= cs.qmaps(kind)[which].diff().max().cuda() * scale + 1e-5 * x.abs() + 1e-12).all(), k
