@@ -13,32 +13,28 @@ import torch
 
 from . import compact_state as cs
 
-_KERNEL: list = []  # [the Triton kernel, or None where Triton cannot be imported]
 _MASKS: dict = {}  # (spans, n, device) -> (n,) uint8 on the device: 1 where the moment stays fp32
 _MAPS: dict = {}  # (kind, device) -> the two maps on the device
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # then compact_state.update_torch's ops run
+    triton = None
 
 
 def available() -> bool:
     """Whether the kernel can run (Triton imports); else ``compact_state.update_torch``'s ops run."""
-    if not _KERNEL:
-        try:
-            _KERNEL.append(_build())
-        except ImportError:
-            _KERNEL.append(None)
-    return _KERNEL[0] is not None
+    return triton is not None and _KERNEL[0] is not None
 
 
-def _build():
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     @triton.jit
     def _nearest(x, q_ptr, NQ: tl.constexpr, LOG: tl.constexpr):
         """max{i: q[i] <= x} by branchless binary search (as torchao), then up where x is past the midpoint."""
         c = tl.zeros(x.shape, dtype=tl.int32)
         for s in tl.static_range(LOG):
-            half: tl.constexpr = NQ >> (s + 1)
-            c += tl.where(x >= tl.load(q_ptr + c + half), half, 0)
+            c += tl.where(x >= tl.load(q_ptr + c + (NQ >> (s + 1))), NQ >> (s + 1), 0)
         up = tl.minimum(c + 1, NQ - 1)
         lo = tl.load(q_ptr + c)
         return tl.where(x - lo >= (tl.load(q_ptr + up) - lo) * 0.5, up, c)
@@ -74,29 +70,29 @@ def _build():
             live = live & (tl.load(kept_ptr + offs, mask=inb, other=1) == 0)
         mi = tl.where(live, mi, 0.0)
         vi = tl.where(live, vi, 0.0)
-        write = live
-        wblock = True
+        ok = tl.full([B], 1, tl.int32)  # 0 where a non-finite step is skipped: nothing is written
         if FOUND:
-            ok = tl.load(found_ptr) == 0.0
-            write = write & ok
-            wblock = ok
-        tl.store(p_ptr + offs, new, mask=write)
+            ok = ok * (tl.load(found_ptr) == 0.0).to(tl.int32)
+        tl.store(p_ptr + offs, new, mask=live & (ok != 0))
         am = tl.maximum(tl.max(tl.abs(mi), axis=0), 1e-12)
         av = tl.maximum(tl.max(tl.abs(vi), axis=0), 1e-12)
         qm = _nearest(mi / am, qm_ptr, NQ, LOG)
         qv = _nearest(vi / av, qv_ptr, NQ, LOG)
         if BITS == 8:
-            tl.store(mc_ptr + offs, qm.to(tl.uint8), mask=inb & wblock)
-            tl.store(vc_ptr + offs, qv.to(tl.uint8), mask=inb & wblock)
+            tl.store(mc_ptr + offs, qm.to(tl.uint8), mask=inb & (ok != 0))
+            tl.store(vc_ptr + offs, qv.to(tl.uint8), mask=inb & (ok != 0))
         else:
             hm, lm = tl.split(tl.reshape(qm, (B // 2, 2)))
             hv, lv = tl.split(tl.reshape(qv, (B // 2, 2)))
-            tl.store(mc_ptr + half, ((hm << 4) | lm).to(tl.uint8), mask=wblock)
-            tl.store(vc_ptr + half, ((hv << 4) | lv).to(tl.uint8), mask=wblock)
-        tl.store(ms_ptr + k, am, mask=wblock)
-        tl.store(vs_ptr + k, av, mask=wblock)
+            okh = tl.max(ok, axis=0) != 0
+            tl.store(mc_ptr + half, ((hm << 4) | lm).to(tl.uint8), mask=okh)
+            tl.store(vc_ptr + half, ((hv << 4) | lv).to(tl.uint8), mask=okh)
+        oks = tl.max(ok, axis=0) != 0
+        tl.store(ms_ptr + k, am, mask=oks)
+        tl.store(vs_ptr + k, av, mask=oks)
 
-    return adamw
+
+_KERNEL = [adamw if triton is not None else None]  # tests swap in None to run the torch ops
 
 
 def _kept_mask(lay: cs.Layout, device) -> torch.Tensor | None:

@@ -316,11 +316,11 @@ def test_compact_cuda_kernel_equals_the_torch_ops(kind):
         g = torch.randn(n, device="cuda").bfloat16()
         found, step = torch.tensor(float(skip), device="cuda"), torch.tensor(float(t), device="cuda")
         compact_cuda.update(lay, p, g, m, v, step=step, found_inf=found, **hp)
-        compact_cuda._KERNEL[:] = [None]  # the torch ops for the reference
+        kernel, compact_cuda._KERNEL[0] = compact_cuda._KERNEL[0], None  # the torch ops for the reference
         try:
             cs.update_torch(lay, p2, g, m2, v2, step=step, found_inf=found, **hp)
         finally:
-            compact_cuda._KERNEL[:] = []
+            compact_cuda._KERNEL[0] = kernel
         assert (p - p2).abs().max() < 1e-6, k
         for which, (a, b) in enumerate(((m, m2), (v, v2))):
             x, y = cs.dequantize(a, lay, which), cs.dequantize(b, lay, which)
