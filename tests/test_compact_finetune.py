@@ -20,7 +20,7 @@ KINDS = ("int8", "int4")
 MIXED = {0: "device", 1: "resident"}  # one streamed unit, one resident; embedding and head on the host
 
 
-def _session(kind: str, **settings):
+def _make(kind: str, **settings):
     from megatrain_nb import Session
 
     cfg = llama_config(512, layers=LAYERS, intermediate=320, seq=SEQ)
@@ -40,7 +40,7 @@ def runs(data):
     heldout = batches(data["heldout"], batch=16, steps=len(data["heldout"]) // 16)
     out = {}
     for kind in ("fp32", *KINDS):
-        s = _session(kind)
+        s = _make(kind)
         try:
             before = s.evaluate(heldout)
             losses = [s.step(b).loss for b in train]
@@ -104,9 +104,9 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_mixed_placement_and_held_weights_train_as_host(short, kind):
-    host = _train(_session(kind, placement="host"), short)
-    mixed = _train(_session(kind, placement=MIXED), short)
-    held = _train(_session(kind, placement={0: "device", 1: "device"}, weight_slots=LAYERS), short)
+    host = _train(_make(kind, placement="host"), short)
+    mixed = _train(_make(kind, placement=MIXED), short)
+    held = _train(_make(kind, placement={0: "device", 1: "device"}, weight_slots=LAYERS), short)
     assert mixed[0] == host[0] and held[0] == host[0]
     assert _rel(mixed, host) <= 1e-3, (mixed, host)  # device updates run in torch ops: float rounding apart
     assert _rel(held, host) <= 1e-3, (held, host)
@@ -115,7 +115,7 @@ def test_mixed_placement_and_held_weights_train_as_host(short, kind):
 
 @pytest.mark.parametrize("kind", ("fp32", *KINDS))
 def test_placement_names_how_each_unit_holds_its_moments(kind):
-    s = _session(kind, placement=MIXED)
+    s = _make(kind, placement=MIXED)
     try:
         moments = dict(zip(s.placement["name"], s.placement["moments"]))
     finally:
@@ -132,7 +132,7 @@ def test_placement_names_how_each_unit_holds_its_moments(kind):
 def test_resume_continues_bit_exactly(short, tmp_path, kind, placement):
     from megatrain_nb import Session
 
-    s = _session(kind, placement=placement)
+    s = _make(kind, placement=placement)
     try:
         for b in short[:4]:
             s.step(b)
@@ -149,7 +149,7 @@ def test_resume_continues_bit_exactly(short, tmp_path, kind, placement):
 def test_resume_under_another_optimizer_state_converts_with_a_warning(short, tmp_path, other):
     from megatrain_nb import Session
 
-    s = _session("int8")
+    s = _make("int8")
     try:
         for b in short[:4]:
             s.step(b)
