@@ -133,9 +133,7 @@ class Runner:
         sys.exit(128 + signum)
 
     def emit(self, row: dict) -> None:
-        row = dict({k: None for k in ROW_KEYS}, **row)
-        self.rows.append(row)
-        emit(row, self.a.out)
+        self.rows.append(emit(dict({k: None for k in ROW_KEYS}, **row), self.a.out))
 
     def placeholder(self, job: Job, batch: int, status: str, error: str, **kw) -> None:
         """The row of a batch that did not run or did not finish: what the run knows, and why."""

@@ -1,7 +1,7 @@
 """The planner's steady step against measured H200 rows, per placement (host, auto, stream).
 
 Runs anywhere (the planner is arithmetic plus a small simulation):
-    python bench/planner_placement.py [--results bench/results_h200_2026-12-01_placement.jsonl]
+    python bench/planner_placement.py [--results bench/results/h200-2026-12-01-placement.jsonl]
 Each bench/throughput.py row is re-planned with the settings it ran with (shape, batch, seq, weight
 slots, cast_on_device, placement) on the `H200` profile; for "auto" the planner makes its own choice
 of resident units, printed beside the engine's. The error is planner / measured - 1.
@@ -39,12 +39,12 @@ def _lean(r: dict) -> bool | None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results_h200_2026-12-01_placement.jsonl"))
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "h200-2026-12-01-placement.jsonl"))
     a = ap.parse_args(argv)
     from megatrain_nb import placement as placing
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
-    print("| call | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")
+    print("| run | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")
     print("|---|---|---|---|---|---|---|---|")
     errors = []
     for r in rows:
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
         err = got / want - 1
         errors.append(abs(err))
         resident = sum(v == "resident" for v in p.placement.values())
-        print(f"| {r.get('call', '')} | {r['shape']} | {r['batch']} | {r['placement']} | {want:.3f} | {got:.3f} | "
+        print(f"| {r.get('run', '')} | {r['shape']} | {r['batch']} | {r['placement']} | {want:.3f} | {got:.3f} | "
               f"{err:+.1%} | {r.get('resident_units', '?')} / {resident} |")
     if errors:
         print(f"\n{sum(e <= 0.10 for e in errors)} of {len(errors)} rows within 10%; largest error {max(errors):.1%}")
