@@ -7,12 +7,12 @@ slots, cast_on_device, placement) on the `H200` profile; for "auto" the planner 
 of resident units, printed beside the engine's. The error is planner / measured - 1.
 Rows record the state slots they streamed through (`state_slots`, since 78fd0e9); those without
 ran with two, and the planner models what each row ran with. Rows that record the host's AdamW rate inside
-their steps (`host_adam_G_params_per_s`, since the eighth session) are planned with it: the H200 profile's
-is the rate alone (3.48 G params/s), and s8c2's steps ran it at 1.7-2.0. Rows with `streamed_head` (the
-ninth session's) streamed the tied head group too (Note: [Streamed head]), and count it in `streamed_units`.
+their steps (`host_adam_G_params_per_s`, from 2026-12-02) are planned with it: the H200 profile's
+is the rate alone (3.48 G params/s), and `stream` steps ran it at 1.1-2.7. Rows with `streamed_head` (from
+2026-12-02) streamed the tied head group too (Note: [Streamed head]), and count it in `streamed_units`.
 bench/peers.py rows of megatrain_nb (``system`` megatrain-*) are planned with the defaults they ran with on CUDA
 (placement from their settings, "auto" when unset; the planner makes the activation, lean and split choices);
-those since the twelfth session record their host AdamW rate too.
+the later ones record their host AdamW rate too.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
         p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=hw, weight_slots=r.get("slots", 2),
                  cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
                  placement=placement, lean_activations=_lean(r),
-                 split_master=r.get("split_master", False))  # rows before the eleventh session: fp32 masters
+                 split_master=r.get("split_master", False))  # rows without the field: fp32 masters
         got, want = p.steady_step_ms / 1e3, r["step_s"]
         err = got / want - 1
         errors.append(abs(err))

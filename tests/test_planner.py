@@ -182,7 +182,7 @@ def test_hardware_validates():
 
 
 def test_copies_beside_each_other_run_at_the_in_step_rates(monkeypatch):
-    """bench/copy_rates.py on the s3c1 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone).
+    """bench/copy_rates.py on the 2026-12-01 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone).
     With two state slots, as in those traces: the loads then chain behind the write-backs, so slower copies
     mean a longer step (with a slot per layer the list schedule may reorder, and need not be monotonic)."""
     from megatrain_nb import placement as placing
