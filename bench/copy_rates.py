@@ -4,10 +4,10 @@ host's AdamW rate there.
 The planner's `Hardware.h2d_beside_d2h_GBps` / `d2h_beside_h2d_GBps` come from here: in a
 `placement="stream"` step the streamed layers' state goes in (h2d "state-in") while the previous one's
 goes out (d2h "state-out") and the host's AdamW runs, so neither direction gets the isolated rate.
-    python bench/copy_rates.py bench/traces/s3c1/tr_stream/trace_3b_b1.json.gz bench/traces/s3c1/tr_stream/trace_3b_b4.json.gz
+    python bench/copy_rates.py bench/traces/stream/h200-2026-12-02-3b-b1.json.gz bench/traces/stream/h200-2026-12-02-3b-b4.json.gz
 One JSON row per trace and kind: GB/s, spans, GB. Then one row per trace for the host's AdamW (its "adam"
 spans, 16 bytes per parameter as the engine records them): G params/s, spans. `Hardware.host_adam_beside_stream_params_per_s`
-comes from this row on s8c2's `stream` traces: the host's AdamW beside the state's copies, not alone.
+comes from this row on `stream` traces of 2026-12-02: the host's AdamW beside the state's copies, not alone.
 """
 from __future__ import annotations
 

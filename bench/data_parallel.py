@@ -2,7 +2,7 @@
 
 Run (the GPU machine: one process per GPU through torchrun, NCCL with NVLink multicast off):
     python bench/data_parallel.py --worlds 1 2 4 8 --shape 7b --seq 4096 --batch 8 \
-        --out bench/results_dp.jsonl --trace-dir bench/traces/dp
+        --out bench/results/MACHINE-DATE-data-parallel.jsonl --trace-dir bench/traces/dp
 On the CPU (gloo; label the rows CPU):
     python bench/data_parallel.py --device cpu --worlds 1 2 --shape tiny --seq 128 --batch 4 --steps 4
 Without ``--worlds`` under torchrun it is one rank of one run. With ``--worlds`` it starts

@@ -1,7 +1,7 @@
 """The driver's host time per layer op: a model so small that its compute is next to nothing, on "cpu".
 
 At 3B x 1 x 4096 on the H200 the engine is all-resident and its step looks bound by the driver thread's
-host work per layer op (issue 9). Here the layers are tiny (hidden 64), so a step's wall time is almost
+host work per layer op. Here the layers are tiny (hidden 64), so a step's wall time is almost
 all host work: the driver's own (views, binding, hooks, recorder, counters, handoffs) and PyTorch's
 dispatch of the layer's ops, which the plain HF model pays too (printed beside it as the floor).
 

@@ -1,6 +1,6 @@
 """The host's AdamW beside what a `stream` step runs at the same time: PCIe copies both ways, a busy driver thread.
 
-In s10c1's 3B x 1 `stream` trace the host's AdamW ran 2.08 G params/s, against 3.48 alone
+In a 3B x 1 `stream` trace (H200, 2026-12-02) the host's AdamW ran 2.08 G params/s, against 3.48 alone
 (`bench/host_adam.py`), and the state loads 40 GB/s against 55 alone (../shared/LIMITS.md). This says which
 of the step's other work takes it: the DMA's share of host memory, or a core of the AdamW's thread team.
     python bench/host_contention.py --out out/host_contention.jsonl      (needs CUDA for the DMA rows)

@@ -3,7 +3,7 @@ the engine places checkpoints and cached attention outputs with (``longcontext.l
 
     python bench/layer_memory.py --seq 64k 128k --backends cudnn flash      # on the H200 (~1 minute)
     python bench/layer_memory.py --device cpu --shape tiny --seq 256         # the rows' schema, no meaning
-    python bench/layer_memory.py --results bench/results_h200_2026-12-01_layer_memory.jsonl  # measured rows
+    python bench/layer_memory.py --results bench/results/h200-2026-12-01-layer-memory.jsonl  # measured rows
                                                                              # against today's estimates
 
 One layer of the shape at full width, random weights in the compute dtype, tiled as the engine tiles it

@@ -2,10 +2,10 @@
 
 Rows (default mode), e.g. on the H200, each row appended to --out as soon as its context is done:
     python bench/long_context.py --seq 32k 128k 256k --steps 3 2 1 \
-        --out bench/results_long_context.jsonl
+        --out bench/results/MACHINE-DATE-long-context.jsonl
 A 512K step (~9 min) runs detached, with the defaults (recompute-block inputs then reach 0.95 of device
 memory, Note: [Device share] in longcontext.py):
-    setsid nohup python bench/long_context.py --seq 256k 512k --steps 1 --out bench/results_long_context.jsonl \
+    setsid nohup python bench/long_context.py --seq 256k 512k --steps 1 --out bench/results/MACHINE-DATE-long-context.jsonl \
         > long_512k.log 2>&1 < /dev/null &
 Each row: step_s, paper_tflops = (6*N*T + 12*L*d*T^2) / step (MegaTrain's count), model_tflops = 6*N*T / step,
 peak_gpu_gib, host_rss_gib, what the engine chose (tile rows, attention kernel, block length, parked inputs,

@@ -53,7 +53,7 @@ ALIASES = {"peers": ("native", "fsdp2-offload", "zero3-offload", "zero3-twinflow
            "zero3": ("zero3-offload", "zero3-twinflow"),
            "megatrain-all": ("megatrain-auto", "megatrain-host", "megatrain-stream")}
 # Host bytes per parameter measured on the H200 at the 3B shape (LIMITS.md: RSS 58.5 and 73.5 GiB; Twin-Flow's
-# 42.4 GiB in s7c1): a peer whose estimate exceeds --host-gib is not started (a host OOM can take the machine down).
+# 42.4 GiB, 2026-12-02): a peer whose estimate exceeds --host-gib is not started (a host OOM can take the machine down).
 HOST_BYTES_PER_PARAM = {"fsdp2-offload": 20.4, "zero3-offload": 25.6, "zero3-twinflow": 14.8}
 
 
@@ -133,9 +133,7 @@ class Runner:
         sys.exit(128 + signum)
 
     def emit(self, row: dict) -> None:
-        row = dict({k: None for k in ROW_KEYS}, **row)
-        self.rows.append(row)
-        emit(row, self.a.out)
+        self.rows.append(emit(dict({k: None for k in ROW_KEYS}, **row), self.a.out))
 
     def placeholder(self, job: Job, batch: int, status: str, error: str, **kw) -> None:
         """The row of a batch that did not run or did not finish: what the run knows, and why."""

@@ -1,18 +1,18 @@
 """The planner's steady step against measured H200 rows, per placement (host, auto, stream).
 
 Runs anywhere (the planner is arithmetic plus a small simulation):
-    python bench/planner_placement.py [--results bench/results_h200_2026-12-01_placement.jsonl]
+    python bench/planner_placement.py [--results bench/results/h200-2026-12-01-placement.jsonl]
 Each bench/throughput.py row is re-planned with the settings it ran with (shape, batch, seq, weight
 slots, cast_on_device, placement) on the `H200` profile; for "auto" the planner makes its own choice
 of resident units, printed beside the engine's. The error is planner / measured - 1.
 Rows record the state slots they streamed through (`state_slots`, since 78fd0e9); those without
 ran with two, and the planner models what each row ran with. Rows that record the host's AdamW rate inside
-their steps (`host_adam_G_params_per_s`, since the eighth session) are planned with it: the H200 profile's
-is the rate alone (3.48 G params/s), and s8c2's steps ran it at 1.7-2.0. Rows with `streamed_head` (the
-ninth session's) streamed the tied head group too (Note: [Streamed head]), and count it in `streamed_units`.
+their steps (`host_adam_G_params_per_s`, from 2026-12-02) are planned with it: the H200 profile's
+is the rate alone (3.48 G params/s), and `stream` steps ran it at 1.1-2.7. Rows with `streamed_head` (from
+2026-12-02) streamed the tied head group too (Note: [Streamed head]), and count it in `streamed_units`.
 bench/peers.py rows of megatrain_nb (``system`` megatrain-*) are planned with the defaults they ran with on CUDA
 (placement from their settings, "auto" when unset; the planner makes the activation, lean and split choices);
-those since the twelfth session record their host AdamW rate too.
+the later ones record their host AdamW rate too.
 """
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ def _lean(r: dict) -> bool | None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results_h200_2026-12-01_placement.jsonl"))
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "h200-2026-12-01-placement.jsonl"))
     a = ap.parse_args(argv)
     from megatrain_nb import placement as placing
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
-    print("| call | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")
+    print("| run | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")
     print("|---|---|---|---|---|---|---|---|")
     errors = []
     for r in rows:
@@ -66,12 +66,12 @@ def main(argv=None) -> None:
         p = plan(cfg, batch=r["batch"], seq=r["seq"], hardware=hw, weight_slots=r.get("slots", 2),
                  cast_on_device=bool(r.get("cast_on_device")), pin_store=bool(r.get("pin_store")),
                  placement=placement, lean_activations=_lean(r),
-                 split_master=r.get("split_master", False))  # rows before the eleventh session: fp32 masters
+                 split_master=r.get("split_master", False))  # rows without the field: fp32 masters
         got, want = p.steady_step_ms / 1e3, r["step_s"]
         err = got / want - 1
         errors.append(abs(err))
         resident = sum(v == "resident" for v in p.placement.values())
-        print(f"| {r.get('call', '')} | {r['shape']} | {r['batch']} | {r['placement']} | {want:.3f} | {got:.3f} | "
+        print(f"| {r.get('run', '')} | {r['shape']} | {r['batch']} | {r['placement']} | {want:.3f} | {got:.3f} | "
               f"{err:+.1%} | {r.get('resident_units', '?')} / {resident} |")
     if errors:
         print(f"\n{sum(e <= 0.10 for e in errors)} of {len(errors)} rows within 10%; largest error {max(errors):.1%}")

@@ -1,7 +1,7 @@
 """The planner's predictions against measured H200 rows: step time, model TFLOPS, peak GPU memory, host bytes.
 
 Runs anywhere (no GPU: the planner is arithmetic plus a small simulation):
-    python bench/planner_vs_measured.py [--results bench/results_h200_2026-11-29_s2.jsonl] [--shape 3b 7b]
+    python bench/planner_vs_measured.py [--results bench/results/h200-2026-11-29-host-path.jsonl] [--shape 3b 7b]
 
 Rows: bench/throughput.py rows with checkpoint_every=None and the pinning asked for (default
 cast_on_device, the engine's default on CUDA). A later row of the same setting (shape, layers, batch,
@@ -43,7 +43,7 @@ from megatrain_nb.planner import H200, model_shape, plan  # noqa: E402
 from megatrain_nb.trace import Trace, find_stalls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results_h200_2026-11-29_s2.jsonl"
+RESULTS = ROOT / "bench" / "results" / "h200-2026-11-29-host-path.jsonl"
 TRACES = ROOT / "tests" / "data"
 _GIB = float(1 << 30)
 LANES = ("compute", "h2d", "d2h", "host-adam", "host-unpack")

@@ -17,7 +17,7 @@ import os
 import pandas as pd
 
 REFERENCES = ("megatrain-auto", "megatrain")  # ratios are against the first of these with ok rows
-# Issue 12's targets at equal tokens per step: (batch, peer, megatrain_nb / peer must be >= this).
+# The peers' targets at equal tokens per step: (batch, peer, megatrain_nb / peer must be >= this).
 # Twin-Flow's "above at every batch" is a ratio > 1.
 TARGETS = ((1, "native", 1.0), (1, "fsdp2-offload", 4.0), (4, "native", 1.2), (4, "fsdp2-offload", 2.5),
            (4, "zero3-offload", 3.5), (16, "zero3-offload", 1.4),
@@ -82,7 +82,7 @@ def ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def targets(df: pd.DataFrame, shape: str = "3b") -> pd.DataFrame:
-    """Issue 12's targets against the measured ratios at `shape`: batch, peer, need, ratio, met."""
+    """The peers' targets against the measured ratios at `shape`: batch, peer, need, ratio, met."""
     rt = ratios(df[df["shape"] == shape])
     out = []
     for b, peer, need in TARGETS:
@@ -169,7 +169,7 @@ def summary_markdown(rows) -> str:
         tg = targets(df)
         if tg.ratio.notna().any():
             tg = tg.assign(ratio=tg.ratio.round(2), met=tg.met.map({True: "yes", False: "**no**", None: "-"}))
-            parts.append("### Issue 12's targets (3B)\n\n" + _md(tg))
+            parts.append("### Targets against the peers (3B)\n\n" + _md(tg))
     for sweep, x in (("depth", "layers"), ("width", "hidden")):
         g = df[df.sweep == sweep].sort_values(["system", x])
         if len(g):

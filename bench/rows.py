@@ -1,14 +1,73 @@
-"""One benchmark result: printed as a JSON line and, with ``out``, appended to that JSONL file."""
+"""One benchmark result: printed as a JSON line and, with ``out``, appended to that JSONL file.
+
+Every row has one schema (bench/results/README.md): first where and how it was measured -- ``machine``,
+``date`` (UTC, YYYY-MM-DD), ``code`` (the commit, "+" when the tree had changes; $MEGATRAIN_CODE where
+there is no git) and ``command`` (what reproduces it) -- then the tool's own fields. ``load`` reads rows.
+"""
 from __future__ import annotations
 
+import datetime
+import functools
 import json
+import os
+import subprocess
+import sys
+
+HEADER = ("machine", "date", "code", "command")
 
 
-def emit(row: dict, out: str | None) -> None:
+@functools.cache
+def machine() -> str:
+    """The GPUs (name x count) or "CPU", the host's cores and RAM: what a reader needs to compare rows. Asks
+    nvidia-smi, not torch: a parent process (bench/peers.py) must not take a CUDA context from its children."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=20).stdout.split("\n")
+        names = [n.strip() for n in names if n.strip()]
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    dev = f"{names[0]} x{len(names)}" if names else "CPU"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{dev}, {os.cpu_count()} cores, {ram:.0f} GiB"
+
+
+@functools.cache
+def code() -> str | None:
+    """The commit this tree is at, "+" if it has uncommitted changes; $MEGATRAIN_CODE where git cannot say."""
+    if os.environ.get("MEGATRAIN_CODE"):
+        return os.environ["MEGATRAIN_CODE"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "megatrain_nb", "bench"], cwd=os.path.dirname(here),
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("+" if dirty else "")) or None
+
+
+def header() -> dict:
+    """machine, date, code and command of a row measured now by this process."""
+    return dict(machine=machine(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                code=code(), command="python " + " ".join(sys.argv))
+
+
+def emit(row: dict, out: str | None) -> dict:
+    """Print ``row`` as a JSON line, the header first (fields the row already has are kept); append to ``out``.
+    Returns the row as written."""
+    row = {**header(), **row}
     print(json.dumps(row), flush=True)
     if out:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
+    return row
+
+
+def load(path: str) -> list[dict]:
+    """The rows of a JSONL results file, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def rss_bytes() -> int:

@@ -1,7 +1,7 @@
 """Fine-tuning speed: what packing with document masking costs per step, and evaluation's tokens/s.
 
 Run on the GPU machine, e.g.:
-    python bench/sft_speed.py --shape 3b --batch 4 8 --seq 4096 --steps 3 --out bench/results_sft.jsonl
+    python bench/sft_speed.py --shape 3b --batch 4 8 --seq 4096 --steps 3 --out bench/results/MACHINE-DATE-fine-tuning.jsonl
 One JSON line per (batch, mode), then one summary line per batch. Modes, all on the same tokens
 (random ids of a Qwen2.5-shaped random model; no download):
   unpacked  one sequence per row: plain causal attention (sdpa's flash kernel);

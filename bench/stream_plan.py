@@ -7,7 +7,7 @@ Prints, per batch (seq 4096, cast_on_device, a weight slot per layer as "stream"
            (placement.state_slots' choice on the H200: 7);
   share    the steady step for each even number of streamed layers: the best one, against what
            placement.stream_share picks from a host AdamW rate (--host-rate, G params/s; 2.29 is what
-           s3c1's 20 streamed layers imply with the isolated 55 GB/s);
+           20 streamed layers implied on the H200 on 2026-12-01 with the isolated 55 GB/s);
   what-if  the best step when a streamed layer's fp32 state is loaded in the forward (12 bytes/param
            instead of 4 of weights) and its backward loads nothing: the design log's rejected lever.
 """
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--host-rate", type=float, default=1.8, help="host AdamW in a stream step, G params/s, as the engine "
-                    "measures it (s8c2's 3B x 4 trace: 1.8, bench/copy_rates.py)")
+                    "measures it (a 3B x 4 trace of 2026-12-02: 1.8, bench/copy_rates.py)")
     ap.add_argument("--head", choices=["device", "host"], default="device",
                     help="the (tied) head group: streamed as 'stream' places it (Note: [Streamed head]), or on the host")
     ap.add_argument("--sweep", action="store_true", help="print the steady step for every even share")

@@ -3,8 +3,8 @@ layer; the compute lane's busy time against the step; the longest stalls of the 
 it waited on (``trace.find_stalls``); host AdamW that began before the step's origin (carried over from
 the step before: the next forward may wait for it).
 
-    python bench/trace_ops.py bench/traces/s4c3/tr/trace_7b_512k.json.gz [more traces ...]
-    python bench/trace_ops.py --stalls 3 bench/traces/s5c4/tr_stream/trace_3b_b1.json.gz
+    python bench/trace_ops.py bench/traces/long-context/h200-2026-12-01-7b-512k.json.gz [more traces ...]
+    python bench/trace_ops.py --stalls 3 bench/traces/stream/h200-2026-12-02-3b-b1.json.gz
 """
 from __future__ import annotations
 

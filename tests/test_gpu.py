@@ -144,7 +144,7 @@ def test_early_rows_train_bit_identical_to_waiting_for_the_embedding(model_dir, 
         try:
             s.engine.early.on = early
             s.engine.delays = {"host-adam": 0.1}  # 0.02 s left the embedding's update ahead of its rows now and
-            # then (s11c2-c4: 0 or 2 of 3 steps served early, with and without split masters)
+            # then (on the H200: 0 or 2 of 3 steps served early, with and without split masters)
             losses = [s.step({"input_ids": ids}).loss for ids in _batches(4, seed=2)]
             s.engine.drain()
             runs[early] = (losses, s.engine.early.count, [s.store.units[u].master.clone() for u in s.store.order])

@@ -33,7 +33,7 @@ def test_keep_cap_leaves_room_for_the_later_checkpoints():
 
 
 def test_nothing_parked_needs_no_host_ram():
-    """On the H200 at 256K after 128K (2026-12-01, third session) host RAM had -0.5 GiB to spare and every
+    """On the H200 at 256K after 128K (2026-12-01) host RAM had -0.5 GiB to spare and every
     input fitted on the device: blocks of 1, none parked, is a placement, not an error."""
     r = lambda k: 10 * k  # noqa: E731
     assert place_checkpoints(layers=28, ckpt_bytes=1, device_free=40, reserve=r, host_free=-5, host_each=1) == (1, 0)

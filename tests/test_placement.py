@@ -657,7 +657,7 @@ def test_a_trial_that_runs_out_of_memory_in_its_backward_runs_the_batch_again(hf
     """Note: [Auto search] a trial's first step is gated: an OOM half-way through its backward (the head's and
     the last layers' gradients already on the host) applies nothing, and the batch runs again as the best
     candidate so far. Before, the updates had started with the loss, and the error ended the run (3B x 16,
-    s6c2)."""
+    H200, 2026-12-02)."""
     want, batches, s = _in_trial(hf_dir, phase)
     try:
         L_ = s.engine.L
@@ -682,7 +682,7 @@ def test_a_trial_that_runs_out_of_memory_in_its_backward_runs_the_batch_again(hf
 @pytest.mark.parametrize("mode,leaving", [("auto", True), ({0: "resident"}, False)])
 def test_a_new_batch_size_caps_kept_layers_without_the_residents_that_leave(hf_dir, monkeypatch, mode, leaving):
     """Under "auto" a new batch size's measuring step runs with nothing resident, so the keep cap and the
-    share are chosen from the device memory in use less the residents' bytes (s6c1: 7B x 8 after x 2
+    share are chosen from the device memory in use less the residents' bytes (H200, 2026-12-02: 7B x 8 after x 2
     kept 6 layers, 24 in a fresh process). A placement dict keeps its residents: they count."""
     from types import SimpleNamespace
 

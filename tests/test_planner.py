@@ -50,7 +50,7 @@ def test_host_bytes_per_param_is_14_plus_fp32_embedding_grads():
     assert p.host_bytes == {"master_fp32": 4 * n, "adam_moments": 8 * n, "grads": 2 * n + 2 * e, "pinned_pool": 2 << 30,
                             "embedding_grad_rows": dE, "runtime": rt}
     assert sum(p.host_bytes.values()) == 14 * 7_615_616_512 + 2 * e + (2 << 30) + dE + rt
-    # bench/results_h200_2026-11-29_s2.jsonl: host_bytes_per_param 14.14 (7B) and 14.2 (3B), from HostStore
+    # bench/results/h200-2026-11-29-host-path.jsonl: host_bytes_per_param 14.14 (7B) and 14.2 (3B), from HostStore
     assert round(p.host_bytes_per_param, 2) == 14.14
     assert round(plan(QWEN25_3B, batch=1, seq=4096).host_bytes_per_param, 2) == 14.2
     assert p.fits_host and p.fits_device
@@ -182,7 +182,7 @@ def test_hardware_validates():
 
 
 def test_copies_beside_each_other_run_at_the_in_step_rates(monkeypatch):
-    """bench/copy_rates.py on the s3c1 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone).
+    """bench/copy_rates.py on the 2026-12-01 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone).
     With two state slots, as in those traces: the loads then chain behind the write-backs, so slower copies
     mean a longer step (with a slot per layer the list schedule may reorder, and need not be monotonic)."""
     from megatrain_nb import placement as placing

@@ -18,7 +18,7 @@ from megatrain_nb.trace import LANES, PHASES, Trace, export_chrome_trace, find_s
 from test_trace import check_chrome  # the Chrome Trace Event schema, as Perfetto reads it
 
 DATA = Path(__file__).parent / "data"
-BENCH = Path(__file__).parent.parent / "bench" / "results_h200_2026-11-29_s2.jsonl"
+BENCH = Path(__file__).parent.parent / "bench" / "results" / "h200-2026-11-29-host-path.jsonl"
 # name -> (shape, layers, batch, layers recomputed in the backward), as in the bench rows
 NEW = {"3b_cast_b1": ("3b", 36, 1, 0), "3b_cast_b4": ("3b", 36, 4, 0), "3b_cast_b8": ("3b", 36, 8, 10),
        "7b_b2": ("7b", 28, 2, 0), "7b_b8": ("7b", 28, 8, 14)}

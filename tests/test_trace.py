@@ -131,7 +131,7 @@ def test_find_stalls_causes(extra, waited_on, setting):
 
 
 def test_find_stalls_names_the_update_a_queued_load_waited_behind():
-    """The s5c4 stream trace's start: the embedding's host AdamW held its own load, and layer 0's load
+    """A 3B x 1 stream trace's start (H200, 2026-12-01): the embedding's host AdamW held its own load, and layer 0's load
     queued behind it; the stall names the embedding, not layer 0."""
     spans = [("host-adam", "adam", -1, "optim", 2.4, 69.4, 0), ("host-pack", "wait-update", -1, "io", 1.9, 69.8, 0),
              ("h2d", "h2d", -1, "io", 78.4, 82.2, 0), ("h2d", "h2d", 0, "io", 84.2, 90.8, 0),
