@@ -42,8 +42,8 @@ def fused_step(p, g, m, v) -> None:
 
 
 def share_flushed(n: int) -> dict:
-    """Shares of zeros: a parallel ``x * 1`` over subnormal x, and exp_avg after a fused step from subnormal moments."""
-    x = subnormals(n).mul(1.0)
+    """Shares of zeros: a parallel ``x * 0.1`` over subnormal x, and exp_avg after a fused step from subnormal moments."""
+    x = subnormals(n).mul(0.1)  # 1e-40 unless flushed
     p, g, m, v = torch.zeros(n), torch.zeros(n), subnormals(n), subnormals(n)
     fused_step(p, g, m, v)  # exp_avg = 0.9e-39: subnormal unless flushed
     zero = lambda t: (t.view(torch.int32) == 0).double().mean().item()  # noqa: E731 - host tensor: no sync
@@ -61,7 +61,7 @@ def in_thread(fn):
 def pool_case(code: str, n: int, nt: int) -> dict:
     """Run one case in a fresh interpreter (no pool made yet) and return its shares."""
     script = (f"import torch, json\nfrom denormal_probe import *\nNT = {nt}\ntorch.set_num_threads(NT)\n"
-              f"op = lambda: subnormals({n}).mul(1.0)\nflush = flush_denormals\nshare = lambda: share_flushed({n})\n"
+              f"op = lambda: subnormals({n}).mul(0.1)\nflush = flush_denormals\nshare = lambda: share_flushed({n})\n"
               f"{code}\nprint(json.dumps(out))")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=sys.path[0], check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])

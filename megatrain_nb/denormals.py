@@ -51,5 +51,5 @@ def pool_flushes() -> bool:
     """Whether every intra-op thread serving the calling thread flushes: an elementwise op spread over
     all of them turns subnormal inputs into zeros (a subnormal kept anywhere means one thread did not)."""
     n = (1 << 16) * torch.get_num_threads()  # two of torch's 32K-element grains a thread: every thread gets some
-    out = subnormals(n).mul(1.0)  # DAZ reads the inputs as 0; without it x * 1 is x
-    return bool((out.view(torch.int32) == 0).all())  # host tensor: no device sync
+    out = subnormals(n).mul(0.1)  # 1e-40: kept unless the thread flushes (FTZ) or reads its inputs as 0 (DAZ)
+    return bool((out.view(torch.int32) == 0).all())  # bits, not a float compare (DAZ would read 1e-40 as 0); no sync

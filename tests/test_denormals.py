@@ -15,9 +15,6 @@ from megatrain_nb.denormals import flush_denormals, pool_flushes, subnormals
 from megatrain_nb.optim import HostAdamW
 from megatrain_nb.workers import AdamWorker, Box
 
-TINY = torch.finfo(torch.float32).tiny  # the least normal fp32, 1.18e-38
-
-
 def _in_adam_worker(fn, threads: int | None = None):
     """``fn()`` run as one unit's update in an AdamWorker (the thread the engine's host updates run on)."""
     out = []
@@ -33,9 +30,10 @@ def _in_adam_worker(fn, threads: int | None = None):
 
 
 def _in_plain_thread(fn):
-    """``fn()`` on a new thread that does not flush (it inherits the unflushed main thread's MXCSR)."""
+    """``fn()`` on a new thread that does not flush, whatever the main thread's MXCSR (a thread inherits it, and
+    compact_kernel.c leaves its caller flushing)."""
     out = []
-    t = threading.Thread(target=lambda: out.append(fn()))
+    t = threading.Thread(target=lambda: out.append((torch.set_flush_denormal(False), fn())[1]))
     t.start()
     t.join()
     return out[0]
@@ -49,7 +47,14 @@ def _one_unit(master, grad, exp_avg, exp_avg_sq) -> HostAdamW:
 
 
 def _is_subnormal(t: torch.Tensor) -> torch.Tensor:
-    return (t != 0) & (t.abs() < TINY)
+    """From the bits (exponent 0, mantissa not): a comparison on a flushing thread reads a subnormal as 0."""
+    b = t.view(torch.int32)
+    return ((b & 0x7F800000) == 0) & ((b & 0x007FFFFF) != 0)
+
+
+def _bits(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """int32 views: compared as bits, whatever this thread's MXCSR (and code words read as fp32 can be NaNs)."""
+    return [t.view(torch.int32) for t in ts]
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +85,46 @@ def test_the_adam_workers_update_on_subnormal_moments_equals_the_update_on_zeros
     ok, (p, m, v) = _in_adam_worker(flushed, threads=max(2, torch.get_num_threads()))
     want = step(m0.masked_fill(sub, 0.0), v0.masked_fill(sub, 0.0))  # main thread, unflushed: no subnormal arises
     assert ok
-    assert torch.equal(p, want[0]) and torch.equal(m, want[1]) and torch.equal(v, want[2])
+    assert all(torch.equal(a, b) for a, b in zip(_bits(p, m, v), _bits(*want)))
     assert not _is_subnormal(m).any() and not _is_subnormal(v).any()
     kept = _in_plain_thread(lambda: step(m0, v0))[1]
     assert _is_subnormal(kept).any()  # the test can fail: unflushed, 0.9 * 1e-39 stays subnormal
+
+
+@pytest.mark.parametrize("update", ["update_host", "update_torch"])
+def test_the_adam_workers_compact_update_on_subnormal_moments_equals_the_update_on_zeros(flushing, update):
+    """Compact state alike: subnormal moments of its fp32-kept span are flushed in the worker. ``update_torch`` (the
+    host's path where no C compiler is found) is torch ops on the worker's thread and pool alone; the C kernel
+    sets the same bits on its own threads, which leaves its caller flushing too, so only the former can fail
+    in a plain thread."""
+    from megatrain_nb import compact_state as cs
+
+    n = 1 << 16
+    lay = cs.Layout("int8", n, ((0, n // 2),))  # the first half keeps fp32 moments, the second is quantized
+    g = torch.Generator().manual_seed(0)
+    p0, grad = torch.randn(n, generator=g) * 0.02, torch.randn(n, generator=g) * 1e-3
+    grad[: n // 2: 4] = 0.0  # rows untouched this step: their 0.9 * 1e-39 stays subnormal unless flushed
+    m0, v0 = torch.zeros(lay.words), torch.zeros(lay.words)
+    kept_m, kept_v = cs.parts(m0, lay)[2], cs.parts(v0, lay)[2]  # (n // 2,) fp32 views into the slabs
+    kept_m.copy_(torch.randn(n // 2, generator=g) * 1e-4), kept_v.copy_(torch.rand(n // 2, generator=g) * 1e-8)
+    sub = torch.arange(n // 2) % 3 == 0
+    kept_m[sub], kept_v[sub] = subnormals(int(sub.sum())), subnormals(int(sub.sum()))
+
+    def step(m, v):
+        p, m, v = p0.clone(), m.clone(), v.clone()
+        getattr(cs, update)(lay, p, grad, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                            step=torch.tensor(1.0))
+        return _bits(p, m, v)
+
+    got = _in_adam_worker(lambda: step(m0, v0), threads=max(2, torch.get_num_threads()))
+    zm, zv = m0.clone(), v0.clone()
+    cs.parts(zm, lay)[2][sub], cs.parts(zv, lay)[2][sub] = 0.0, 0.0
+    want = step(zm, zv)  # no subnormal arises: the same whether this thread flushes or not
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not _is_subnormal(cs.parts(got[1].view(torch.float32), lay)[2]).any()
+    if update == "update_torch":
+        kept = cs.parts(_in_plain_thread(lambda: step(m0, v0))[1].view(torch.float32), lay)[2]
+        assert _is_subnormal(kept).any()  # the test can fail: unflushed, 0.9 * 1e-39 stays subnormal
 
 
 def test_a_pool_made_before_the_flush_keeps_subnormals(flushing):
