@@ -42,7 +42,8 @@ def fused_step(p, g, m, v) -> None:
 
 
 def share_flushed(n: int) -> dict:
-    """Shares of zeros: a parallel ``x * 0.1`` over subnormal x, and exp_avg after a fused step from subnormal moments."""
+    """Shares of zeros: a parallel ``x * 0.1`` over subnormal x, and exp_avg after a fused step from subnormal
+    moments."""
     x = subnormals(n).mul(0.1)  # 1e-40 unless flushed
     p, g, m, v = torch.zeros(n), torch.zeros(n), subnormals(n), subnormals(n)
     fused_step(p, g, m, v)  # exp_avg = 0.9e-39: subnormal unless flushed
