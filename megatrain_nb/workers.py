@@ -2,7 +2,8 @@
 
 Owns: ``Box`` (a value handed from one thread to another exactly once), ``Worker`` (a thread that
 runs jobs in submission order), and ``AdamWorker`` (runs per-unit updates as gradients land, in the
-order that lets the next step start soonest). Torch CPU ops release the GIL, so threads overlap.
+order that lets the next step start soonest, subnormals flushed: Note: [Subnormals] in denormals.py).
+Torch CPU ops release the GIL, so threads overlap.
 Does not own: CUDA streams or events (the engine passes them in), nor any tensor arithmetic.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ import queue
 import threading
 import time
 from typing import Any, Callable
+
+from .denormals import flush_denormals
 
 
 class Aborted(RuntimeError):
@@ -218,6 +221,7 @@ class AdamWorker:
         return todo[0]
 
     def _run(self) -> None:
+        flush_denormals()  # before this thread's first torch op, so its OpenMP pool flushes too (Note: [Subnormals])
         while True:
             with self.cond:
                 while not self.steps and not self.closed:
