@@ -19,6 +19,11 @@
 #   sft        packing's cost and evaluation's speed, 3B x 4 x 4096 (~3)               -> <tag>-fine-tuning.jsonl
 #   dp         data parallel, 7B, batch 8 per GPU, 1..N GPUs (several GPUs; not yet run) -> <tag>-data-parallel.jsonl
 #   host       the host's AdamW alone, beside DMA, and beside a busy thread (~3)      -> <tag>-host-contention.jsonl
+#   compact14  the Qwen2.5-14B shape with optimizer_state="int4" (default settings otherwise), x 8 then x 2 (~7)
+#                                                                                      -> <tag>-compact-state.jsonl
+#   compact    optimizer_state int8 beside fp32, each its own process: 7B x 8 under auto, 3B x 1 under "stream";
+#              then the host's AdamW rates, fp32 against the compact kernels and the libraries (~9)
+#                                                                                      -> <tag>-compact-state.jsonl
 #   planner    the planner against this kind of machine's rows (the H200's on a CPU machine; CPU only, ~1)
 #   tests      the GPU tests: python -m pytest -m gpu over tests/ (~5)
 #   all        tests defaults placement stream long layers sft host planner (~55; not peers, depth, dp)
@@ -50,7 +55,7 @@ site() {  # DeepSpeed from the carried wheels (bench/suite.sh wheels), for the p
 }
 throughput() {  # NAME ARGS...: bench/throughput.py at seq 4096, traced into $OUT/traces/NAME
     local name=$1; shift
-    $PY bench/throughput.py --seq 4096 "$@" --out "$R-placement.jsonl" --save-trace "$OUT/traces/$name" \
+    $PY bench/throughput.py --seq 4096 "$@" --out "$R-${SUBJECT:-placement}.jsonl" --save-trace "$OUT/traces/$name" \
         2>&1 | tee -a "$OUT/steps-$name.log" | grep -v "^  batch" | cut -c1-300
 }
 
@@ -65,6 +70,18 @@ suite() {
         throughput auto-7b --shape 7b --batch 2 8 --steps 3 --placement auto ;;
     stream)
         throughput stream-3b --shape 3b --batch 1 4 --steps 6 --placement stream ;;
+    compact14)
+        memlog compact14
+        SUBJECT=compact-state throughput compact-14b --shape 14b --batch 8 2 --steps 3 --warmup 3 --optimizer-state int4 ;;
+    compact)
+        for st in int8 fp32; do
+            SUBJECT=compact-state throughput compact-7b-$st --shape 7b --batch 8 --steps 3 --warmup 3 --optimizer-state $st
+        done
+        for st in int8 fp32; do
+            SUBJECT=compact-state throughput compact-stream-$st --shape 3b --batch 1 --steps 4 --warmup 4 \
+                --placement stream --optimizer-state $st
+        done
+        $PY bench/host_adam.py --out "$R-compact-state.jsonl" 2>&1 | tail -12 | cut -c1-300 ;;
     long)
         memlog long
         $PY bench/long_context.py --seq 32k 128k 256k --steps 2 1 1 --out "$R-long-context.jsonl" \
