@@ -23,9 +23,11 @@
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define SET_FTZ() _mm_setcsr(_mm_getcsr() | 0x8040)
+#define GET_CSR() _mm_getcsr()
+#define SET_CSR(c) _mm_setcsr(c)
 #else
-#define SET_FTZ() ((void)0)
+#define GET_CSR() 0u
+#define SET_CSR(c) ((void)(c))
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define USE_AVX512 1
@@ -248,7 +250,8 @@ void adamw_compact(float *p, const void *g, int g_bf16, float grad_scale, int64_
     const Map M = {qm, tm, tabm}, V = {qv, tv, tabv};
 #pragma omp parallel num_threads(threads)
     {
-        SET_FTZ();
+        const unsigned csr = GET_CSR(); /* restored at the end: the caller's thread and the pool run torch ops */
+        SET_CSR(csr | 0x8040u);        /* flush-to-zero, denormals-are-zero */
         __attribute__((aligned(64))) uint8_t skip[MAXB];
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < nblocks; k++) {
@@ -281,5 +284,6 @@ void adamw_compact(float *p, const void *g, int g_bf16, float grad_scale, int64_
 #endif
             block_scalar(p, g, g_bf16, s, len, block, bits, mc, ms, vc, vs, k, M, V, h, sk);
         }
+        SET_CSR(csr);
     }
 }

@@ -221,6 +221,7 @@ def test_subnormal_moments_flush(kind):
     cs.update_host(lay, p0, grad, m0, v0, **HYPER, weight_decay=0.0, step=torch.tensor(2.0))
     assert torch.equal(p_sub, p) and torch.equal(p0, p)
     assert torch.equal(_bits(m_sub), _bits(m0)) and torch.equal(_bits(v_sub), _bits(v0))
+    assert float(torch.tensor([1e-30]) * 1e-10) > 0  # the caller's thread got its own float mode back
 
 
 def test_fallback_without_kernel(monkeypatch):
