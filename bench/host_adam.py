@@ -45,7 +45,8 @@ def timed(fn, reps: int) -> float:
 def stand_in_store(n: int, grad_dtype: torch.dtype, moment: float = 0.0):
     """A HostStore stand-in with one unit of ``n`` elements (random master, small gradients of ``grad_dtype``)."""
     unit = types.SimpleNamespace(master=torch.randn(n) * 0.02, grad=torch.randn(n).to(grad_dtype) * 1e-3,
-                                 exp_avg=torch.full((n,), moment), exp_avg_sq=torch.full((n,), moment))
+                                 exp_avg=torch.full((n,), moment), exp_avg_sq=torch.full((n,), moment),
+                                 compact=None)  # fp32 moments
     return types.SimpleNamespace(units={0: unit}, step_count=lambda u: torch.zeros(()))
 
 
