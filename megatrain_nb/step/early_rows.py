@@ -41,7 +41,7 @@ class EarlyRows:
             rows as it does its ``version`` counts, and its ``wait_until`` is every wait here.
     Example:
         >>> import threading
-        >>> from megatrain_nb.workers import AdamWorker
+        >>> from megatrain_nb.step.workers import AdamWorker
         >>> w = AdamWorker([-1], lambda *a: None, threading.Event())
         >>> e = EarlyRows(64, w)
         >>> e.request(1, torch.tensor([[5, 3, 5]]))

@@ -255,7 +255,7 @@ def auto(shape: dict, *, tokens: int, dtype_bytes: int, room, tiled: bool = Fals
     Returns:
         (on, why), as ``choose``.
     """
-    from .shape import _act_bytes_per_token
+    from ..machine.shape import _act_bytes_per_token
     from .tiling import auto_tiles
 
     if room is None:
@@ -338,8 +338,8 @@ def layer_bytes_per_token(config, *, lean: bool, tokens: int = 64, dtype: torch.
     Example:
         >>> layer_bytes_per_token(qwen_config("3b"), lean=True)   # doctest: +SKIP
     """
-    from .binding import call
-    from .hf import load_architecture
+    from ..model.binding import call
+    from ..model.hf import load_architecture
 
     arch = load_architecture(config)
     prepare(arch, lean)

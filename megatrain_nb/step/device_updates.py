@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from . import placement as placing
-from . import split_master
-from .optim import DeviceAdamW, grad_norm
+from ..machine import placement as placing
+from ..host import split_master
+from ..host.optim import DeviceAdamW, grad_norm
 from .transfers import PendingLoad, memory_total
 from .workers import Box
 
@@ -264,7 +264,7 @@ class DeviceUpdates:
         """``Search.planned``'s predict for this batch (Note: [Auto search]): the planner on a profile
         calibrated with the measured device memory and host AdamW rate, its seconds agreed over ranks; None
         where the planner cannot read the model."""
-        from . import autoplan, planner
+        from ..machine import autoplan, planner
 
         try:
             planner.model_shape(self.arch.config)
@@ -285,7 +285,7 @@ class DeviceUpdates:
         if self.ecfg.micro_batch_size is not None or not (self.dev.cuda and self.mode == "auto"):
             return self.ecfg.micro_batch_size
         if (batch, seq) not in self.micro:
-            from . import autoplan
+            from ..machine import autoplan
 
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
             self.micro[(batch, seq)] = autoplan.micro_batch(

@@ -133,7 +133,7 @@ class Architecture:
         """
         if position_ids is None:
             return {}
-        from .packing import VARLEN, varlen_kwargs
+        from ..data.packing import VARLEN, varlen_kwargs
 
         out = {"position_ids": position_ids.to(device, non_blocking=True)}
         if self.config._attn_implementation == VARLEN:

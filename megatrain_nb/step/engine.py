@@ -35,19 +35,19 @@ import torch
 import torch.nn.functional as F
 
 from .attncache import AttentionCache
-from .binding import Layout, SlotRefs, call, grads_into
-from .config import EngineConfig, OptimConfig
-from .host_store import HostStore
-from .hf import Architecture
-from .hostmem import HostRss
+from ..model.binding import Layout, SlotRefs, call, grads_into
+from ..config import EngineConfig, OptimConfig
+from ..host.host_store import HostStore
+from ..model.hf import Architecture
+from ..host.hostmem import HostRss
 from .device_updates import DeviceUpdates
 from .early_rows import EarlyRows
-from .optim import HostAdamW, grad_norm
+from ..host.optim import HostAdamW, grad_norm
 from . import distributed
-from . import placement as placing
+from ..machine import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
-from .shape import loss_positions
-from .longcontext import Checkpoints, host_free_bytes, layer_bytes, pinned_bytes
+from ..machine.shape import loss_positions
+from ..machine.longcontext import Checkpoints, host_free_bytes, layer_bytes, pinned_bytes
 from .tiling import SequenceTiling
 from . import lean
 from .transfers import Offload, Streams, Transfers, chunks
@@ -517,7 +517,7 @@ class Engine:
     def _place_checkpoints(self, mbs) -> None:
         """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
         where block inputs wait is decided at the forward's first recompute block (``_parked``)."""
-        from .shape import _act_bytes_per_token, model_shape
+        from ..machine.shape import _act_bytes_per_token, model_shape
 
         n, d = sum(mb["input_ids"].numel() for mb in mbs), self.dtype.itemsize
         try:

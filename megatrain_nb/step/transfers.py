@@ -21,9 +21,9 @@ import weakref
 
 import torch
 
-from .config import EngineConfig, pinned_budget
-from .longcontext import PARK_CHUNK
-from .host_store import HostStore
+from ..config import EngineConfig, pinned_budget
+from ..machine.longcontext import PARK_CHUNK
+from ..host.host_store import HostStore
 from .workers import AdamWorker, Box, Worker
 
 

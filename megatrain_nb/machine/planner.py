@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from . import compact_state
+from ..host import compact_state
 from . import placement as placing
-from . import split_master as _split
-from .config import OPTIMIZER_STATES, pinned_budget
+from ..host import split_master as _split
+from ..config import OPTIMIZER_STATES, pinned_budget
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
-from .schedule import make_blocks
+from ..step.schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
-from .trace import Trace
+from ..view.trace import Trace
 
 _GIB = 1 << 30
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
@@ -454,7 +454,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
                            s["params_per_layer"], s["n_params"])
     if lean_activations is None:  # auto: the engine's rule (lean.auto, Note: [Lean auto]) on the buffers it holds then
-        from . import lean as _lean
+        from ..step import lean as _lean
 
         held = (weight_slots + GRAD_SLOTS) * P * d + 2 * (V * h + h) * d
         lean_activations = _lean.auto(s, tokens=T, dtype_bytes=d, tiled=bool(tile_tokens and T > tile_tokens),
@@ -482,7 +482,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         host["runtime"] = hw.host_runtime_bytes  # CUDA context, torch, libraries
 
     # device memory; keep[] mirrors Engine._keep_now, the checkpoints' placement longcontext.Checkpoints
-    from .tiling import AUTO_ROWS, auto_tiles
+    from ..step.tiling import AUTO_ROWS, auto_tiles
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
@@ -584,7 +584,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     fwd = flops / rate + far + elementwise / 3
     bwd = 2 * flops / rate + 2.5 * far + mlp + 2 * elementwise / 3
     if lean_activations and not rows:  # lean.py's elementwise recompute in the backward (Note: [Lean auto])
-        from .lean import LEAN_COST
+        from ..step.lean import LEAN_COST
 
         bwd += LEAN_COST * (fwd + bwd)
     attn_fwd = 2 * batch * seq * near * q_dim / rate + far  # what a cached layer's recompute skips
