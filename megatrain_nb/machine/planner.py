@@ -543,7 +543,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     device.update(activations_kept=sum(keep) * act, **parts,
                   logits=batch * min(seq, loss_positions(loss_chunk_tokens, batch)) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
-    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
+    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # step/memory.py free
     extras = placing.stream_extras(numel, s["tied"])
     if optimizer_state != "fp32":  # the head group's state in, compact (stream_extras counts 12 bytes a parameter)
         extras["in_extra"] = head_state / (L * P)

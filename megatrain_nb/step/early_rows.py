@@ -19,7 +19,7 @@ bitwise what the slab's update writes when each row is a whole number of the ker
 lanes (hidden % 64 == 0, as in every Qwen, Llama and Mistral shape); other widths skip this. A
 tied head still waits for the whole update (``Engine._load_head``), at the end of the forward, and
 so do its gradients; an untied embedding's gradients of the new step wait for it before they are
-written into the slab that update reads (``Engine._embed_grads``). With a gate (grad_clip, say) the
+written into the slab that update reads (``embedding.scatter_grads``). With a gate (grad_clip, say) the
 worker reaches the embedding the moment the last gradient lands, most often before the next step
 has asked: its rows then wait for the whole update, as before.
 """
