@@ -118,9 +118,9 @@ class Hardware:
 _H200_ATTN_TFLOPS = 530.0
 # Copies, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Layer rate and elementwise term: fitted to the
 # Qwen2.5-7B layer at 16 x 4096 (LIMITS.md: 191 ms) and the 3B layer at 8 x 4096 in the engine (36.6 ms,
-# bench/results_h200_2026-12-01.jsonl trace); they give the 7B layer at 1 and 4 x 4096 within 4%.
+# a trace beside bench/results/h200-2026-12-01-placement.jsonl); they give the 7B layer at 1 and 4 x 4096 within 4%.
 # Launch floor, loss and device AdamW: the 3B x 1 and x 8 traces of that file. Host AdamW: bench/host_adam.py on the
-# same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results_h200_2026-11-29_s2.jsonl):
+# same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results/h200-2026-11-29-host-path.jsonl):
 # 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
 # step the same updates run slower (DMA and the unpacker share the host's memory bandwidth):
 # bench/planner_vs_measured.py reports both.
@@ -128,13 +128,13 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
-    h2d_beside_d2h_GBps=40.2, d2h_beside_h2d_GBps=52.1,  # in a step: bench/copy_rates.py on the s3c1 stream traces
+    h2d_beside_d2h_GBps=40.2, d2h_beside_h2d_GBps=52.1,  # in a step: bench/copy_rates.py on the H200's stream traces of 2026-12-01
     bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 4.1),  # bwd: 4.13-4.19 ms a layer at 3B x 1, auto (3 traces)
     loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
-    # host: 124.1 GiB available at idle of 125.8 (bench/logs/mem_2026-12-01_s4_call3.log); RSS beyond the
-    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the s4 long-context rows)
+    # host: 124.1 GiB available at idle of 125.8 (bench/logs/h200-2026-12-01-512k-memory-idle-host.log); RSS beyond the
+    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the long-context rows of 2026-12-01)
     device_mem_bytes=143771 << 20, host_mem_bytes=124 * _GIB, host_runtime_bytes=2 * _GIB,
 )
 CPU_LAPTOP = Hardware(

@@ -9,7 +9,7 @@ Note: [Early rows] the embedding's gradients land last in a backward (its rows' 
 the last op, the head's, when tied, from the first), and its host AdamW is the largest of any unit
 (311M parameters at the 3B shape: 67-77 ms on the H200's 16 cores). Yet the next forward reads it
 first: traced at 3B under placement "stream", each step's compute idled 92 ms (x 1) and 141 ms (x 4)
-before layer 0 while the host finished that update (``bench/trace_ops.py --stalls``, s5c4). The
+before layer 0 while the host finished that update (``bench/trace_ops.py --stalls``, H200, 2026-12-01). The
 forward needs only the rows its tokens gather (at most one per token: 4096 of 151936 at 1 x 4096).
 So when the driver asks for them before the worker reaches the embedding, the worker first runs
 the same fused AdamW on copies of those rows (master, moments, gradients gathered), hands the

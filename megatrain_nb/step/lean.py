@@ -212,7 +212,7 @@ def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
 
 
 # Note: [Lean auto] lean costs every layer a little backward time and spares recompute only where the
-# activations do not all fit. Measured on the H200 (3B shape, bench/results_h200_2026-12-01_s2.jsonl):
+# activations do not all fit. Measured on the H200 (3B shape, bench/results/h200-2026-12-01-placement.jsonl):
 # lean's backward took 11% longer at 4 x 4096 (8% of a layer's forward + backward) and 3B x 1 ran 236
 # instead of 284 TFLOPS with nothing to spare; a recomputed layer costs its forward again, about a
 # third of its forward + backward. So lean pays when the layers it keeps from recompute outweigh its

@@ -56,7 +56,7 @@ def place_checkpoints(eng: Engine, mbs) -> None:
     if eng._dE_host is not None and eng._dE_host.numel() * eng._dE_host.element_size() < eng._dE_need:
         eng._dE_host = None  # too small for these tokens: a new one comes at the first backward
     # "auto": the residents of the last batch size leave for this one's measuring step (Note: [Placement]);
-    # counted as in use, they cut the keep cap (s6c1: 7B x 8 after x 2 kept 6 layers where alone it keeps 24)
+    # counted as in use, they cut the keep cap (H200, 2026-12-02: 7B x 8 after x 2 kept 6 layers where alone it keeps 24)
     leaving = eng.dev_opt.nbytes if eng.device_updates.mode == "auto" else 0
     eng.ckpts.reset(lb, (lambda: free(eng, leaving)) if eng.dev.cuda else None)
 
