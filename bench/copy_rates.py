@@ -15,7 +15,7 @@ import argparse
 import collections
 import json
 
-from megatrain_nb.trace import Trace
+from megatrain_nb.view.trace import Trace
 
 
 def main(argv=None) -> None:

@@ -54,8 +54,9 @@ def one_rank(a) -> None:
     """This process: one rank (or the only process) of a run of ``WORLD_SIZE`` ranks."""
     import torch.distributed as dist
 
-    from megatrain_nb import Session, distributed
-    from megatrain_nb.trace import export_chrome_trace
+    from megatrain_nb import Session
+    from megatrain_nb.step import distributed
+    from megatrain_nb.view.trace import export_chrome_trace
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on the lent machines
     distributed.init(backend="nccl" if a.device == "cuda" else "gloo")

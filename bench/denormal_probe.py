@@ -4,7 +4,7 @@ Run anywhere (the GPU machine's host is the one that matters):
     python bench/denormal_probe.py --numel 16777216 --threads 1 16 --out out/denormal_probe.jsonl
 Rows "pool": each case in a fresh process (pools are made once per calling thread), the share of a parallel
 op's elements, and of a fused AdamW step's exp_avg, that came out flushed: 1.0 where every thread of the
-pool flushed (Note: [Subnormals] in megatrain_nb/denormals.py). Rows "rate": G params/s of torch's fused
+pool flushed (Note: [Subnormals] in megatrain_nb/host/denormals.py). Rows "rate": G params/s of torch's fused
 AdamW in a worker thread (median of reps), normal moments vs subnormal exp_avg vs both subnormal (zero
 grads), in a plain thread and in one that called flush_denormals first.
 """
@@ -22,7 +22,7 @@ import torch
 
 from rows import emit  # bench/ is on sys.path when this runs as a script
 
-from megatrain_nb.denormals import flush_denormals, subnormals
+from megatrain_nb.host.denormals import flush_denormals, subnormals
 
 CASES = {
     "main, flushed after its pool was made": "op(); flush(); out = share()",

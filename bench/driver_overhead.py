@@ -58,8 +58,8 @@ def timed(obj, name: str, into: list) -> None:
 
 def breakdown(engine) -> dict:
     """Wrap the driver's calls of each layer op with timers; returns name -> seconds of each call."""
-    import megatrain_nb.engine as eng
-    from megatrain_nb import binding
+    import megatrain_nb.step.engine as eng
+    from megatrain_nb.model import binding
 
     out: dict[str, list] = {}
     for obj, name in ((engine, "_use"), (engine, "_done"), (engine, "_count_memory"), (engine, "_reduced"),

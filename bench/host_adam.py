@@ -24,9 +24,9 @@ import torch
 
 from rows import emit  # bench/ is on sys.path when this runs as a script
 
-from megatrain_nb import compact_state as cs
+from megatrain_nb.host import compact_state as cs
 from megatrain_nb.config import OptimConfig
-from megatrain_nb.optim import HostAdamW
+from megatrain_nb.host.optim import HostAdamW
 
 LR, BETAS, EPS, WD = 1e-5, (0.9, 0.999), 1e-8, 0.01
 

@@ -26,7 +26,7 @@ from host_adam import stand_in_store  # bench/ is on sys.path when this runs as 
 from rows import emit
 
 from megatrain_nb.config import OptimConfig
-from megatrain_nb.optim import HostAdamW, _fused
+from megatrain_nb.host.optim import HostAdamW, _fused
 
 
 class Dma:

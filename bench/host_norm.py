@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rows import emit  # noqa: E402
 
-from megatrain_nb.optim import grad_norm  # noqa: E402
+from megatrain_nb.host.optim import grad_norm  # noqa: E402
 
 
 def main(argv=None) -> None:

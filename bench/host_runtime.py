@@ -18,8 +18,8 @@ import warnings
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb.longcontext import parked_bytes  # noqa: E402
-from megatrain_nb.planner import plan  # noqa: E402
+from megatrain_nb.machine.longcontext import parked_bytes  # noqa: E402
+from megatrain_nb.machine.planner import plan  # noqa: E402
 
 _GIB = 1 << 30
 

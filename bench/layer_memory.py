@@ -32,12 +32,12 @@ from long_context import tokens  # noqa: E402
 from rows import emit  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb.attncache import AttentionCache  # noqa: E402
-from megatrain_nb.binding import call  # noqa: E402
-from megatrain_nb.hf import load_architecture  # noqa: E402
-from megatrain_nb.longcontext import layer_bytes  # noqa: E402
-from megatrain_nb.shape import _act_bytes_per_token, model_shape  # noqa: E402
-from megatrain_nb.tiling import SequenceTiling, _kernel  # noqa: E402
+from megatrain_nb.step.attncache import AttentionCache  # noqa: E402
+from megatrain_nb.model.binding import call  # noqa: E402
+from megatrain_nb.model.hf import load_architecture  # noqa: E402
+from megatrain_nb.machine.longcontext import layer_bytes  # noqa: E402
+from megatrain_nb.machine.shape import _act_bytes_per_token, model_shape  # noqa: E402
+from megatrain_nb.step.tiling import SequenceTiling, _kernel  # noqa: E402
 
 _GIB = 1 << 30
 

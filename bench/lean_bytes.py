@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb.lean import layer_bytes_per_token  # noqa: E402
-from megatrain_nb.planner import _act_bytes_per_token, model_shape, plan  # noqa: E402
+from megatrain_nb.step.lean import layer_bytes_per_token  # noqa: E402
+from megatrain_nb.machine.planner import _act_bytes_per_token, model_shape, plan  # noqa: E402
 
 
 def main(argv=None) -> None:

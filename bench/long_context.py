@@ -34,7 +34,7 @@ from rows import emit, rss_bytes  # noqa: E402
 from shapes import SHAPES, qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
-from megatrain_nb.planner import CPU_LAPTOP, H200, plan  # noqa: E402
+from megatrain_nb.machine.planner import CPU_LAPTOP, H200, plan  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, tie_word_embeddings=False)

@@ -294,7 +294,7 @@ class Megatrain:
     def extras(self, step_s: float) -> dict:
         """The last step's trace: optimizer time (host + device AdamW), its exposed part (compute waiting on
         the host AdamW, plus device AdamW, which runs on the compute stream), compute busy share, waits."""
-        from megatrain_nb.trace import summarize
+        from megatrain_nb.view.trace import summarize
 
         tr = self.session.trace
         if tr is None or not len(tr.spans):

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rows import emit  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb.hf import load_architecture  # noqa: E402
-from megatrain_nb.host_store import carve, unit_layouts  # noqa: E402
+from megatrain_nb.model.hf import load_architecture  # noqa: E402
+from megatrain_nb.host.host_store import carve, unit_layouts  # noqa: E402
 
 
 class _Block:

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb.planner import H200, plan  # noqa: E402
+from megatrain_nb.machine.planner import H200, plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "h200-2026-12-01-placement.jsonl"))
     a = ap.parse_args(argv)
-    from megatrain_nb import placement as placing
+    from megatrain_nb.machine import placement as placing
 
     rows = [json.loads(line) for line in Path(a.results).read_text().splitlines() if line.strip()]
     print("| run | shape | batch | placement | measured s | planner s | error | resident (engine / planner) |")

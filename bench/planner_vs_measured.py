@@ -39,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb.planner import H200, model_shape, plan  # noqa: E402
-from megatrain_nb.trace import Trace, find_stalls  # noqa: E402
+from megatrain_nb.machine.planner import H200, model_shape, plan  # noqa: E402
+from megatrain_nb.view.trace import Trace, find_stalls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200-2026-11-29-host-path.jsonl"

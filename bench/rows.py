@@ -95,7 +95,7 @@ def pss_bytes() -> int:
 def busy_shares(rec, raws: list, last: dict) -> list[float]:
     """Each timed step's compute busy share, in order: the earlier steps' raw records (``Engine.step_records``,
     kept during the timed steps) resolved now, then the last step's from its summary ``last`` (``trace.summarize``)."""
-    from megatrain_nb.trace import summarize
+    from megatrain_nb.view.trace import summarize
 
     busy = [summarize(rec.resolve(raw).to_dataframe()).get("compute_busy_share", float("nan")) for raw in raws[:-1]]
     return busy + [last.get("compute_busy_share", float("nan"))]

@@ -29,7 +29,7 @@ from rows import emit  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
-from megatrain_nb.packing import VARLEN  # noqa: E402
+from megatrain_nb.data.packing import VARLEN  # noqa: E402
 
 
 def packed(batch: dict, lo: int, hi: int, seed: int) -> dict:

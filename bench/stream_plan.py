@@ -22,8 +22,8 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from shapes import qwen_config  # noqa: E402
 
-from megatrain_nb import placement as placing  # noqa: E402
-from megatrain_nb import planner, simulate  # noqa: E402
+from megatrain_nb.machine import placement as placing  # noqa: E402
+from megatrain_nb.machine import planner, simulate  # noqa: E402
 
 L = 36
 

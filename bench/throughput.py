@@ -23,10 +23,10 @@ from rows import busy_shares, emit, host_adam_rate, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
-from megatrain_nb import placement as placing  # noqa: E402
-from megatrain_nb.optim import HostAdamW  # noqa: E402
-from megatrain_nb import transfers as _transfers  # noqa: E402
-from megatrain_nb.trace import find_stalls, summarize  # noqa: E402
+from megatrain_nb.machine import placement as placing  # noqa: E402
+from megatrain_nb.host.optim import HostAdamW  # noqa: E402
+from megatrain_nb.step import transfers as _transfers  # noqa: E402
+from megatrain_nb.view.trace import find_stalls, summarize  # noqa: E402
 
 
 def _sync_debug(path: str, batch: int) -> None:

@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatrain_nb.trace import Trace, find_stalls  # noqa: E402
+from megatrain_nb.view.trace import Trace, find_stalls  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -139,10 +139,10 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def tiny_config():
-    """The demo model: a 16M-parameter LlamaConfig from ``megatrain_nb/data/tiny_llama.json``."""
+    """The demo model: a 16M-parameter LlamaConfig from ``megatrain_nb/data/files/tiny_llama.json``."""
     from transformers import AutoConfig
 
-    d = json.loads(resources.files("megatrain_nb").joinpath("data", "tiny_llama.json").read_text())
+    d = json.loads(resources.files("megatrain_nb").joinpath("data", "files", "tiny_llama.json").read_text())
     return AutoConfig.for_model(**d)
 
 
@@ -180,7 +180,7 @@ def _demo(args) -> int:
 
 
 def _train(args) -> int:
-    from . import distributed
+    from .step import distributed
     from .data import sft_batches
     from .session import Session
 
@@ -195,7 +195,7 @@ def _train(args) -> int:
 
 def _train_ranks(args, device: str) -> int:
     """``train`` on this process; under data parallel it reads its rank's batches and rank 0 writes."""
-    from . import distributed
+    from .step import distributed
     from .data import sft_batches
     from .session import Session
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .longcontext import keep_share
+from .machine.longcontext import keep_share
 
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZER_STATES = ("fp32", "int8", "int4")

@@ -20,10 +20,10 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .binding import call
-from .shape import loss_positions
-from .transfers import chunks
-from .trace import Recorder
+from .model.binding import call
+from .machine.shape import loss_positions
+from .step.transfers import chunks
+from .view.trace import Recorder
 
 
 # ---- evaluation ----------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def _loss_sum(engine, mbs: list[dict]) -> float:
 def generate(session, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
              top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
     """Continue ``prompt`` from the session's current weights (see ``Session.generate``)."""
-    from .sft import load_tokenizer, prompt_ids
+    from .data.sft import load_tokenizer, prompt_ids
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
@@ -200,7 +200,7 @@ def _layer_cache(config):
 # ---- running a pass on the session's driver thread -----------------------------------------------
 def _run(session, fn):
     """Run ``fn`` as a pass between steps (Note: [Eval between steps]) on the session's driver thread."""
-    from .workers import run_uninterrupted as _run_uninterrupted
+    from .step.workers import run_uninterrupted as _run_uninterrupted
 
     engine = session.engine
     if engine.closed:

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, OptimConfig
-from . import shared_store
-from .distributed import local_device
-from .engine import Engine
-from .hf import load_architecture
-from .host_store import HostStore
-from .optim import HostAdamW
-from .workers import run_uninterrupted as _run_uninterrupted
-from .results import StepResult  # noqa: F401  (public here too: megatrain_nb.session.StepResult)
-from .trace import Recorder
+from .host import shared_store
+from .step.distributed import local_device
+from .step.engine import Engine
+from .model.hf import load_architecture
+from .host.host_store import HostStore
+from .host.optim import HostAdamW
+from .step.workers import run_uninterrupted as _run_uninterrupted
+from .view.results import StepResult  # noqa: F401  (public here too: megatrain_nb.session.StepResult)
+from .view.trace import Recorder
 
 _OPTIM = {f.name for f in dataclasses.fields(OptimConfig)}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -47,7 +47,7 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
-        from .preflight import check, cuda_allocator, resolve_pinning, resolve_weight_slots
+        from .machine.preflight import check, cuda_allocator, resolve_pinning, resolve_weight_slots
 
         if torch.device(self.engine_cfg.device).type == "cuda":
             cuda_allocator()  # Note: [Allocator] in preflight.py: fragmentation made the auto search's trials fail
@@ -62,7 +62,7 @@ class Session:
                              f"them pinned (cast_on_device), but pin_store={resolved.pin_store} and cast_on_device="
                              f"{self.engine_cfg.cast_on_device} leave them unpinned; set pin_store=None and cast_on_device="
                              "None (it needs the store in 90% of host RAM), or use placement='auto' / 'host'")
-        from .packing import install
+        from .data.packing import install
 
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
         shared = shared_store.attach(resolved.share_host_store, cuda=torch.device(resolved.device).type == "cuda")
@@ -131,7 +131,7 @@ class Session:
         try:
             out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid), self._driver)
         except torch.OutOfMemoryError as e:
-            from .preflight import oom_advice
+            from .machine.preflight import oom_advice
 
             cfg = dataclasses.replace(self.engine_cfg, weight_slots=self.engine.cfg.weight_slots)  # as resolved
             raise torch.OutOfMemoryError(oom_advice(e, cfg, tuple(mbs[0]["input_ids"].shape))) from e
@@ -232,26 +232,26 @@ class Session:
             DataFrame (see ``trace.find_stalls``): start_ms, end_ms, dur_ms, layer, phase, waited_on,
             diagnosis, setting.
         """
-        from .trace import find_stalls
+        from .view.trace import find_stalls
 
         return find_stalls(self._last_trace().to_dataframe())
 
     def plot_timeline(self):
         """Plotly figure of the last step: one row per stream / host worker, stalls highlighted."""
-        from . import viz
+        from .view import viz
 
         df = self._last_trace().to_dataframe()
         return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane: {self!r}")
 
     def plot_buffers(self):
         """Plotly figure: occupancy of every device weight and gradient slot over the last step."""
-        from . import viz
+        from .view import viz
 
         return viz.buffers(self._last_trace().slots_dataframe())
 
     def plot_memory(self):
         """Plotly figure: host and device memory by category over the last step."""
-        from . import viz
+        from .view import viz
 
         return viz.memory(self._last_trace().counters_dataframe())
 
@@ -269,13 +269,13 @@ class Session:
 
     def plot_history(self):
         """Plotly figure of the run so far: loss, tokens/s and TFLOPS per step."""
-        from . import viz
+        from .view import viz
 
         return viz.run_history(self.history_dataframe())
 
     def export_trace(self, path: str | os.PathLike) -> None:
         """Write the last step's trace as Chrome Trace Event JSON (gzipped for .gz) for Perfetto."""
-        from .trace import export_chrome_trace
+        from .view.trace import export_chrome_trace
 
         export_chrome_trace(self._last_trace(), path)
 
@@ -349,20 +349,20 @@ class Session:
 
     def report(self, path: str | os.PathLike):
         """Write one standalone HTML page with this run's figures and numbers. See ``report.write_report``."""
-        from .report import write_report
+        from .view.report import write_report
 
         return write_report(self, path)
 
     def save_checkpoint(self, path: str | os.PathLike, *, data_state: dict | None = None):
         """Atomically save the whole training state (weights, Adam moments, step, RNG, data position)."""
-        from .checkpoint import save_checkpoint
+        from .host.checkpoint import save_checkpoint
 
         return save_checkpoint(self, path, data_state=data_state)
 
     @classmethod
     def resume(cls, path: str | os.PathLike, **overrides) -> "Session":
         """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses)."""
-        from .checkpoint import resume
+        from .host.checkpoint import resume
 
         return resume(path, make=cls, **overrides)
 

@@ -131,7 +131,7 @@ def _open_dashboard(session, want: bool | None):
                           stacklevel=3)
         return None
     try:
-        from .dashboard import Dashboard
+        from .view.dashboard import Dashboard
 
         dash = Dashboard(session)
         dash.display()

@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.attncache (attention outputs kept from the forward, Note: [Attention cache]): the
+"""Tests for megatrain_nb.step.attncache (attention outputs kept from the forward, Note: [Attention cache]): the
 kernel's own gradients from the kept node, only the output and log-sum-exp kept, whole training equal to
 HF + AdamW and bit-equal to the uncached recompute, the planner's and the placement's share of memory."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import torch.nn.functional as F
 
 from conftest import families, make_batches, make_config
 from megatrain_nb import Session
-from megatrain_nb.attncache import AttentionCache, entry_bytes
-from megatrain_nb.longcontext import (DEVICE_RESERVE, KEEP_SHARE, LONG_SHARE, MAX_BLOCK, Checkpoints, PlacementError, backward_peak,
+from megatrain_nb.step.attncache import AttentionCache, entry_bytes
+from megatrain_nb.machine.longcontext import (DEVICE_RESERVE, KEEP_SHARE, LONG_SHARE, MAX_BLOCK, Checkpoints, PlacementError, backward_peak,
                                       cache_bytes, cache_first, keep_cap, layer_bytes, parked_bytes, place_cache,
                                       place_checkpoints)
-from megatrain_nb.shape import model_shape
-from megatrain_nb.planner import plan
+from megatrain_nb.machine.shape import model_shape
+from megatrain_nb.machine.planner import plan
 from test_equivalence import compare
 from test_planner import QWEN25_7B
 
@@ -227,7 +227,7 @@ _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reas
 def test_fused_kernels_replay_their_gradients_and_keep_only_output_and_lse_on_cuda(backend):
     """Each fused kernel (asked first, the others after it, as ``tiling._kernel`` does) at the 7B head
     layout: the replayed gradients are the kernel's own, and the entry holds no copy of q, k or v."""
-    from megatrain_nb.tiling import _kernel
+    from megatrain_nb.step.tiling import _kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, h, 1024, 128, device="cuda", generator=g, dtype=torch.bfloat16) for h in (28, 4, 4))

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain_nb import autoplan, planner
-from megatrain_nb import placement as placing
+from megatrain_nb.machine import autoplan, planner
+from megatrain_nb.machine import placement as placing
 from megatrain_nb.config import EngineConfig, OptimConfig
-from megatrain_nb.device_updates import DeviceUpdates
+from megatrain_nb.step.device_updates import DeviceUpdates
 
 SHAPES = {  # Qwen2.5 shapes
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

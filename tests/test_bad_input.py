@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, BertConfig, T5Config
 
 from conftest import VOCAB, make_batches, make_config, train_session
 from megatrain_nb import Session
-from megatrain_nb.hf import UnsupportedModelError
+from megatrain_nb.model.hf import UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +231,7 @@ class LayerError(RuntimeError):
 
 def _fail_call(monkeypatch, n: int):
     """Make the engine's n-th layer/norm call from now on raise LayerError."""
-    import megatrain_nb.engine as engine_module
+    import megatrain_nb.step.engine as engine_module
 
     real, count = engine_module.call, [0]
 
@@ -307,7 +307,7 @@ def test_ctrl_c_during_a_step_finishes_it_then_raises(llama_dir, twin_losses, mo
     s = Session.from_pretrained(llama_dir, lr=2e-3)
     try:
         got = train_session(s, good[:1])
-        import megatrain_nb.engine as engine_module
+        import megatrain_nb.step.engine as engine_module
 
         real, fired = engine_module.call, []
 
@@ -334,7 +334,7 @@ def test_ctrl_c_during_a_step_finishes_it_then_raises(llama_dir, twin_losses, mo
 def test_out_of_memory_in_a_step_gives_advice_and_the_session_goes_on(llama_dir, twin_losses, monkeypatch):
     """A CUDA OOM inside the forward (simulated: torch.OutOfMemoryError from a layer call) is re-raised
     with the memory advice of preflight.oom_advice, and training afterwards equals the twin's."""
-    import megatrain_nb.engine as engine_module
+    import megatrain_nb.step.engine as engine_module
 
     want, _ = twin_losses
     good = make_batches(VOCAB, 3)

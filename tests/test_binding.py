@@ -1,4 +1,4 @@
-"""megatrain_nb.binding and hostmem: the view cache (made once per buffer, made again when the buffer's
+"""megatrain_nb.model.binding and hostmem: the view cache (made once per buffer, made again when the buffer's
 memory moves, gone with the buffer), the template binding (equal to ``functional_call``, restored after,
 also on error), the hooks skipped for weights outside the slots, and the memory counters a step records."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from torch import nn
 
 from conftest import make_batches
 from megatrain_nb import Session
-from megatrain_nb.binding import Layout, SlotRefs, call, grads_into
-from megatrain_nb.hf import load_architecture
-from megatrain_nb.hostmem import HostRss
+from megatrain_nb.model.binding import Layout, SlotRefs, call, grads_into
+from megatrain_nb.model.hf import load_architecture
+from megatrain_nb.host.hostmem import HostRss
 
 
 def _layout():

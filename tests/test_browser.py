@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_nb.dashboard import FIGURES
+from megatrain_nb.view.dashboard import FIGURES
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("MEGATRAIN_CHROMIUM", "/usr/bin/chromium")

@@ -11,10 +11,10 @@ import torch
 
 from conftest import make_batches, make_config
 from megatrain_nb import Session
-from megatrain_nb import checkpoint as ckpt
+from megatrain_nb.host import checkpoint as ckpt
 from megatrain_nb import Session as _Session
 resume = _Session.resume
-from megatrain_nb.checkpoint import save_checkpoint
+from megatrain_nb.host.checkpoint import save_checkpoint
 
 STEPS, CUT = 6, 3
 

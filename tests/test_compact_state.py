@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from megatrain_nb import compact_state as cs
+from megatrain_nb.host import compact_state as cs
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
 

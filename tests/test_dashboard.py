@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.dashboard: builds and updates without a frontend; figures tested by structure."""
+"""Tests for megatrain_nb.view.dashboard: builds and updates without a frontend; figures tested by structure."""
 from __future__ import annotations
 
 import base64
@@ -12,8 +12,8 @@ import pytest
 
 from conftest import make_config
 from megatrain_nb import Session
-from megatrain_nb import dashboard as dashboard_mod
-from megatrain_nb.dashboard import FIGURES, Dashboard, headline, peak_memory
+from megatrain_nb.view import dashboard as dashboard_mod
+from megatrain_nb.view.dashboard import FIGURES, Dashboard, headline, peak_memory
 from megatrain_nb.data import synthetic_batches
 
 HAS_ANYWIDGET = importlib.util.find_spec("anywidget") is not None

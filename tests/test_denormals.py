@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatrain_nb.config import OptimConfig
-from megatrain_nb.denormals import flush_denormals, pool_flushes, subnormals
-from megatrain_nb.optim import HostAdamW
-from megatrain_nb.workers import AdamWorker, Box
+from megatrain_nb.host.denormals import flush_denormals, pool_flushes, subnormals
+from megatrain_nb.host.optim import HostAdamW
+from megatrain_nb.step.workers import AdamWorker, Box
 
 def _in_adam_worker(fn, threads: int | None = None):
     """``fn()`` run as one unit's update in an AdamWorker (the thread the engine's host updates run on)."""
@@ -97,7 +97,7 @@ def test_the_adam_workers_compact_update_on_subnormal_moments_equals_the_update_
     host's path where no C compiler is found) is torch ops on the worker's thread and pool alone; the C kernel
     sets the same bits on its own threads, which leaves its caller flushing too, so only the former can fail
     in a plain thread."""
-    from megatrain_nb import compact_state as cs
+    from megatrain_nb.host import compact_state as cs
 
     n = 1 << 16
     lay = cs.Layout("int8", n, ((0, n // 2),))  # the first half keeps fp32 moments, the second is quantized

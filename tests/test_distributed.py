@@ -60,7 +60,7 @@ def _train(s, batches, rank=0, world=1, *, save: Path | None = None) -> dict:
         r = s.step(_shard(b, rank, world))
         losses.append(r.loss), norms.append(r.grad_norm)
         if save is not None and k + 1 == SAVE_AT:
-            from megatrain_nb.checkpoint import save_checkpoint
+            from megatrain_nb.host.checkpoint import save_checkpoint
 
             save_checkpoint(s, save)
     return {"losses": losses, "norms": norms, "masters": _masters(s)}
@@ -160,7 +160,7 @@ def test_checkpoint_resumes_bit_exactly_on_same_ranks_and_to_tolerance_on_one(ra
 def _failing_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
     """Step 1 and a checkpoint on both ranks; then rank 1 raises and stays alive (no collective comes)."""
     from megatrain_nb import Session
-    from megatrain_nb.checkpoint import save_checkpoint
+    from megatrain_nb.host.checkpoint import save_checkpoint
 
     _join(rank, world, tmp, timeout_s=5)
     s = Session.from_pretrained(d, **BASE)
@@ -202,7 +202,7 @@ def test_a_failing_rank_ends_the_others_with_a_clear_error_and_the_checkpoint_st
 
 # ---- one process: the helpers -----------------------------------------------------------------
 def test_helpers_without_a_process_group():
-    from megatrain_nb import distributed
+    from megatrain_nb.step import distributed
 
     assert distributed.world() == (0, 1)
     assert distributed.attach(None) is None

@@ -16,8 +16,8 @@ import torch
 from conftest import VOCAB, make_batches, train_session
 from megatrain_nb import Session
 from megatrain_nb.config import OptimConfig
-from megatrain_nb.early_rows import EarlyRows
-from megatrain_nb.optim import HostAdamW
+from megatrain_nb.step.early_rows import EarlyRows
+from megatrain_nb.host.optim import HostAdamW
 
 
 def _store(rows: int, width: int, grad_dtype, seed: int = 0):
@@ -49,7 +49,7 @@ def test_updated_rows_equal_the_slab_update_bitwise(width, grad_dtype, scale, mo
 @pytest.fixture
 def worker():
     """An Adam worker whose versions the tests set by hand (no step ever opens)."""
-    from megatrain_nb.workers import AdamWorker
+    from megatrain_nb.step.workers import AdamWorker
 
     w = AdamWorker([-1], lambda *a: None, threading.Event())
     yield w
@@ -76,7 +76,7 @@ def test_take_waits_for_the_served_rows_or_the_whole_update(worker):
     with cond:
         version[-1] = 0
     assert not EarlyRows(48, worker).request(1, ids)  # not whole lanes: never
-    from megatrain_nb import early_rows
+    from megatrain_nb.step import early_rows
 
     many = torch.arange(early_rows.MAX_BYTES // (64 * 16) + 1)
     assert not EarlyRows(64, worker).request(1, many)  # copies past MAX_BYTES
@@ -107,7 +107,7 @@ def test_a_forward_on_early_rows_trains_equal_to_one_that_waits(hf_dir, family, 
 
 
 def test_the_worker_updates_the_others_before_the_embedding_whose_rows_went_first():
-    from megatrain_nb.workers import AdamWorker, Box
+    from megatrain_nb.step.workers import AdamWorker, Box
 
     calls = []
     abort = threading.Event()
@@ -128,7 +128,7 @@ def test_the_worker_updates_the_others_before_the_embedding_whose_rows_went_firs
 def test_a_non_finite_unit_after_the_early_rows_still_lets_the_embedding_update():
     """Note: [Non-finite gradients] units after a non-finite one are skipped; the embedding, whose rows the
     next forward already read, counts as updated where its rows went out: its whole update still runs."""
-    from megatrain_nb.workers import AdamWorker, Box
+    from megatrain_nb.step.workers import AdamWorker, Box
 
     calls = []
     abort = threading.Event()

@@ -132,7 +132,7 @@ def test_the_adam_workers_threads_apply_to_its_own_thread_only():
     threads from its next step on; the driver's thread keeps its own."""
     import threading
 
-    from megatrain_nb.workers import AdamWorker, Box
+    from megatrain_nb.step.workers import AdamWorker, Box
 
     before, seen = torch.get_num_threads(), []
     w = AdamWorker([0], lambda u, lr, scale: seen.append(torch.get_num_threads()), threading.Event())
@@ -156,7 +156,7 @@ def test_the_adam_worker_counts_a_device_updated_unit_first_unless_its_norm_is_n
     place, and the units after it are skipped as ever."""
     import threading
 
-    from megatrain_nb.workers import AdamWorker, Box
+    from megatrain_nb.step.workers import AdamWorker, Box
 
     calls = []
     w = AdamWorker([0, 1, 2], lambda u, lr, scale: calls.append(u), threading.Event())

@@ -197,7 +197,7 @@ def test_deliberate_delays_with_split_masters_and_held_weights(tmp_path, lane, d
 def test_split_master_kernels_equal_the_torch_ops():
     """Note: [Split master]: the CUDA kernels give the bits the CPU's torch ops give, ties included, and join
     gives every bit back."""
-    from megatrain_nb import split_master as sm
+    from megatrain_nb.host import split_master as sm
     g = torch.Generator().manual_seed(0)
     n = (1 << 22) + 6
     m = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
@@ -289,7 +289,7 @@ def _params_close(a: torch.Tensor, b: torch.Tensor, k: int, lr: float) -> None:
 def test_compact_update_on_cuda_equals_the_host_kernel(kind):
     """The device's torch-op update and the host's C kernel: params within 1e-6, moments within one
     quantization step (the kernels round the same arithmetic in different orders)."""
-    from megatrain_nb import compact_state as cs
+    from megatrain_nb.host import compact_state as cs
 
     torch.manual_seed(0)
     n = (1 << 20) + 300
@@ -313,7 +313,7 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_compact_cuda_kernel_equals_the_torch_ops(kind):
     """The Triton kernel against update_torch's ops on the same CUDA tensors, a skipped step included."""
-    from megatrain_nb import compact_cuda, compact_state as cs
+    from megatrain_nb.host import compact_cuda, compact_state as cs
 
     if not compact_cuda.available():
         pytest.skip("Triton is not installed")

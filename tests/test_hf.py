@@ -1,4 +1,4 @@
-"""megatrain_nb.hf: templates per distinct layer structure, the meta skeleton, the prelude against the
+"""megatrain_nb.model.hf: templates per distinct layer structure, the meta skeleton, the prelude against the
 real HF model, and the checkpoint-name map of transformers' weight conversions."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from conftest import VOCAB, families, make_batches
-from megatrain_nb.binding import Layout
-from megatrain_nb.hf import checkpoint_map, load_architecture, params_on_meta
+from megatrain_nb.model.binding import Layout
+from megatrain_nb.model.hf import checkpoint_map, load_architecture, params_on_meta
 
 
 # ---- templates ---------------------------------------------------------------------------------

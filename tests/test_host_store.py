@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import make_config
-from megatrain_nb.hf import load_architecture
-from megatrain_nb.host_store import HostStore, carve
+from megatrain_nb.model.hf import load_architecture
+from megatrain_nb.host.host_store import HostStore, carve
 
 ALIGN = 4096
 
@@ -108,7 +108,7 @@ def test_a_session_on_carved_slabs_trains_checkpoints_resumes_and_exports(monkey
     from megatrain_nb import Session
     from megatrain_nb import Session as _Session
     resume = _Session.resume
-    from megatrain_nb.checkpoint import save_checkpoint
+    from megatrain_nb.host.checkpoint import save_checkpoint
 
     made, alloc = _blocks()
     monkeypatch.setattr(HostStore, "_pinned_block", staticmethod(alloc))

@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.lean: lean activations train equal to HF + AdamW (dense, GeGLU, MoE, with
+"""Tests for megatrain_nb.step.lean: lean activations train equal to HF + AdamW (dense, GeGLU, MoE, with
 recompute and under sequence tiling), lean on equals lean off (bitwise in bf16, fp32 rounding apart in
 fp32), the bytes a layer keeps shrink by the planner's formula, unknown layers are left alone, bad input.
 
@@ -15,12 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_batches, make_config, rel
-from megatrain_nb import Session, lean
+from megatrain_nb import Session
+from megatrain_nb.step import lean
 from megatrain_nb.config import EngineConfig
-from megatrain_nb.hf import load_architecture
-from megatrain_nb.lean import GatedDown, layer_bytes_per_token, lean_layer
-from megatrain_nb.planner import _act_bytes_per_token, model_shape, plan
-from megatrain_nb.tiling import Tiled, tile_layer
+from megatrain_nb.model.hf import load_architecture
+from megatrain_nb.step.lean import GatedDown, layer_bytes_per_token, lean_layer
+from megatrain_nb.machine.planner import _act_bytes_per_token, model_shape, plan
+from megatrain_nb.step.tiling import Tiled, tile_layer
 from test_equivalence import compare
 
 
@@ -154,7 +155,7 @@ def test_planner_keeps_more_layers_with_lean():
 
 
 def test_preflight_counts_lean_and_names_it_as_a_fix():
-    from megatrain_nb.preflight import _device_advice, estimate
+    from megatrain_nb.machine.preflight import _device_advice, estimate
 
     cfg = make_config("llama", hidden_size=64, intermediate_size=160)
     on, off = (estimate(cfg, EngineConfig(lean_activations=v, checkpoint_every=0), batch=2, seq=64) for v in (True, False))

@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.longcontext (checkpoint placement) and plan()'s long-context predictions."""
+"""Tests for megatrain_nb.machine.longcontext (checkpoint placement) and plan()'s long-context predictions."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 
-from megatrain_nb.longcontext import (DEVICE_RESERVE, Checkpoints, PlacementError, keep_cap, pinned_bytes,
+from megatrain_nb.machine.longcontext import (DEVICE_RESERVE, Checkpoints, PlacementError, keep_cap, pinned_bytes,
                                       place_checkpoints, shares)
-from megatrain_nb.planner import H200, plan
+from megatrain_nb.machine.planner import H200, plan
 from test_planner import QWEN25_7B
 
 
@@ -135,7 +135,7 @@ def test_exact_pinned_buffers_are_page_locked_copy_asynchronously_and_go_back():
     import psutil
     import torch
 
-    from megatrain_nb.transfers import pinned_exact
+    from megatrain_nb.step.transfers import pinned_exact
 
     n = (3 << 27) + 5  # 1.5 GiB + 20 bytes of int32: torch's pinned allocator would take 2 GiB
     before = psutil.Process().memory_info().rss
@@ -161,7 +161,7 @@ def test_host_chunks_are_made_once_and_handed_back_for_reuse():
     while idle ones cover a request; an Offload's release gives its inputs' chunks back."""
     import torch
 
-    from megatrain_nb.transfers import HostChunks, Offload, Streams
+    from megatrain_nb.step.transfers import HostChunks, Offload, Streams
 
     dev = Streams(torch.device("cpu"))
     pool = HostChunks(dev, chunk_bytes=100)

@@ -11,9 +11,9 @@ from transformers import (get_constant_schedule, get_constant_schedule_with_warm
 
 from conftest import rel
 from megatrain_nb.config import OptimConfig
-from megatrain_nb.hf import load_architecture
-from megatrain_nb.host_store import HostStore
-from megatrain_nb.optim import HostAdamW
+from megatrain_nb.model.hf import load_architecture
+from megatrain_nb.host.host_store import HostStore
+from megatrain_nb.host.optim import HostAdamW
 
 STEPS = 50
 
@@ -106,7 +106,7 @@ def test_chunked_update_equals_whole_slab_update(arch, monkeypatch):
 
 def test_grad_norm_of_a_long_host_tensor_is_accurate():
     """Note [Host norms]: 2^25 + 3 fp32 values (rows of 4096 plus a tail) against an fp64 reference."""
-    from megatrain_nb.optim import grad_norm
+    from megatrain_nb.host.optim import grad_norm
 
     x = torch.randn((1 << 25) + 3, generator=torch.Generator().manual_seed(0)) * 1e-3
     want = x.double().square().sum().sqrt().item()

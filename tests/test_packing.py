@@ -1,4 +1,4 @@
-"""megatrain_nb.packing through Session.step: packed examples attend only to themselves.
+"""megatrain_nb.data.packing through Session.step: packed examples attend only to themselves.
 
 A packed row's loss equals the token-weighted mean of its examples run one per row, and its
 gradients are the token-weighted sum of theirs: a neighbour changes nothing. lr=0 keeps the
@@ -9,7 +9,7 @@ import torch
 
 from megatrain_nb import Session
 from megatrain_nb.data import IGNORE, sft_batches
-from megatrain_nb.packing import document_starts, install, suits_varlen, varlen_kwargs
+from megatrain_nb.data.packing import document_starts, install, suits_varlen, varlen_kwargs
 from sft_helpers import chats, make_model_dir, make_tokenizer, write_jsonl
 
 
@@ -107,7 +107,7 @@ def test_install_chooses_varlen_only_where_it_applies():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_step_matches_transformers_masks_on_cuda(model_dir, tmp_path):
     """On CUDA in bf16: the varlen path's loss and gradients match transformers' block mask path."""
-    from megatrain_nb.packing import VARLEN, varlen_available
+    from megatrain_nb.data.packing import VARLEN, varlen_available
 
     if not varlen_available():
         pytest.skip("this torch has no torch.nn.attention.varlen")

@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.palette through the figures that use it, by structure (never pixels): every
+"""Tests for megatrain_nb.view.palette through the figures that use it, by structure (never pixels): every
 figure has a title, legends and axis ticks speak in words, and a phase has one colour in every figure.
 
 The figures come from everything that draws a step: a recorded H200 trace, the planner's simulated
@@ -13,10 +13,11 @@ import plotly.graph_objects as go
 import pytest
 
 from conftest import make_config
-from megatrain_nb import Session, palette, viz
+from megatrain_nb import Session
+from megatrain_nb.view import palette, viz
 from megatrain_nb.data import synthetic_batches
-from megatrain_nb.planner import plan
-from megatrain_nb.trace import PHASES, Trace, find_stalls
+from megatrain_nb.machine.planner import plan
+from megatrain_nb.view.trace import PHASES, Trace, find_stalls
 
 DATA = Path(__file__).parent / "data"
 SHAPE_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,

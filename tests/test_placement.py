@@ -10,7 +10,7 @@ import torch
 
 from conftest import VOCAB, families, load_reference, make_batches, rel, train_reference, train_session
 from megatrain_nb import Session
-from megatrain_nb import placement as placing
+from megatrain_nb.machine import placement as placing
 from test_equivalence import BETAS, EPS, LR, compare
 
 L = 4
@@ -396,7 +396,7 @@ def test_no_step_waits_for_a_state_write_back(hf_dir, monkeypatch, family, held)
 
 def test_state_written_back_in_pieces_trains_equal(hf_dir, monkeypatch, tmp_path):
     """transfers.STATE_OUT_CHUNK_BYTES: a write-back in many small copies (here 1 KiB) is the same state."""
-    from megatrain_nb import transfers
+    from megatrain_nb.step import transfers
 
     monkeypatch.setattr(transfers, "STATE_OUT_CHUNK_BYTES", 1024)
     d = hf_dir("llama_tied")
@@ -636,7 +636,7 @@ def test_resident_bytes_follow_groups_in_and_out(hf_dir):
 def test_state_slots_one_per_streamed_layer_or_two_in_turn_train_equal(hf_dir, tmp_path, monkeypatch, share):
     """placement.state_slots: with room, every "device" layer gets its own state slot (its load need not
     wait for another layer's write-back); without (share 0), two slots in turn. Both equal HF + AdamW."""
-    from megatrain_nb import placement as placing
+    from megatrain_nb.machine import placement as placing
 
     if share is not None:
         monkeypatch.setattr(placing, "STATE_SLOT_SHARE", share)

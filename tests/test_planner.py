@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.planner: parameter counts, bytes, step-time model, simulated timeline."""
+"""Tests for megatrain_nb.machine.planner: parameter counts, bytes, step-time model, simulated timeline."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from transformers import Qwen2Config
 
-from megatrain_nb.planner import CPU_LAPTOP, H200, Hardware, model_shape, plan
-from megatrain_nb.trace import LANES, Trace, find_stalls, summarize
+from megatrain_nb.machine.planner import CPU_LAPTOP, H200, Hardware, model_shape, plan
+from megatrain_nb.view.trace import LANES, Trace, find_stalls, summarize
 
 QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -185,7 +185,7 @@ def test_copies_beside_each_other_run_at_the_in_step_rates(monkeypatch):
     """bench/copy_rates.py on the 2026-12-01 stream traces: state in at 40 GB/s beside state out at 52 (55 each alone).
     With two state slots, as in those traces: the loads then chain behind the write-backs, so slower copies
     mean a longer step (with a slot per layer the list schedule may reorder, and need not be monotonic)."""
-    from megatrain_nb import placement as placing
+    from megatrain_nb.machine import placement as placing
 
     monkeypatch.setattr(placing, "STATE_SLOT_SHARE", 0.0)
     one = {u: "device" for u in range(20)}
@@ -256,7 +256,7 @@ def test_bytes_agree_with_preflight(family, pinning, monkeypatch):
     import torch
 
     from conftest import make_config
-    from megatrain_nb import preflight
+    from megatrain_nb.machine import preflight
     from megatrain_nb.config import EngineConfig
 
     config, batch, seq = make_config(family, hidden_size=64, intermediate_size=128, num_key_value_heads=4), 2, 12
@@ -481,7 +481,7 @@ def test_optimizer_state_host_bytes_agree_with_preflight(state, monkeypatch):
     import torch
     from transformers import Qwen2Config
 
-    from megatrain_nb import preflight
+    from megatrain_nb.machine import preflight
     from megatrain_nb.config import EngineConfig
 
     config = Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k != "model_type"})
@@ -499,7 +499,7 @@ def test_optimizer_state_host_bytes_agree_with_preflight(state, monkeypatch):
 
 
 def test_optimizer_state_host_bytes_qwen25_7b():
-    from megatrain_nb.compact_state import bytes_per_param
+    from megatrain_nb.host.compact_state import bytes_per_param
 
     n, e = 7_615_616_512, 152064 * 3584
     b = {k: plan(QWEN25_7B, batch=1, seq=4096, optimizer_state=k) for k in ("fp32", "int8", "int4")}
@@ -515,7 +515,7 @@ def test_optimizer_state_host_bytes_qwen25_7b():
 
 def test_optimizer_state_changes_the_streamed_state_bytes():
     """A "device" unit's state over PCIe: master 4 bytes + its compact moments; the split master is off."""
-    from megatrain_nb.planner import moment_bytes
+    from megatrain_nb.machine.planner import moment_bytes
 
     p = {k: plan(QWEN25_7B, batch=1, seq=4096, cast_on_device=True, placement="stream", weight_slots=28,
                  optimizer_state=k) for k in ("fp32", "int8", "int4")}
@@ -540,7 +540,7 @@ def test_optimizer_state_changes_the_streamed_state_bytes():
 
 
 def test_host_short_plan_advises_the_optimizer_state():
-    from megatrain_nb.shape import QWEN25
+    from megatrain_nb.machine.shape import QWEN25
 
     with pytest.warns(UserWarning, match="does not fit host RAM"):
         p = plan(QWEN25["14B"], batch=1, seq=4096, cast_on_device=True)

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_config
-from megatrain_nb import Session, compact_state, preflight
+from megatrain_nb import Session
+from megatrain_nb.host import compact_state
+from megatrain_nb.machine import preflight
 from megatrain_nb.config import EngineConfig
-from megatrain_nb.hf import load_architecture
-from megatrain_nb.host_store import HostStore
-from megatrain_nb.preflight import PreflightError, check, estimate, gib, oom_advice
+from megatrain_nb.model.hf import load_architecture
+from megatrain_nb.host.host_store import HostStore
+from megatrain_nb.machine.preflight import PreflightError, check, estimate, gib, oom_advice
 
 
 def _fake_ram(monkeypatch, available: int, total: int = 1 << 40) -> None:
@@ -163,7 +165,7 @@ def test_invalid_pin_store_is_a_value_error():
 def test_session_pinning_rule_is_the_one_used(monkeypatch):
     """estimate resolves pin_store/cast_on_device=None with the one rule Session uses too
     (preflight.resolve_pinning)."""
-    import megatrain_nb.preflight as preflight_mod
+    import megatrain_nb.machine.preflight as preflight_mod
 
     arch = load_architecture(make_config("llama"))
     monkeypatch.setattr(preflight_mod, "resolve_pinning", lambda cfg, arch, **kw: (True, False))
@@ -232,7 +234,7 @@ def test_cuda_estimate_equals_what_the_session_allocates():
 
 def test_cuda_allocator_grows_segments_unless_the_user_chose(monkeypatch):
     """Note: [Allocator]: expandable segments before CUDA starts; a user's own setting is kept."""
-    from megatrain_nb.preflight import ALLOCATOR, cuda_allocator
+    from megatrain_nb.machine.preflight import ALLOCATOR, cuda_allocator
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
@@ -377,7 +379,7 @@ def test_host_table_extrapolates_layers_exactly(monkeypatch):
 
 
 def test_qwen25_14b_fits_118_gib_with_int8_not_fp32(monkeypatch):
-    from megatrain_nb.shape import QWEN25
+    from megatrain_nb.machine.shape import QWEN25
 
     df = preflight.host_table({"14B": QWEN25["14B"]}, host_bytes=118 << 30).set_index("optimizer_state")
     assert (df.params == 14_770_033_664).all() and (df.layers == 48).all()
@@ -395,7 +397,7 @@ def test_qwen25_14b_fits_118_gib_with_int8_not_fp32(monkeypatch):
 
 
 def test_qwen25_32b_fits_125_gib_at_no_setting():
-    from megatrain_nb.shape import QWEN25
+    from megatrain_nb.machine.shape import QWEN25
 
     df = preflight.host_table({"32B": QWEN25["32B"]}, host_bytes=125 << 30)
     assert list(df.optimizer_state) == ["fp32", "int8", "int4"] and not df.fits.any()

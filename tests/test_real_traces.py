@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_nb import viz
-from megatrain_nb.trace import LANES, PHASES, Trace, export_chrome_trace, find_stalls, slot_segments, summarize
+from megatrain_nb.view import viz
+from megatrain_nb.view.trace import LANES, PHASES, Trace, export_chrome_trace, find_stalls, slot_segments, summarize
 from test_trace import check_chrome  # the Chrome Trace Event schema, as Perfetto reads it
 
 DATA = Path(__file__).parent / "data"

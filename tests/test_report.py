@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.report.write_report: one standalone page with every figure and table."""
+"""Tests for megatrain_nb.view.report.write_report: one standalone page with every figure and table."""
 from __future__ import annotations
 
 import re
@@ -10,7 +10,7 @@ import pytest
 from conftest import make_config
 from megatrain_nb import Session
 from megatrain_nb.data import synthetic_batches
-from megatrain_nb.report import write_report
+from megatrain_nb.view.report import write_report
 
 
 def trained(n: int, **settings) -> Session:

@@ -1,4 +1,4 @@
-"""The pure order of a step (megatrain_nb.schedule): blocks, backward order, and the slot plan's
+"""The pure order of a step (megatrain_nb.step.schedule): blocks, backward order, and the slot plan's
 ordering rules, checked by simulating the plan rather than by trusting it."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from megatrain_nb.schedule import Block, Load, Op, backward_ops, forward_ops, make_blocks, plan_loads
+from megatrain_nb.step.schedule import Block, Load, Op, backward_ops, forward_ops, make_blocks, plan_loads
 
 SLOT_KINDS = ("fwd", "recompute", "bwd")
 

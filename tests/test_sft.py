@@ -1,4 +1,4 @@
-"""megatrain_nb.sft through data.sft_batches: formats, assistant-only labels, packing, sources, errors, resume."""
+"""megatrain_nb.data.sft through data.sft_batches: formats, assistant-only labels, packing, sources, errors, resume."""
 import json
 
 import pytest

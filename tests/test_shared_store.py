@@ -222,8 +222,8 @@ def test_a_follower_names_the_unit_and_its_owner_when_the_update_never_comes(own
     import sys
     import threading
 
-    from megatrain_nb.shared_store import SharedHost
-    from megatrain_nb.workers import AdamWorker
+    from megatrain_nb.host.shared_store import SharedHost
+    from megatrain_nb.step.workers import AdamWorker
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -262,7 +262,7 @@ def test_a_follower_names_the_unit_and_its_owner_when_the_update_never_comes(own
 
 def test_share_host_store_false_keeps_a_store_per_rank_and_one_process_shares_nothing():
     from megatrain_nb.config import EngineConfig
-    from megatrain_nb.shared_store import attach
+    from megatrain_nb.host.shared_store import attach
 
     assert EngineConfig().share_host_store is None
     assert EngineConfig(share_host_store=False).share_host_store is False
@@ -313,7 +313,7 @@ def test_two_ranks_sharing_take_about_one_stores_host_bytes_not_two(hf_dir, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_segment_is_pinned_on_cuda_and_dmas_both_ways():
-    from megatrain_nb.shared_store import SharedHost
+    from megatrain_nb.host.shared_store import SharedHost
 
     sh = SharedHost(rank=0, local=[0], node=0, tag=f"gpu{os.getpid()}", cuda=True, pids=[os.getpid()])
     slabs = sh.alloc({(0, "master"): (1 << 20, torch.float32), (0, "grad"): (1 << 20, torch.bfloat16)}, [0])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatrain_nb import split_master as sm
+from megatrain_nb.host import split_master as sm
 
 
 def _values(n=200_003 * 2, seed=0):

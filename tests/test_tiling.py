@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.tiling: tiled equals untiled (function, layer, whole training vs HF + AdamW at a
+"""Tests for megatrain_nb.step.tiling: tiled equals untiled (function, layer, whole training vs HF + AdamW at a
 sequence far longer than the hidden size), the T x T refusals, the named attention kernel."""
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from conftest import make_batches, make_config, rel
-from megatrain_nb import Session, tiling
-from megatrain_nb.hf import load_architecture
-from megatrain_nb.tiling import LongContextError, SequenceTiling, Tiled, tile_layer
+from megatrain_nb import Session
+from megatrain_nb.step import tiling
+from megatrain_nb.model.hf import load_architecture
+from megatrain_nb.step.tiling import LongContextError, SequenceTiling, Tiled, tile_layer
 from test_equivalence import compare
 
 

@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.trace: recorder, Trace round trip, stall analysis, Chrome export."""
+"""Tests for megatrain_nb.view.trace: recorder, Trace round trip, stall analysis, Chrome export."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from megatrain_nb.trace import (LANES, Recorder, Trace, export_chrome_trace, find_stalls, lane_order,
+from megatrain_nb.view.trace import (LANES, Recorder, Trace, export_chrome_trace, find_stalls, lane_order,
                                 slot_segments, summarize)
 
 SPAN_COLS = ["step", "lane", "op", "layer", "phase", "start_ms", "end_ms", "dur_ms", "bytes"]

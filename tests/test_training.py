@@ -146,7 +146,7 @@ def test_dashboard_is_refreshed_throttled_in_jupyter(session, monkeypatch):
         def update(self):
             draws.append(len(session.history))
 
-    import megatrain_nb.dashboard as dashboard_mod
+    import megatrain_nb.view.dashboard as dashboard_mod
 
     monkeypatch.setattr(training, "in_jupyter", lambda: True)
     monkeypatch.setattr(dashboard_mod, "Dashboard", FakeDashboard)
@@ -159,7 +159,7 @@ def test_dashboard_is_refreshed_throttled_in_jupyter(session, monkeypatch):
 
 def test_a_failing_dashboard_never_stops_training(session, monkeypatch):
     from megatrain_nb import training
-    import megatrain_nb.dashboard as dashboard_mod
+    import megatrain_nb.view.dashboard as dashboard_mod
 
     class Broken:
         def __init__(self, s):

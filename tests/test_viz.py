@@ -1,4 +1,4 @@
-"""Tests for megatrain_nb.viz: figures by structure (traces, axes, rows), never by pixels."""
+"""Tests for megatrain_nb.view.viz: figures by structure (traces, axes, rows), never by pixels."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from megatrain_nb import viz
-from megatrain_nb.trace import Trace, find_stalls
+from megatrain_nb.view import viz
+from megatrain_nb.view.trace import Trace, find_stalls
 
 DATA = Path(__file__).parent / "data"
 GIB = float(1 << 30)

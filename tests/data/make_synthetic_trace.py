@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatrain_nb.planner import plan
-from megatrain_nb.schedule import backward_ops, forward_ops, make_blocks, plan_loads
-from megatrain_nb.trace import Trace
+from megatrain_nb.machine.planner import plan
+from megatrain_nb.step.schedule import backward_ops, forward_ops, make_blocks, plan_loads
+from megatrain_nb.view.trace import Trace
 
 QWEN25_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                  num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)

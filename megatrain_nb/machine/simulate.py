@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 
-from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from ..step.schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 
 GRAD_SLOTS = 2  # the engine alternates two device grad slots
 

@@ -133,7 +133,7 @@ class Architecture:
         """
         if position_ids is None:
             return {}
-        from .packing import VARLEN, varlen_kwargs
+        from ..data.packing import VARLEN, varlen_kwargs
 
         out = {"position_ids": position_ids.to(device, non_blocking=True)}
         if self.config._attn_implementation == VARLEN:
@@ -186,7 +186,7 @@ def _unpacked():
 
     Note: [Prelude sync] without an attention mask, HF's mask code looks for packed sequences in the
     position ids (``masking_utils.find_packed_sequence_indices``) by reading a device value back: a
-    host sync, whose copy out queues behind any copy out already on its way. Traced on the H200 (s9c8,
+    host sync, whose copy out queues behind any copy out already on its way. Traced on the H200 (2026-12-02,
     3B under "stream"), each step's prelude waited 62-65 ms for the previous step's head group write-back
     (Note: [Streamed head] in placement.py). Given no position ids, HF counts 0, 1, ... itself: nothing
     is packed, and the check would answer None. Packed rows (``position_kwargs``) keep HF's check.

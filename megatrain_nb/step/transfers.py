@@ -21,9 +21,9 @@ import weakref
 
 import torch
 
-from .config import EngineConfig, pinned_budget
-from .longcontext import PARK_CHUNK
-from .host_store import HostStore
+from ..config import EngineConfig, pinned_budget
+from ..machine.longcontext import PARK_CHUNK
+from ..host.host_store import HostStore
 from .workers import AdamWorker, Box, Worker
 
 
@@ -114,7 +114,7 @@ def mapped(host: torch.Tensor, device) -> torch.Tensor | None:
     Note: [Mapped reads] the step reads each "device" unit's grad norm (a 4-byte copy out after its
     backward) and, at its end, the last of them; a copy out goes through the copy engine that the state
     write-backs (~0.9 GB each, on another stream) keep busy, and waits behind every one queued before
-    it (s9c8: 64 MiB pieces did not let a small read pass). On the H200 (s11c3, 3B x 4 under "stream")
+    it (64 MiB pieces did not let a small read pass). On the H200 (2026-12-02, 3B x 4 under "stream")
     the step so ended 6 ms before the last write-back, 89 ms after its compute. A kernel writing the
     value into mapped host memory does not queue there.
     """
@@ -328,13 +328,13 @@ class Transfers:
         Note: [State write-backs] a "device" unit's master and moments (``op="state-out"``, 12 bytes a
         parameter into pinned slabs) go out on a stream and a host thread of their own, lane "d2h-state":
         on the shared d2h stream and unpacker they queued the gradients behind them, and each waits for
-        its unit's device update, which waits for its state's copy in. Traced on the H200 (s8c2, 3B
+        its unit's device update, which waits for its state's copy in. Traced on the H200 (2026-12-02, 3B
         under "stream"), the embedding's row gradients left 110 ms after the backward's last layer at
         batch 4, behind six write-backs, and only then were scattered on the host; the step ends when
         they have landed. No step waits for a write-back; each lands for its own step (``step``; Note:
         [Late write-backs] in device_updates.py).
         ``STATE_OUT_CHUNK_BYTES`` splits each slab's copy: a small copy out on another stream queued behind
-        a whole 1.24 GB one (the head group's, s9c5), and 64 MiB pieces did not let it pass (s9c8: the
+        a whole 1.24 GB one (the head group's), and 64 MiB pieces did not let it pass (H200, 2026-12-02: the
         prelude's read-back waited 62-65 ms either way; 3B x 1 / x 4 at 100.4 / 308.9 TFLOPS in pieces,
         98.6 / 315.3 whole). Whole copies stay the default; Note: [Prelude sync] in hf.py removed that read.
         """

@@ -14,7 +14,7 @@ that the planner and the engine must share exactly; half of it in another module
 
 Note: [Long-context memory] per token of one layer, d = compute dtype bytes, q = heads*head_dim,
 kv = kv_heads*head_dim, h = hidden, I = intermediate, n = heads; measured on the H200 for the 7B shape
-at 32K-512K tokens under cuDNN, flash and efficient attention (bench/layer_memory.py, fifth session):
+at 32K-512K tokens under cuDNN, flash and efficient attention (bench/layer_memory.py, 2026-12-01):
   saved, untiled: shape.py's Note [Activation estimate] (norms' fp32 copies, q/k/v/output, 4*d*I of MLP)
   saved, tiled:   d*(3h + 3q + 2kv) + 4n — the attention's normed input and the mid-layer residual
                   (2h), q after rotary, the attention output and o_proj's input (3q), k and v (2kv),

@@ -5,7 +5,7 @@ reads ``/proc/self/statm`` through a descriptor kept open (``os.pread``: ~3 us o
 ``psutil.Process().memory_info()`` opens and parses the file each time: ~30 us, per layer op, on the
 driver thread). Elsewhere it asks psutil. Same number either way: psutil's Linux ``rss`` is statm's
 second field times the page size.
-Does not own: when the counter is sampled nor the recorder (``engine.Engine._count_memory``, ``trace.py``).
+Does not own: when the counter is sampled nor the recorder (``step/memory.py``'s ``count``, ``trace.py``).
 """
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from . import placement as placing
-from . import split_master
-from .optim import DeviceAdamW, grad_norm
+from ..machine import placement as placing
+from ..host import split_master
+from ..host.optim import DeviceAdamW, grad_norm
 from .transfers import PendingLoad, memory_total
 from .workers import Box
 
@@ -99,7 +99,7 @@ class DeviceUpdates:
 
         Note: [Late write-backs] a "device" unit's master and moments go back to the host after its update
         (lane "d2h-state", 12 bytes a parameter), and the unit lands (the Adam worker hears of it) after
-        that. No step waits for it. Traced on the H200 (s10c2, 3B x 4 under "stream"), the compute sat idle
+        that. No step waits for it. Traced on the H200 (2026-12-02, 3B x 4 under "stream"), the compute sat idle
         for the last 75-97 ms of each step behind the last three layers' write-backs. What needs the state
         waits instead: the unit's next load from the host (its version, ``Transfers.load``), the state
         slot's next load (the copy's event), ``settle`` (checkpoints, ``close``, a generation), a failed
@@ -214,9 +214,9 @@ class DeviceUpdates:
 
         Note: [Stream rate] set after the first step (nothing streamed yet), then after each of the next
         steps that streamed, ``placement.STREAM_RATE_STEPS`` times in all: inside a streamed step the host's
-        AdamW runs beside the state's copies, slower. On the H200, s8c2's 3B steps ran it at 1.8-2.0 G
-        params/s where the first step's rate had put 20 of 36 layers on the device; from s8c2's rate the
-        share is 24. s8c3 set it twice and ended at 21: the first streamed step's rate (2.3 G params/s,
+        AdamW runs beside the state's copies, slower. On the H200 (2026-12-02), 3B steps ran it at 1.8-2.0 G
+        params/s where the first step's rate had put 20 of 36 layers on the device; from that rate the
+        share is 24. A later run set it twice and ended at 21: the first streamed step's rate (2.3 G params/s,
         implied) still counted the first step's own updates, which ran on into it without state copies
         beside them; its trace's rate was 1.79. Hence a third time. The head group's state streams whatever
         the share (Note: [Streamed head]; with a shared host store the group updates on the host instead):
@@ -264,7 +264,7 @@ class DeviceUpdates:
         """``Search.planned``'s predict for this batch (Note: [Auto search]): the planner on a profile
         calibrated with the measured device memory and host AdamW rate, its seconds agreed over ranks; None
         where the planner cannot read the model."""
-        from . import autoplan, planner
+        from ..machine import autoplan, planner
 
         try:
             planner.model_shape(self.arch.config)
@@ -285,7 +285,7 @@ class DeviceUpdates:
         if self.ecfg.micro_batch_size is not None or not (self.dev.cuda and self.mode == "auto"):
             return self.ecfg.micro_batch_size
         if (batch, seq) not in self.micro:
-            from . import autoplan
+            from ..machine import autoplan
 
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
             self.micro[(batch, seq)] = autoplan.micro_batch(
@@ -472,7 +472,7 @@ class DeviceUpdates:
 
         Note: [Early state] at small batches the step is bound by PCIe in, and with no step waiting for the
         write-backs (Note: [Late write-backs]) the next one starts before the host has updated the first
-        layer its forward loads: traced on the H200 (s10c5, s10c7, 3B x 1 under "stream") the h2d stream
+        layer its forward loads: traced on the H200 (2026-12-02, two runs at 3B x 1 under "stream") the h2d stream
         sat idle for the first 32-46 ms while the packer waited for that update, with the backward's state
         loads queued behind it. The packer now starts those state loads while it waits, one copy at a
         time, so that a load in order that becomes ready waits behind one copy at most; each needs no wait

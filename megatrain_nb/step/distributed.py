@@ -29,7 +29,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .optim import grad_norm
+from ..host.optim import grad_norm
 
 TIMEOUT_S = float(os.environ.get("MEGATRAIN_DP_TIMEOUT_S", 300))
 """Seconds a collective may wait for the other ranks before this rank raises (``init``'s default)."""

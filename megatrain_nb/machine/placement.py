@@ -46,8 +46,8 @@ their layer's current weights (``Engine.slot_current``): a load makes a slot cur
 step leaves current only the slots refilled this way, a failed step none. The host store stays the
 authority: the state still goes back, and any other load reads it.
 A is the rate measured in the first step (the host's AdamW beside the gradients' DMA), B the in-step
-rate of a copy in beside copies out (``PCIE_IN_STEP_BYTES_PER_S``): with the isolated 55 GB/s the s3c1
-run streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10 (x 4); this rule
+rate of a copy in beside copies out (``PCIE_IN_STEP_BYTES_PER_S``): with the isolated 55 GB/s the H200's
+run of 2026-12-01 streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10 (x 4); this rule
 streams 17 (``bench/stream_plan.py``). With a gate (grad_clip, overlap off, nonfinite="raise") a
 "device" unit is updated on the host like a "host" one: its update would have to wait for every
 gradient, after its state had come and gone.
@@ -60,7 +60,7 @@ parameter) loads where its weights would, after the forward's loads; its gradien
 (a tied embedding's rows are added to the lm_head's there, in fp32, as the host adds them); its AdamW
 runs once they are complete, casts the new master into the head slot and sends the state back. The
 next step computes from that slot without a load, and a tied embedding's rows are gathered from it on
-the device. On the H200 (s9c1, 3B under "stream" with the head group on the host) every step began
+the device. On the H200 (2026-12-02, 3B under "stream" with the head group on the host) every step began
 with the host's update of the embedding: compute idled 59 ms (x 1) and 160 ms (x 4) before layer 0,
 its early rows (Note: [Early rows]) included; and the host scattered the rows' gradients (45-74 ms).
 It costs PCIe 12 bytes a parameter each way, against 4 in (the head's fp32 load) and 2 out: a share
@@ -76,7 +76,7 @@ MODES = ("auto", "host", "stream")
 RESERVE_BYTES = 2 << 30  # left free for allocator slack and workspaces when choosing residents
 PCIE_BYTES_PER_S = 55e9  # each way, pinned: PCIe Gen5 x16 as measured on the H200 (shared/LIMITS.md)
 # inside a stream step, state in runs beside state and gradients out: 40.2 GB/s (bench/copy_rates.py on the
-# s3c1 stream traces; planner.H200.h2d_beside_d2h_GBps). What stream_share balances host AdamW against.
+# H200's stream traces of 2026-12-01; planner.H200.h2d_beside_d2h_GBps). What stream_share balances host AdamW against.
 PCIE_IN_STEP_BYTES_PER_S = 40.2e9
 
 
@@ -339,9 +339,9 @@ def host_bound(step_s: float, adam_s: float) -> bool:
     """Whether the host's AdamW could hold a step of this batch size back, so that the "auto" search's
     trials are worth their steps: the measuring step (nothing resident, first-step costs included) took
     under ``HOST_HIDES`` times the host AdamW of every unit. Long context hides the host: 7B at 128K
-    tokens steps ~40 s against ~3 s of AdamW. The bound was 3 until s7c1: 3B x 16's measuring step took
+    tokens steps ~40 s against ~3 s of AdamW. The bound was 3 until the H200's runs of 2026-12-02: 3B x 16's measuring step took
     5.07 s against 1.38 s of AdamW, so no trial ran, and A's forward then waited 149 ms a step for host
-    AdamW at 304.2 TFLOPS, where s4c1's trial winner ran 330.2.
+    AdamW at 304.2 TFLOPS, where the trial winner of 2026-12-01 ran 330.2.
 
     Example:
         >>> host_bound(5.07, 1.38), host_bound(40.0, 3.0)

@@ -212,7 +212,7 @@ def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
 
 
 # Note: [Lean auto] lean costs every layer a little backward time and spares recompute only where the
-# activations do not all fit. Measured on the H200 (3B shape, bench/results_h200_2026-12-01_s2.jsonl):
+# activations do not all fit. Measured on the H200 (3B shape, bench/results/h200-2026-12-01-placement.jsonl):
 # lean's backward took 11% longer at 4 x 4096 (8% of a layer's forward + backward) and 3B x 1 ran 236
 # instead of 284 TFLOPS with nothing to spare; a recomputed layer costs its forward again, about a
 # third of its forward + backward. So lean pays when the layers it keeps from recompute outweigh its
@@ -255,7 +255,7 @@ def auto(shape: dict, *, tokens: int, dtype_bytes: int, room, tiled: bool = Fals
     Returns:
         (on, why), as ``choose``.
     """
-    from .shape import _act_bytes_per_token
+    from ..machine.shape import _act_bytes_per_token
     from .tiling import auto_tiles
 
     if room is None:
@@ -338,8 +338,8 @@ def layer_bytes_per_token(config, *, lean: bool, tokens: int = 64, dtype: torch.
     Example:
         >>> layer_bytes_per_token(qwen_config("3b"), lean=True)   # doctest: +SKIP
     """
-    from .binding import call
-    from .hf import load_architecture
+    from ..model.binding import call
+    from ..model.hf import load_architecture
 
     arch = load_architecture(config)
     prepare(arch, lean)

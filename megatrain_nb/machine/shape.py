@@ -125,7 +125,7 @@ def loss_positions(setting: int | None, rows: int) -> int:
     A chunk's logits exist in the compute dtype, in fp32 and as an fp32 gradient at once: rows x positions x
     vocab x (dtype + 8) bytes. With a fixed 1024 positions that grew with the batch: at 3B x 16 x 4096, 16K
     tokens of a 151,936-word vocabulary, ~23 GiB beside the kept activations (the loss chunk was the 9.3 GiB
-    allocation "stream" ran out of memory on in s7c1). ``None`` keeps a chunk at ``LOSS_CHUNK_TOKENS`` tokens
+    allocation "stream" ran out of memory on, on the H200, 2026-12-02). ``None`` keeps a chunk at ``LOSS_CHUNK_TOKENS`` tokens
     across the rows, at least one position; an int is the positions, as set.
 
     Example:

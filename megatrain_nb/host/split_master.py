@@ -5,8 +5,8 @@ device already holds) and D the 16 bits that give the fp32 back, on the host or 
 in-place forms of both on a host master slab. Does not own: when a unit's slab is split (host_store.py,
 device_updates.py) or any copy.
 
-Note: [Split master] at small batches under placement "stream" the step is bound by PCIe in (s11c1,
-3B x 1 on the H200: the h2d lane busy 719 of 728 ms), and 12 bytes of each streamed parameter are its
+Note: [Split master] at small batches under placement "stream" the step is bound by PCIe in (on the
+H200, 2026-12-02, 3B x 1: the h2d lane busy 719 of 728 ms), and 12 bytes of each streamed parameter are its
 fp32 master and moments. The device holds the layer's bf16 weights when its state arrives (Note:
 [Held weights] in placement.py): R = bf16(master), rounded to nearest even. So the host keeps a
 "device" layer's master slab as two planes, [R | D], D = bits(master) - bits(R) * 2**16, and sends D
@@ -16,7 +16,7 @@ stored as -2**15 with the sign bit of the parameter's exp_avg_sq set; that momen
 so the sign bit is free, and joining clears it. The codec is exact: joining gives the fp32 bits back
 (``tests/test_split_master.py``), so every placement trains as before, bitwise. On CUDA each direction is one Triton kernel (a pass of
 16 bytes an element): in torch's elementwise ops the codec took ~12 passes, and beside the backward at
-3B x 4 it slowed the compute stream by 7% (s11c2: busy 97.4% of an 889 ms step, against 95.4% of 830
+3B x 4 it slowed the compute stream by 7% (H200, 2026-12-02: busy 97.4% of an 889 ms step, against 95.4% of 830
 without the split); the CPU runs the same arithmetic in torch ops, and ``tests/test_gpu.py`` holds the
 two equal.
 """

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .denormals import flush_denormals
+from ..host.denormals import flush_denormals
 
 
 class Aborted(RuntimeError):
@@ -133,7 +133,7 @@ class AdamWorker:
         self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
         self.follower = None
         if shared is not None:
-            from .shared_store import Follower
+            from ..host.shared_store import Follower
 
             self.follower = Follower(shared, self)  # version[u] of those units: what their owners published
         self.thread = threading.Thread(target=self._run, name="megatrain-host-adam", daemon=True)

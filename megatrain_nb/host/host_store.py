@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from . import compact_state, split_master
-from .binding import Layout
-from .hf import Architecture, checkpoint_map, convert_to_checkpoint
+from ..model.binding import Layout
+from ..model.hf import Architecture, checkpoint_map, convert_to_checkpoint
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -69,7 +69,7 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     """
     if max_shard_bytes < (1 << 20):
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: use at least 1 MiB")
-    from .distributed import barrier, world
+    from ..step.distributed import barrier, world
 
     path = Path(path)
     session.engine.drain()  # host wait: every finished step's updates are in the masters
@@ -131,7 +131,7 @@ def resume(path: str | os.PathLike, *, make, **overrides):
     if state.get("keep") is not None and not set(overrides) & {f.name for f in dataclasses.fields(session.engine_cfg)}:
         session.engine.keep = list(state["keep"])  # the same activation policy, so the same kernels run
         if state.get("placement_free_bytes") is not None:  # and the same placement (Note: [Placement])
-            from .placement import Search
+            from ..machine.placement import Search
 
             session.engine.device_updates.search = Search.done_with(state["placement_free_bytes"])
     _set_rng(state["rng"])
@@ -205,7 +205,7 @@ def _config(state: dict):
 
 
 def _history(rows: list[dict]) -> list:
-    from .results import StepResult
+    from ..view.results import StepResult
 
     names = [f.name for f in dataclasses.fields(StepResult)]
     return [StepResult(**{n: r.get(n) for n in names}) for r in rows]

@@ -9,7 +9,7 @@ Note: [Early rows] the embedding's gradients land last in a backward (its rows' 
 the last op, the head's, when tied, from the first), and its host AdamW is the largest of any unit
 (311M parameters at the 3B shape: 67-77 ms on the H200's 16 cores). Yet the next forward reads it
 first: traced at 3B under placement "stream", each step's compute idled 92 ms (x 1) and 141 ms (x 4)
-before layer 0 while the host finished that update (``bench/trace_ops.py --stalls``, s5c4). The
+before layer 0 while the host finished that update (``bench/trace_ops.py --stalls``, H200, 2026-12-01). The
 forward needs only the rows its tokens gather (at most one per token: 4096 of 151936 at 1 x 4096).
 So when the driver asks for them before the worker reaches the embedding, the worker first runs
 the same fused AdamW on copies of those rows (master, moments, gradients gathered), hands the
@@ -19,7 +19,7 @@ bitwise what the slab's update writes when each row is a whole number of the ker
 lanes (hidden % 64 == 0, as in every Qwen, Llama and Mistral shape); other widths skip this. A
 tied head still waits for the whole update (``Engine._load_head``), at the end of the forward, and
 so do its gradients; an untied embedding's gradients of the new step wait for it before they are
-written into the slab that update reads (``Engine._embed_grads``). With a gate (grad_clip, say) the
+written into the slab that update reads (``embedding.scatter_grads``). With a gate (grad_clip, say) the
 worker reaches the embedding the moment the last gradient lands, most often before the next step
 has asked: its rows then wait for the whole update, as before.
 """
@@ -41,7 +41,7 @@ class EarlyRows:
             rows as it does its ``version`` counts, and its ``wait_until`` is every wait here.
     Example:
         >>> import threading
-        >>> from megatrain_nb.workers import AdamWorker
+        >>> from megatrain_nb.step.workers import AdamWorker
         >>> w = AdamWorker([-1], lambda *a: None, threading.Event())
         >>> e = EarlyRows(64, w)
         >>> e.request(1, torch.tensor([[5, 3, 5]]))

@@ -21,10 +21,10 @@ import math
 
 import torch
 
-from . import compact_state
-from .binding import Layout
-from .config import OPTIMIZER_STATES, EngineConfig, pinned_budget
-from .host_store import unit_layouts
+from ..host import compact_state
+from ..model.binding import Layout
+from ..config import OPTIMIZER_STATES, EngineConfig, pinned_budget
+from ..host.host_store import unit_layouts
 from .shape import QWEN25, loss_positions
 
 _GIB = 1 << 30
@@ -301,7 +301,7 @@ def oom_advice(exc: BaseException, engine_cfg: EngineConfig, batch_shape) -> str
 
 # ---- pieces ------------------------------------------------------------------------------------
 def _resolve(arch_or_config, engine_cfg):
-    from .hf import Architecture, load_architecture
+    from ..model.hf import Architecture, load_architecture
 
     x = arch_or_config
     if hasattr(x, "arch") and hasattr(x, "engine_cfg"):  # a Session

@@ -18,7 +18,7 @@ import torch
 from torch.optim.adamw import adamw as _adamw
 
 from . import compact_state
-from .config import OptimConfig
+from ..config import OptimConfig
 from .host_store import HostStore
 
 

@@ -2,10 +2,13 @@
 
 Owns: the device buffers (weight slots, grad slots, head slot), the plan of a step (which loads,
 when each slot is released), the compute (prelude, forward with kept or checkpointed activations,
-chunked loss, recompute and backward), the recovery of a failed step, and the step's counters.
+recompute and backward) and the recovery of a failed step. It calls, each at a named point:
+``head.py`` (the head slot's load; the chunked loss between the forward and the backward),
+``embedding.py`` (the rows a step gathers first; the embedding's backward, its last op) and
+``memory.py`` (the activation policy from free memory; the memory counters after each layer op).
 Weights in and gradients out are ``transfers.py``'s (its streams, threads and staging); together
-these two modules hold every stream, event and wait. Over 400 lines because each cross-stream
-wait of the compute side reads best next to the work it orders.
+these modules hold every stream, event and wait. Over 400 lines because each cross-stream wait of
+the compute side reads best next to the work it orders.
 
 Three streams (CUDA; on "cpu" they are the calling thread and copies are synchronous):
   compute  — prelude, layer forward / recompute / backward, loss chunks;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import math
 import threading
@@ -32,25 +36,24 @@ import time
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from .attncache import AttentionCache
-from .binding import Layout, SlotRefs, call, grads_into
-from .config import EngineConfig, OptimConfig
-from .host_store import HostStore
-from .hf import Architecture
-from .hostmem import HostRss
+from ..model.binding import Layout, SlotRefs, call, grads_into
+from ..config import EngineConfig, OptimConfig
+from ..host.host_store import HostStore
+from ..model.hf import Architecture
+from ..host.hostmem import HostRss
 from .device_updates import DeviceUpdates
 from .early_rows import EarlyRows
-from .optim import HostAdamW, grad_norm
+from ..host.optim import HostAdamW, grad_norm
 from . import distributed
-from . import placement as placing
+from ..machine import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
-from .shape import loss_positions
-from .longcontext import Checkpoints, host_free_bytes, layer_bytes, pinned_bytes
+from ..machine.longcontext import Checkpoints
 from .tiling import SequenceTiling
-from . import lean
-from .transfers import Offload, Streams, Transfers, chunks
+from ..view.trace import add_occupancy
+from . import embedding, head, lean, memory
+from .transfers import Offload, Streams, Transfers
 from .workers import AdamWorker, Box
 
 
@@ -91,7 +94,7 @@ class Engine:
         self.gslot_box = [Box(ready=True) for _ in self.gslots]
         self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
         self.early = EarlyRows(arch.embed.weight.shape[1], self.adam)  # the next forward's rows first (Note: [Early rows])
-        self.adam.early = self._early_rows
+        self.adam.early = functools.partial(embedding.early_rows, self)  # embedding.py
         self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
@@ -151,18 +154,6 @@ class Engine:
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
         self.device_updates.host_updated(unit, time.perf_counter() - t0)  # what "stream" balances PCIe against
-
-    def _early_rows(self, unit: int, step: int, lr: float, grad_scale: float) -> bool:
-        """Worker, before ``unit``'s update of step ``step``: serve the embedding rows the next forward
-        asked for (Note: [Early rows]); False where this process does not update it on the host."""
-        if (unit != -1 or -1 in self.dev_opt.of or -1 in self.dev_opt.streamed or not self.store.owns(-1)
-                or self.store.units[-1].compact is not None):  # compact moments: no row-wise update
-            return False
-
-        def rows(ids):
-            with self.rec.span("host-adam", "adam-rows", -1, "optim"):
-                return self.optim.updated_rows(-1, ids, self.early.width, lr, grad_scale)
-        return self.early.serve(step + 1, rows)
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -265,7 +256,7 @@ class Engine:
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
         with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
-            self._count_memory()
+            memory.count(self)
             with rec.span("driver", "prepare", -1, "fwd"):  # the driver's own time before the first layer
                 small = self._small_inputs(mbs)  # before any load of this step is queued
                 head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
@@ -288,7 +279,7 @@ class Engine:
             self.head_current = du.head_streamed  # its update refilled the head slot
             self._committed = True  # gated: no update starts before every gradient has landed, after this
             du.end_backward()  # the next step's compute follows this step's device updates
-            self._count_memory()
+            memory.count(self)
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have that the unpacker took
         du.wait_writes(every=self._gated)  # Note: [Late write-backs]: a gated step's worker needs every landing
         loss = float(loss_box.get())
@@ -321,32 +312,7 @@ class Engine:
 
     def activation_policy(self) -> dict:
         """What the last step did with its activations (``Session.activations``); empty before a step."""
-        if self.keep is None:
-            return {}
-        c = self.ckpts
-        parked = sorted(i for i, p in (c.park or {}).items() if p)
-        return dict(tokens=self._keep_tokens, kept_layers=sum(self.keep), recomputed_layers=self.L - sum(self.keep),
-                    block=c.block, parked_inputs=parked, attention_cached=len(c.cached), device_share=c.share,
-                    tile_rows=self.tiler.rows,
-                    attention=self.tiler.backend, lean=self.lean, lean_reason=self.lean_reason)
-
-    def _count_memory(self) -> None:
-        """Counters: device memory by category and host RSS (allocator bookkeeping: no sync)."""
-        rec = self.rec
-        if not rec.enabled:
-            return
-        rec.counter("host_rss_bytes", self._rss())  # sampled after every layer op
-        if not self.dev.cuda:
-            return  # on "cpu" every buffer lives in host RAM: RSS is the whole story
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        weights = size(self.slots + [self.head_slot])
-        grads = size(self.gslots + [self.head_gslot])
-        resident = self.dev_opt.nbytes
-        rec.counter("device_mem.weights", weights)
-        rec.counter("device_mem.grads", grads)
-        rec.counter("device_mem.resident", resident)
-        rec.counter("device_mem.activations", torch.cuda.memory_allocated(self.dev.device) - weights - grads - resident)
-        rec.counter("pinned_in_use_bytes", size(self.io.staging + self.io.gstaging))
+        return memory.policy(self)
 
     def step_records(self):
         """The last step's raw trace records while its Trace is unread (else None): ``rec.resolve`` turns
@@ -360,50 +326,12 @@ class Engine:
             raw, occ = self._pending
             self._pending = None
             self._trace = self.rec.resolve(raw)
-            self._add_occupancy(self._trace, occ)
+            if self.rec.enabled:
+                add_occupancy(self._trace, occ)  # trace.py: the slots' states at GPU times
         return self._trace
 
-    def _add_occupancy(self, trace, occ: list) -> None:
-        """Slot occupancy at GPU times: each load / compute / copy-out span marks its slot's state."""
-        if not self.rec.enabled or not len(trace.spans):
-            return
-        df = trace.to_dataframe()
-        when = {}
-        for r in df.itertuples():
-            when.setdefault((r.lane, r.op, int(r.layer), r.phase), []).append((r.start_ms, r.end_ms))
-        used = {}  # (slot kind, span key) -> spans of that key already matched: the n-th use takes the n-th span
-        for kind, index, layer, key, s0, s1 in occ:
-            spans = when.get(key, [])
-            n = used.get((kind, key), 0)
-            if n < len(spans):
-                a, b = spans[n]
-                trace.slots.append((kind, index, layer, s0, a))
-                trace.slots.append((kind, index, layer, s1, b))
-            used[(kind, key)] = n + 1
-        trace.slots.sort(key=lambda r: r[-1])
-
     def _gather(self, mb: dict, head_box: Box | None = None, ids_dev=None) -> tuple[torch.Tensor, Box]:
-        """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves);
-        on the device where the embedding is resident, or streamed and tied (from the head slot, once
-        ``head_box`` is ready)."""
-        ids = mb["input_ids"]
-        H = self.arch.embed.weight.shape[1]
-        if -1 in self.dev_opt.of:  # resident: gathered on the device from the current weights
-            return self.device_updates.embed_rows(ids), Box(ready=True)
-        if head_box is not None and self.arch.tied:  # Note: [Streamed head]: the head slot holds the embedding
-            self._ready(head_box)
-            return self.device_updates.embed_rows(ids if ids_dev is None else ids_dev, self.head_slot), Box(ready=True)
-        dst = torch.empty(ids.numel() * H, dtype=self.dtype, device=self.dev.device)
-        master, v = self.store.units[-1].master, self.steps_done
-        if self.early.request(v, ids):  # Note: [Early rows] its host update is pending: these rows come first
-            def rows():
-                if not self.early.ready(v):
-                    self.io.wait_update(-1, "fwd", lambda: self.early.wait(v))  # traced as a load's wait
-                return self.early.take(ids, v, master).flatten()
-            return dst.view(*ids.shape, H), self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", 0)
-        rows = lambda: master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
-        box = self.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", v)
-        return dst.view(*ids.shape, H), box
+        return embedding.gather(self, mb, head_box, ids_dev)  # embedding.py: the rows of the forward
 
     def _plan(self, ops: list[Op], resident: list) -> dict:
         """Submit every load ``ops`` need to the packer, in order of use.
@@ -455,14 +383,7 @@ class Engine:
             plan["rel"][k].put(self.dev.record(self.dev.compute))
 
     def _load_head(self, dst: torch.Tensor | None = None, after: Box | None = None) -> Box:
-        L = self.L
-        if L in self.dev_opt.of:
-            return Box(ready=True)  # resident: the head group's buffer is the head slot
-        segs = [(L, self._master(L), 0)]
-        if self.arch.tied:
-            segs.append((-1, self._master(-1), self.store.units[L].layout.numel))
-        return self.io.load(L, self.head_slot if dst is None else dst, segs, self.head_box if after is None else after,
-                            "loss", self.steps_done)
+        return head.load(self, dst, after)  # head.py
 
     # ---- forward-only passes (inference.py): a step's loads, no gradients ----------------------
     def stream_layers(self, *, head: bool):
@@ -502,67 +423,10 @@ class Engine:
         return self.arch.templates[self.arch.template_of[i]]
 
     def _keep_now(self, i: int) -> bool:
-        """Activation policy for layer i (see EngineConfig.checkpoint_every)."""
-        if self.keep is not None:
-            return self.keep[i]
-        if self.cfg.checkpoint_every is not None:
-            return self.cfg.checkpoint_every == 0
-        if not self.dev.cuda:
-            return True  # host memory holds activations on "cpu": keep all
-        total = torch.cuda.get_device_properties(self.dev.device).total_memory
-        used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
-        act = self._act_bytes or self.ckpts.act  # measured once a layer was kept, else predicted
-        return i < self.ckpts.cap and used + 2 * act + (4 << 30) < self.cfg.keep_share * total
+        return memory.keep_now(self, i)  # memory.py: the activation policy
 
     def _place_checkpoints(self, mbs) -> None:
-        """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
-        where block inputs wait is decided at the forward's first recompute block (``_parked``)."""
-        from .shape import _act_bytes_per_token, model_shape
-
-        n, d = sum(mb["input_ids"].numel() for mb in mbs), self.dtype.itemsize
-        try:
-            s = model_shape(self.arch.config)
-        except (ValueError, KeyError, TypeError):
-            s = None  # a shape the planner cannot read: nothing predicted, no cap
-        if self.cfg.lean_activations is None and s:
-            self._choose_lean(s, n, d)
-        seq = max(mb["input_ids"].shape[-1] for mb in mbs)
-        lb = s and layer_bytes(s, n, d, self.tiler.rows, _act_bytes_per_token(s, d, lean=self.lean), seq=seq)
-        self._dE_need = pinned_bytes(lb["boundary"]) if lb else 0  # the pinned dE buffer to come (compute dtype)
-        self.offload.release()  # the last placement's parked buffers: their host RAM is free for this one
-        if self._dE_host is not None and self._dE_host.numel() * self._dE_host.element_size() < self._dE_need:
-            self._dE_host = None  # too small for these tokens: a new one comes at the first backward
-        # "auto": the residents of the last batch size leave for this one's measuring step (Note: [Placement]);
-        # counted as in use, they cut the keep cap (s6c1: 7B x 8 after x 2 kept 6 layers where alone it keeps 24)
-        leaving = self.dev_opt.nbytes if self.device_updates.mode == "auto" else 0
-        self.ckpts.reset(lb, (lambda: self._memory(leaving)) if self.dev.cuda else None)
-
-    def _choose_lean(self, s: dict, n: int, d: int) -> None:
-        """lean_activations=None: lean for this batch size or not (Note: [Lean auto] in lean.py)."""
-        room = None
-        if self.dev.cuda:
-            total = torch.cuda.get_device_properties(self.dev.device).total_memory
-            used = torch.cuda.memory_allocated(self.dev.device)  # allocator bookkeeping: no sync
-            if self.device_updates.mode == "auto":
-                used -= self.dev_opt.nbytes  # residents leave for the measuring step of a new batch size
-            room = (self.cfg.keep_share * total - used, total)
-        on, why = lean.auto(s, tokens=n, dtype_bytes=d, room=room, tiled=bool(self.tiler.rows))
-        if on != self.lean:
-            lean.prepare(self.arch, on)
-        self.lean, self.lean_reason = on, "lean_activations=None (auto): " + ("on: " if on else "off: ") + why
-
-    def _memory(self, leaving: int = 0) -> tuple[float, float, float]:
-        """(device bytes in use, device bytes in all, host bytes free for parked inputs); ``leaving``: bytes
-        in use now that go before the step runs (residents, for a measuring step)."""
-        total = torch.cuda.get_device_properties(self.dev.device).total_memory
-        have = 0 if self._dE_host is None else self._dE_host.numel() * self._dE_host.element_size()
-        return (torch.cuda.memory_allocated(self.dev.device) - leaving,  # allocator bookkeeping: no sync
-                total, host_free_bytes(max(0, self._dE_need - have), reusable=self.offload.pool.idle_bytes))
-
-    def _parked(self, i: int, hs: list) -> bool:
-        """Whether the input of the recompute block starting at layer i waits in host memory."""
-        nbytes = sum(h.numel() * h.element_size() for h in hs)
-        return self.ckpts.parked(i, nbytes, self._memory if self.dev.cuda else None)
+        memory.place_checkpoints(self, mbs)  # memory.py; Note: [Long-context memory] (longcontext.py)
 
     def _small_inputs(self, mbs) -> list[dict]:
         """Compute stream: each micro-batch's mask, position kwargs and labels on the device.
@@ -618,7 +482,7 @@ class Engine:
             else:
                 run_start = i == 0 or keep[i - 1] or (i - max([j for j in st["ckpt"]] + [-self.ckpts.block])) >= self.ckpts.block
                 if run_start:  # Note: block inputs are the only activations a recompute block keeps
-                    if self._parked(i, hs):
+                    if memory.parked(self, i, hs):
                         self.offload.park(i, hs)  # to host memory: the device keeps none
                         st["ckpt"][i] = None
                     else:
@@ -631,61 +495,14 @@ class Engine:
                             hs[m] = call(self._template(i), params, hs[m], *calls[i][0], **calls[i][1])
             rec.cuda_end(tok, dev.compute)
             self._done(plan, k)
-            self._count_memory()
+            memory.count(self)
         if deciding:
             self.keep = keep
         st["hL"] = hs
         return st
 
     def _loss(self, hs, n_valid: int, head_box: Box, loss_box: Box, small) -> list[torch.Tensor]:
-        """Final norm + lm_head + cross-entropy in sequence chunks, each with its own backward."""
-        arch, dev, L, lay = self.arch, self.dev, self.L, self.head_layout
-        self._ready(head_box)
-        self.dev.wait(dev.compute, self.head_gbox.get())  # last step's head grads were copied out
-        res = self.dev_opt.of.get(L)
-        w, gslot = (self.head_slot, self.head_gslot) if res is None else (res.w, res.grad)
-        tok = self.rec.cuda_begin("compute", "loss", L, "loss", 0, dev.compute)
-        gslot.zero_()
-        params = lay.views(w, requires_grad=True)
-        grads_into(params, gslot, lay)
-        total = torch.zeros((), dtype=torch.float32, device=dev.device)
-        grads = []
-        for inputs, h in zip(small, hs):
-            labels = inputs["labels"]
-            g = torch.empty_like(h)
-            for a, b in chunks(h.shape[1], loss_positions(self.cfg.loss_chunk_tokens, h.shape[0])):
-                with torch.enable_grad():
-                    x = h[:, a:b].detach().requires_grad_()
-                    logits = arch.logits(params, x)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(),
-                                           ignore_index=-100, reduction="sum") / n_valid
-                    loss.backward()
-                g[:, a:b] = x.grad
-                total += loss.detach()
-            grads.append(g)
-        if self.dp is not None:
-            self.dp.sum_(total, "the loss all-reduce")  # every rank reports the global loss, and skips alike
-        n_head = self.store.units[L].layout.numel
-        self.device_updates.loss_known(total)  # a non-finite loss skips every device update
-        self.rec.cuda_end(tok, dev.compute)
-        done = dev.record(dev.compute)
-        self.head_box = Box(ready=True, value=done)  # the next step's head load may overwrite the slot after this
-        self.io.read_loss(total, done, loss_box)
-        done = self._reduced(L, gslot, n_head, done)
-        self._committed = not self._gated  # ungated: the Adam worker may start updates once the loss arrives
-        segs = [(0, n_head, self.store.units[L].grad)]
-        if arch.tied:
-            segs.append((n_head, self.store.units[-1].layout.numel, self.store.units[-1].grad))
-        du = self.device_updates
-        streamed = du.head_streamed  # Note: [Streamed head] no gradient of it goes out
-        segs = self.store.copies_out(L, segs) if res is None and not streamed else []  # resident: norm only
-        du.landed(L, self.ocfg.lr_at(self.steps_done), done)
-        if streamed and not arch.tied:  # its gradients are complete: updated beside the backward, landed by its write-back
-            self.head_gbox = du.stream_head(gslot, done, self.ocfg.lr_at(self.steps_done), self.head_slot,
-                                            self.steps_done)
-        else:  # a tied streamed head: only its norm lands here (its update follows the embedding's backward)
-            self.head_gbox, _ = self.io.grads(L, gslot, segs, done, "loss")
-        return grads
+        return head.loss(self, hs, n_valid, head_box, loss_box, small)  # head.py: the chunked loss, the head's backward
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
         dev, rec, kept, gi = self.dev, self.rec, st["kept"], 0
@@ -737,7 +554,7 @@ class Engine:
                 rec.cuda_end(tok, dev.compute)
                 done = self._reduced(i, g, g.numel(), dev.record(dev.compute))  # summed over ranks, its norm
                 self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done), done)
-                self._count_memory()
+                memory.count(self)
                 held = None  # the weight slot a "device" unit's update refills (Note: [Held weights])
                 if res is not None:
                     self.io.grads(i, g, [], done, "bwd")  # only its norm goes to the host (clip, report)
@@ -759,65 +576,8 @@ class Engine:
                     self._done(plan, k)
                 del params, xs, outs
             else:
-                tok = rec.cuda_begin("compute", "embed_bwd", -1, "bwd", 0, dev.compute)
-                dE = []
-                for m, h0 in enumerate(st["h0"]):
-                    torch.autograd.backward(h0, gs[m])
-                    dE.append(st["E"][m].grad.flatten())
-                dE = torch.cat(dE) if len(dE) > 1 else dE[0]  # compute dtype: the host casts rows as it adds them
-                ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
-                if self.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
-                    dE, ids = self.dp.rows(dE), self.dp.ids
-                du = self.device_updates
-                if -1 in self.dev_opt.of:
-                    dE = dE.float()
-                    du.embed_grads(ids, dE)
-                    rec.cuda_end(tok, dev.compute)
-                    done = dev.record(dev.compute)
-                    landed = self.io.grads(-1, dE, [], done, "bwd")[1]  # norm only
-                    du.landed(-1, self.ocfg.lr_at(self.steps_done), done)
-                    return landed
-                if du.head_streamed and self.arch.tied:  # Note: [Streamed head]: the rows' gradients stay here
-                    if self.dp is None:
-                        ids = torch.cat([x.flatten() for x in st["ids"]])  # on the device already (_small_inputs)
-                    du.embed_grads(ids, dE.float(), self.head_gslot)
-                    rec.cuda_end(tok, dev.compute)
-                    done = dev.record(dev.compute)
-                    du.landed(-1, self.ocfg.lr_at(self.steps_done), done)  # its norm counts in the verdict
-                    self.head_gbox = du.stream_head(self.head_gslot, done, self.ocfg.lr_at(self.steps_done),
-                                                    self.head_slot, self.steps_done)
-                    return du.norms[-1]  # its norm, on the unpacker: after every gradient it took has landed
-                rec.cuda_end(tok, dev.compute)
-                done = dev.record(dev.compute)
-                if self._dE_host is None or self._dE_host.numel() < dE.numel():
-                    self._dE_host = None  # its host RAM goes back before the larger one is made
-                    self._dE_host = dev.exact_buffer(dE.numel(), dE.dtype)  # pinned: one DMA
-                host = self._dE_host[:dE.numel()]  # free again: the last step's scatter finished before it ended
-                return self.io.grads(-1, dE, [(0, dE.numel(), host)], done, "bwd",
-                                          host_fn=lambda v=self.steps_done: self._embed_grads(ids, host, dE, v))[1]
+                return embedding.backward(self, mbs, st, gs)  # embedding.py: its rows' gradients, the last op
         raise AssertionError("backward_ops always ends with embed_bwd")
-
-    def _embed_grads(self, ids: torch.Tensor, dE: torch.Tensor, keepalive, version: int) -> float:
-        """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
-        unit = self.store.units[-1]
-        H = self.arch.embed.weight.shape[1]
-        grad = unit.grad.view(-1, H)
-        # the last step's update of the embedding reads this slab: a forward on early rows did not wait for it
-        # (Note: [Early rows]); a tied head's gradients come in after the head's load, which did
-        self.adam.wait_version(-1, version)
-        with self.rec.span("host-unpack", "embed_grad", -1, "bwd", dE.numel() * dE.element_size()):
-            if not self.arch.tied and self._embed_rows is not None:
-                grad.index_fill_(0, self._embed_rows, 0)  # only rows an earlier step touched are non-zero
-            rows = dE.view(-1, H)
-            pad = self.arch.embed.padding_idx
-            if pad is not None:
-                rows[ids == pad] = 0  # nn.Embedding gives padding_idx no gradient
-            for a, b in chunks(rows.shape[0], 1 << 16):  # fp32 rows a slice at a time (512K x H would be 7 GiB)
-                grad.index_add_(0, ids[a:b], rows[a:b].float())
-            if self.arch.tied:  # the head's gradient landed here, whole: every row counts
-                return float(grad_norm(unit.grad))
-            self._embed_rows = touched = torch.unique(ids)
-            return float(grad_norm(grad.index_select(0, touched).flatten()))  # the other rows are zero
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def set_steps_done(self, n: int) -> None:

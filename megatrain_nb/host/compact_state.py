@@ -8,6 +8,8 @@ fp32 (``quantize_into``, ``dequantize``), and one AdamW step over compact moment
 kernel, ``compact_kernel.c``) and ``update_torch`` (torch ops: the reference, and the host's path where no C
 compiler is found; on CUDA it hands over to ``compact_cuda``'s Triton kernel).
 Does not own: when updates run, placement, streams (optim.py, device_updates.py), or the fp32 path.
+About 500 lines because the schemes, the slab layout, the conversions and both updates (C and torch) must
+agree value for value, and read best side by side; the CUDA kernel is ``compact_cuda.py``'s.
 
 Why our own kernel: torchao's low-bit AdamW quantizes with eight dependent gathers per value and is built for
 ``torch.compile`` on CUDA; bitsandbytes' CPU backend runs its blockwise 8-bit update in torch ops; neither

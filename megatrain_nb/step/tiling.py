@@ -314,7 +314,7 @@ def auto_tiles(config, tokens: int, total_bytes: int, dtype_bytes: int = 2, *, l
         total_bytes: device memory (host RAM on "cpu").
         lean: the layers run ``lean.py``'s forwards (``EngineConfig.lean_activations``).
     """
-    from .shape import _act_bytes_per_token, model_shape
+    from ..machine.shape import _act_bytes_per_token, model_shape
 
     try:
         shape = config if isinstance(config, dict) and "params_per_layer" in config else model_shape(config)

@@ -1,7 +1,7 @@
 """Spans, counters and slot states of a training step -> tidy DataFrames, stall analysis, Chrome trace.
 
 Owns the `Recorder` the engine calls while a step runs, the `Trace` it returns, the analysis of a
-span DataFrame (`find_stalls`, `summarize`, `slot_segments`) and the Chrome Trace Event export.
+span DataFrame (`find_stalls`, `summarize`, `slot_segments`, `add_occupancy`) and the Chrome Trace Event export.
 It does not plot (`viz.py` does) and decides nothing for the engine: recording only appends, and
 the one GPU wait is in `Recorder.resolve`, which the engine runs when a trace is first read, after
 its step. Times are ms on the host clock from `begin_step` (t0).
@@ -436,6 +436,28 @@ def slot_segments(slots: pd.DataFrame, *, end_ms: float | None = None) -> pd.Dat
     df = slots.sort_values(["kind", "index", "t_ms"], kind="stable").rename(columns={"t_ms": "start_ms"})
     df["end_ms"] = df.groupby(["kind", "index"]).start_ms.shift(-1).fillna(end)
     return df[cols].reset_index(drop=True)
+
+
+def add_occupancy(trace: Trace, occ: list) -> None:
+    """Slot occupancy at GPU times, into ``trace.slots``: each of the driver's slot uses, ``(kind, index, layer,
+    span key, state at its start, state at its end)``, takes the times of the n-th span of its key (lane, op,
+    layer, phase): each load / compute / copy-out span marks its slot's state."""
+    if not len(trace.spans):
+        return
+    df = trace.to_dataframe()
+    when = {}
+    for r in df.itertuples():
+        when.setdefault((r.lane, r.op, int(r.layer), r.phase), []).append((r.start_ms, r.end_ms))
+    used = {}  # (slot kind, span key) -> spans of that key already matched: the n-th use takes the n-th span
+    for kind, index, layer, key, s0, s1 in occ:
+        spans = when.get(key, [])
+        n = used.get((kind, key), 0)
+        if n < len(spans):
+            a, b = spans[n]
+            trace.slots.append((kind, index, layer, s0, a))
+            trace.slots.append((kind, index, layer, s1, b))
+        used[(kind, key)] = n + 1
+    trace.slots.sort(key=lambda r: r[-1])
 
 
 def lane_order(lanes) -> list[str]:

@@ -61,7 +61,7 @@ def attach(share: bool | None, cuda: bool) -> "SharedHost | None":
     Example:
         >>> shared = attach(None, cuda=False)   # doctest: +SKIP
     """
-    from .distributed import world
+    from ..step.distributed import world
 
     rank, size = world()
     share = _setting(share)
@@ -92,7 +92,7 @@ def _boot_id() -> str:
 
 def _timeout_s() -> float:
     """The default process group's timeout: how long a rank waits for another before it raises."""
-    from .distributed import TIMEOUT_S
+    from ..step.distributed import TIMEOUT_S
 
     try:
         import torch.distributed as dist
@@ -217,7 +217,7 @@ class SharedHost:
     def _agree(self, err: str | None, what: str) -> None:
         import torch.distributed as dist
 
-        from .distributed import _failing
+        from ..step.distributed import _failing
 
         if not dist.is_initialized():  # one process (tests): nothing to agree with
             got = [err]

@@ -52,7 +52,7 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
         in words (`palette.LANE_LABELS`).
 
     Example:
-        >>> from megatrain_nb.trace import Trace
+        >>> from megatrain_nb.view.trace import Trace
         >>> fig = timeline(Trace(step=0, spans=[("compute", "fwd", 0, "fwd", 0.0, 1.0, 0)]).to_dataframe())
         >>> [(t.name, t.legendgroup) for t in fig.data]
         [('forward', 'fwd')]

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from . import compact_state
+from ..host import compact_state
 from . import placement as placing
-from . import split_master as _split
-from .config import OPTIMIZER_STATES, pinned_budget
+from ..host import split_master as _split
+from ..config import OPTIMIZER_STATES, pinned_budget
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
-from .schedule import make_blocks
+from ..step.schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
-from .trace import Trace
+from ..view.trace import Trace
 
 _GIB = 1 << 30
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
@@ -118,9 +118,9 @@ class Hardware:
 _H200_ATTN_TFLOPS = 530.0
 # Copies, GEMM, cast: tools/gpu_limits.py (LIMITS.md). Layer rate and elementwise term: fitted to the
 # Qwen2.5-7B layer at 16 x 4096 (LIMITS.md: 191 ms) and the 3B layer at 8 x 4096 in the engine (36.6 ms,
-# bench/results_h200_2026-12-01.jsonl trace); they give the 7B layer at 1 and 4 x 4096 within 4%.
+# a trace beside bench/results/h200-2026-12-01-placement.jsonl); they give the 7B layer at 1 and 4 x 4096 within 4%.
 # Launch floor, loss and device AdamW: the 3B x 1 and x 8 traces of that file. Host AdamW: bench/host_adam.py on the
-# same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results_h200_2026-11-29_s2.jsonl):
+# same host, one 77M-parameter 3B layer in isolation, 16 threads (bench/results/h200-2026-11-29-host-path.jsonl):
 # 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
 # step the same updates run slower (DMA and the unpacker share the host's memory bandwidth):
 # bench/planner_vs_measured.py reports both.
@@ -128,13 +128,13 @@ H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
-    h2d_beside_d2h_GBps=40.2, d2h_beside_h2d_GBps=52.1,  # in a step: bench/copy_rates.py on the s3c1 stream traces
+    h2d_beside_d2h_GBps=40.2, d2h_beside_h2d_GBps=52.1,  # in a step: bench/copy_rates.py on the H200's stream traces of 2026-12-01
     bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 4.1),  # bwd: 4.13-4.19 ms a layer at 3B x 1, auto (3 traces)
     loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
-    # host: 124.1 GiB available at idle of 125.8 (bench/logs/mem_2026-12-01_s4_call3.log); RSS beyond the
-    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the s4 long-context rows)
+    # host: 124.1 GiB available at idle of 125.8 (bench/logs/h200-2026-12-01-512k-memory-idle-host.log); RSS beyond the
+    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the long-context rows of 2026-12-01)
     device_mem_bytes=143771 << 20, host_mem_bytes=124 * _GIB, host_runtime_bytes=2 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -454,7 +454,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
                            s["params_per_layer"], s["n_params"])
     if lean_activations is None:  # auto: the engine's rule (lean.auto, Note: [Lean auto]) on the buffers it holds then
-        from . import lean as _lean
+        from ..step import lean as _lean
 
         held = (weight_slots + GRAD_SLOTS) * P * d + 2 * (V * h + h) * d
         lean_activations = _lean.auto(s, tokens=T, dtype_bytes=d, tiled=bool(tile_tokens and T > tile_tokens),
@@ -482,7 +482,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         host["runtime"] = hw.host_runtime_bytes  # CUDA context, torch, libraries
 
     # device memory; keep[] mirrors Engine._keep_now, the checkpoints' placement longcontext.Checkpoints
-    from .tiling import AUTO_ROWS, auto_tiles
+    from ..step.tiling import AUTO_ROWS, auto_tiles
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
@@ -543,7 +543,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     device.update(activations_kept=sum(keep) * act, **parts,
                   logits=batch * min(seq, loss_positions(loss_chunk_tokens, batch)) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
-    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # Engine._free
+    free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # step/memory.py free
     extras = placing.stream_extras(numel, s["tied"])
     if optimizer_state != "fp32":  # the head group's state in, compact (stream_extras counts 12 bytes a parameter)
         extras["in_extra"] = head_state / (L * P)
@@ -584,7 +584,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     fwd = flops / rate + far + elementwise / 3
     bwd = 2 * flops / rate + 2.5 * far + mlp + 2 * elementwise / 3
     if lean_activations and not rows:  # lean.py's elementwise recompute in the backward (Note: [Lean auto])
-        from .lean import LEAN_COST
+        from ..step.lean import LEAN_COST
 
         bwd += LEAN_COST * (fwd + bwd)
     attn_fwd = 2 * batch * seq * near * q_dim / rate + far  # what a cached layer's recompute skips
