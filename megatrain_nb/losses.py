@@ -1,10 +1,9 @@
-"""Post-training losses over per-token log-probabilities: SFT, DPO, GRPO (and its DAPO / Dr. GRPO / BNPO
-normalizations) and KTO, each a plain function ``fn(logp, batch, ctx) -> loss``.
+"""Post-training losses over per-token log-probs: SFT, DPO, GRPO (grpo / bnpo / dr_grpo / dapo) and KTO,
+each a plain function ``fn(logp, batch, ctx) -> loss``.
 
-Owns: the formulas, their published defaults, how each is normalized so that micro-batches add up
-exactly, and the metrics each logs. Does not own: the model, the forward pass that produces ``logp``,
-the reference model or the rollouts that fill ``batch`` (old / reference log-probs, advantages), or
-the all-reduce itself (the caller passes a ``world`` hook).
+Owns: the formulas, their published defaults, normalizations under which micro-batches add up
+exactly, and the metrics each logs. Does not own: the model, the forward pass that makes ``logp``,
+the reference model, rollouts and rewards, or the all-reduce (the caller passes a ``world`` hook).
 
 The contract the engine keeps:
 
@@ -67,19 +66,16 @@ class LossContext:
     """name -> 0-d tensor, summed over micro-batches (Note: [Metrics are sums])."""
 
     def __post_init__(self):
-        for name in ("tokens", "sequences"):
+        for name in ("tokens", "sequences", "max_completion_length"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"LossContext.{name}={v!r}: must be an int >= 1 (the step's global count; "
-                                 "build it with LossContext.from_batches)")
-        m = self.max_completion_length
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ValueError(f"LossContext.max_completion_length={m!r}: must be None or an int >= 1")
+            if (v is not None or name != "max_completion_length") and (type(v) is not int or v < 1):
+                raise ValueError(f"LossContext.{name}={v!r}: must be an int >= 1 (a global count of the step; "
+                                 "build the context with LossContext.from_batches)")
 
     @classmethod
     def from_batches(cls, batches: list[dict], *, world: Callable[[list[int]], list[int]] | None = None,
                      max_completion_length: int | None = None) -> "LossContext":
-        """The context of a step made of ``batches`` (this rank's micro-batches), counted globally.
+        """The context of a step of ``batches`` (this rank's micro-batches), counted over all ranks.
 
         Args:
             batches: dicts with ``labels`` ``(b, T)`` long (-100 = no loss).
@@ -149,31 +145,25 @@ def _row_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _ref_sums(batch: dict, mask: torch.Tensor, where: str) -> torch.Tensor:
     """(B,) reference log-probs per row from ``ref_logps`` (B,) or per token ``ref_logp`` (B, T)."""
-    if "ref_logps" in batch:
-        ref = batch["ref_logps"]
-        if ref.shape != mask.shape[:1]:
-            raise ValueError(f"{where}: batch['ref_logps'] has shape {tuple(ref.shape)}; expected ({mask.shape[0]},), "
-                             "one summed reference log-prob per row")
-        return ref.to(torch.float32)
-    if "ref_logp" in batch:
-        ref = batch["ref_logp"]
-        if ref.shape != mask.shape:
-            raise ValueError(f"{where}: batch['ref_logp'] has shape {tuple(ref.shape)}; expected {tuple(mask.shape)}")
-        return _row_sums(ref.to(torch.float32), mask)
+    for key, shape in (("ref_logps", mask.shape[:1]), ("ref_logp", mask.shape)):
+        if key in batch:
+            ref = batch[key].to(torch.float32)
+            if ref.shape != shape:
+                raise ValueError(f"{where}: batch[{key!r}] has shape {tuple(ref.shape)}; expected {tuple(shape)}")
+            return ref if key == "ref_logps" else _row_sums(ref, mask)
     raise KeyError(f"{where}: batch needs the reference log-probs: 'ref_logps' (B,) per row or 'ref_logp' (B, T) "
                    "per token, computed by the frozen reference model on the same rows")
 
 
 # ---- losses -------------------------------------------------------------------------------
 def sft(logp: torch.Tensor, batch: dict, ctx: LossContext) -> torch.Tensor:
-    """Token-mean cross-entropy: ``-sum(logp) / ctx.tokens``.
+    """Token-mean cross-entropy: ``-sum(logp over supervised tokens) / ctx.tokens``.
 
-    Summed over the step's micro-batches it is the mean cross-entropy over every supervised token,
-    which is what ``Session.step`` trains today.
+    Summed over the step's micro-batches: the mean cross-entropy of ``Session.step`` today.
 
     Args:
         logp: ``(B, T)`` fp32, 0 where no label (the module's contract).
-        batch: unused (kept for the common signature).
+        batch: ``labels`` ``(B, T)``: the sum covers the tokens ``ctx.tokens`` counts.
         ctx: ``tokens`` = the step's supervised tokens.
     Returns:
         Tensor: 0-d, this micro-batch's share of the loss.
@@ -182,7 +172,7 @@ def sft(logp: torch.Tensor, batch: dict, ctx: LossContext) -> torch.Tensor:
         >>> float(sft(logp, {"labels": torch.tensor([[-100, 5, 6]])}, LossContext(tokens=2, sequences=1)))
         1.5
     """
-    return -logp.sum() / ctx.tokens
+    return -_row_sums(logp, _mask(logp, batch)).sum() / ctx.tokens
 
 
 def dpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
@@ -197,10 +187,9 @@ def dpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
 
         loss = mean over pairs of  -(1 - ls) * logsigmoid(beta * h) - ls * logsigmoid(-beta * h)
 
-    the mean taken over the step's ``ctx.sequences / 2`` pairs. Logs (Note: [Metrics are sums]), as
-    TRL names them: ``rewards/chosen`` = mean ``beta * (pc - rc)``, ``rewards/rejected``,
-    ``rewards/margins``, ``rewards/accuracies`` (share of pairs with chosen reward > rejected),
-    ``logps/chosen``, ``logps/rejected``.
+    over the step's ``ctx.sequences / 2`` pairs. Logs (Note: [Metrics are sums]), named as TRL does:
+    ``rewards/chosen`` (mean ``beta * (pc - rc)``), ``rewards/rejected``, ``rewards/margins``,
+    ``rewards/accuracies`` (share of pairs ranked right), ``logps/chosen``, ``logps/rejected``.
 
     Args:
         logp: ``(B, T)`` fp32, B even.
@@ -224,25 +213,21 @@ def dpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
     if B % 2:
         raise ValueError(f"dpo: the micro-batch has {B} rows; rows come as (chosen, rejected) pairs, so it must be "
                          "even: split batches at pair boundaries (an even micro-batch size)")
-    if ctx.sequences % 2:
-        raise ValueError(f"dpo: ctx.sequences={ctx.sequences} is odd; it counts rows, twice the pairs")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"dpo: label_smoothing={label_smoothing}: must be in [0, 0.5)")
-    mask = _mask(logp, batch)
-    pair = batch.get("pair")
-    if pair is not None and pair.device.type == "cpu" and not torch.equal(pair[0::2], pair[1::2]):
-        # the check runs on host tensors only: on a device it would make the CPU wait
+    if ctx.sequences % 2 or not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"dpo: ctx.sequences={ctx.sequences} (rows: twice the pairs) must be even and "
+                         f"label_smoothing={label_smoothing} in [0, 0.5)")
+    mask, pair = _mask(logp, batch), batch.get("pair")
+    on_host = pair is not None and pair.device.type == "cpu"  # on a device, checking would make the CPU wait
+    if on_host and not torch.equal(pair[0::2], pair[1::2]):
         raise ValueError(f"dpo: batch['pair'] = {pair.tolist()} does not hold each pair on adjacent rows "
                          "(chosen at 2k, rejected at 2k + 1); build batches with preference_batches")
-    policy = _row_sums(logp, mask)  # (B,)
-    ref = _ref_sums(batch, mask, "dpo")
+    policy, ref = _row_sums(logp, mask), _ref_sums(batch, mask, "dpo")  # (B,) each
     chosen, rejected = beta * (policy[0::2] - ref[0::2]), beta * (policy[1::2] - ref[1::2])  # (B/2,) implicit rewards
     h = chosen - rejected
     losses = -(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
     pairs = ctx.sequences // 2
     for name, v in (("rewards/chosen", chosen), ("rewards/rejected", rejected), ("rewards/margins", h),
-                    ("rewards/accuracies", (h > 0).float()), ("logps/chosen", policy[0::2]),
-                    ("logps/rejected", policy[1::2])):
+                    ("rewards/accuracies", h > 0), ("logps/chosen", policy[0::2]), ("logps/rejected", policy[1::2])):
         ctx.log(name, v.sum() / pairs)
     return losses.sum() / pairs
 
@@ -317,8 +302,7 @@ def grpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, epsilon: float = 
         Tensor: 0-d, this micro-batch's share of the loss.
     Raises:
         KeyError: no ``labels`` / ``advantages``, or no ``ref_logp`` with ``beta != 0``.
-        ValueError: an unknown ``loss_type``, ``dr_grpo`` without ``ctx.max_completion_length``,
-            bad shapes.
+        ValueError: an unknown ``loss_type``, ``dr_grpo`` without ``max_completion_length``, shapes.
     Example:
         >>> logp = torch.tensor([[0.0, -1.0, -1.0]])
         >>> batch = {"labels": torch.tensor([[-100, 4, 5]]), "advantages": torch.tensor([0.5])}
@@ -330,19 +314,16 @@ def grpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, epsilon: float = 
     if loss_type == "dr_grpo" and ctx.max_completion_length is None:
         raise ValueError("grpo: loss_type='dr_grpo' divides by the generation limit: set "
                          "LossContext.max_completion_length (from_batches(..., max_completion_length=...))")
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    mask = _mask(logp, batch)
+    eps_high, mask = epsilon if epsilon_high is None else epsilon_high, _mask(logp, batch)
     if "advantages" not in batch:
         raise KeyError("grpo: batch has no 'advantages' (B,): one per completion, e.g. group_advantages(rewards, G)")
     adv = batch["advantages"].to(torch.float32)
     if adv.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"grpo: batch['advantages'] has shape {tuple(adv.shape)}; expected ({logp.shape[0]},) "
                          f"or {tuple(logp.shape)}")
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-    old = batch.get("old_logp")
+    adv, old = adv.unsqueeze(1) if adv.dim() == 1 else adv, batch.get("old_logp")
     old = logp.detach() if old is None else old.to(torch.float32)
-    # Note: torch.where before exp: padding may hold any old / ref value, and 0 * inf would be nan
-    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    ratio = torch.exp(torch.where(mask, logp - old, 0.0))  # where first: padding's old / ref may be -inf
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv)
     if beta != 0.0:
         if "ref_logp" not in batch:
@@ -351,11 +332,9 @@ def grpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, epsilon: float = 
         kl = torch.exp(d) - d - 1
         per_token = per_token + beta * kl
         ctx.log("kl", _row_sums(kl, mask).sum() / ctx.tokens)
-    low = (ratio < 1 - epsilon) & (adv < 0) & mask
-    high = (ratio > 1 + eps_high) & (adv > 0) & mask
-    ctx.log("clip_ratio/low_mean", low.sum() / ctx.tokens)
-    ctx.log("clip_ratio/high_mean", high.sum() / ctx.tokens)
-    ctx.log("clip_ratio/region_mean", (low | high).sum() / ctx.tokens)
+    low, high = (ratio < 1 - epsilon) & (adv < 0) & mask, (ratio > 1 + eps_high) & (adv > 0) & mask
+    for name, v in (("low_mean", low), ("high_mean", high), ("region_mean", low | high)):
+        ctx.log(f"clip_ratio/{name}", v.sum() / ctx.tokens)
     rows = _row_sums(per_token, mask)  # (B,)
     if loss_type == "grpo":
         return (rows / mask.sum(-1).clamp(min=1)).sum() / ctx.sequences
@@ -379,8 +358,8 @@ def kto(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
     TRL forms it: the mean over the step (all ranks) of ``logp_policy - logp_ref`` on MISMATCHED
     pairs (each prompt with another row's completion), computed without gradient before the step;
     pass the same value with every micro-batch. Logs sums and counts (Note: [Metrics are sums]):
-    ``rewards/chosen_sum``, ``rewards/rejected_sum`` (``beta * r``), ``count/chosen``,
-    ``count/rejected``, and ``kl`` (the clamped ``z``).
+    ``rewards/chosen_sum``, ``rewards/rejected_sum`` (``beta * r``), ``count/chosen``, ``count/rejected``,
+    ``kl`` (the clamped ``z``).
 
     Args:
         logp: ``(B, T)`` fp32.
@@ -388,13 +367,12 @@ def kto(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
             ``ref_logp`` ``(B, T)``; ``kl``: a float or 0-d tensor.
         ctx: ``sequences`` = the step's rows.
         beta: TRL's default 0.1.
-        desirable_weight, undesirable_weight: TRL's defaults 1.0; the paper advises weights with
+        desirable_weight, undesirable_weight: TRL's 1.0; the paper keeps
             ``desirable_weight * n_desirable / (undesirable_weight * n_undesirable)`` in [1, 4/3].
     Returns:
         Tensor: 0-d, this micro-batch's share of the loss.
     Raises:
-        KeyError: no ``labels``, ``desirable``, ``kl`` or reference log-probs.
-        ValueError: bad shapes.
+        KeyError / ValueError: a missing field (``labels``, ``desirable``, ``kl``, reference), a shape.
     Example:
         >>> logp = torch.tensor([[0.0, -1.0], [0.0, -1.0]])
         >>> batch = {"labels": torch.tensor([[-100, 1], [-100, 2]]), "ref_logps": torch.tensor([-1.0, -1.0]),
@@ -403,10 +381,9 @@ def kto(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
         0.5
     """
     mask = _mask(logp, batch)
-    for key in ("desirable", "kl"):
-        if key not in batch:
-            raise KeyError(f"kto: batch has no {key!r}: 'desirable' (B,) bool labels each row; 'kl' is the step's "
-                           "KL estimate from mismatched pairs (a float)")
+    if "desirable" not in batch or "kl" not in batch:
+        raise KeyError(f"kto: batch has keys {sorted(batch)}; it needs 'desirable' (B,) bool, one label per row, "
+                       "and 'kl', the step's KL estimate from mismatched pairs (a float)")
     good = batch["desirable"].to(torch.bool)
     if good.shape != logp.shape[:1]:
         raise ValueError(f"kto: batch['desirable'] has shape {tuple(good.shape)}; expected ({logp.shape[0]},)")
@@ -414,10 +391,9 @@ def kto(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
     r = _row_sums(logp, mask) - _ref_sums(batch, mask, "kto")  # (B,)
     losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (r - z))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (z - r))))
-    reward = beta * r
-    ctx.log("rewards/chosen_sum", torch.where(good, reward, 0.0).sum())
-    ctx.log("rewards/rejected_sum", torch.where(good, 0.0, reward).sum())
-    ctx.log("count/chosen", good.sum())
-    ctx.log("count/rejected", (~good).sum())
-    ctx.log("kl", z * logp.shape[0] / ctx.sequences)
+    reward = beta * r.detach()
+    for name, v in (("rewards/chosen_sum", torch.where(good, reward, 0.0).sum()), ("count/chosen", good.sum()),
+                    ("rewards/rejected_sum", torch.where(good, 0.0, reward).sum()), ("count/rejected", (~good).sum()),
+                    ("kl", z * logp.shape[0] / ctx.sequences)):
+        ctx.log(name, v)
     return losses.sum() / ctx.sequences
