@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain_nb import losses
-from megatrain_nb.losses import LossContext
+from megatrain_nb.post import losses
+from megatrain_nb.post.losses import LossContext
 
 B, T, TOL = 8, 7, 1e-6
 SPLITS = ((0, 2), (2, 6), (6, 8))  # micro-batches of 2, 4 and 2 rows: pairs and groups of 2 kept whole

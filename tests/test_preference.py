@@ -3,9 +3,9 @@ pairs, truncation, sources, resume, errors, and a batch through losses.dpo."""
 import pytest
 import torch
 
-from megatrain_nb import losses
-from megatrain_nb.preference import preference_batches
-from megatrain_nb.sft import IGNORE
+from megatrain_nb.post import losses
+from megatrain_nb.data import preference_batches
+from megatrain_nb.data.sft import IGNORE
 from sft_helpers import make_tokenizer, write_jsonl
 
 

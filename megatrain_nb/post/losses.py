@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .sft import IGNORE
+from ..data.sft import IGNORE
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
