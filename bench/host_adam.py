@@ -7,7 +7,7 @@ fused fp32 AdamW with fp32 grads measured in the same run (``fp32_fused``):
 - fp32: torch's fused CPU AdamW as the engine's worker runs it (HostAdamW.update): fp32 grads, and bf16 grads
   upcast in chunks of --chunks elements (the largest is the whole slab: the upcast goes through DRAM);
   then subnormal moments with flush-to-zero off and on (``torch.set_flush_denormal``).
-- ours: compact_state.update_host, int8 and int4 moments, bf16 grads (the C kernel; torch ops where none builds).
+- ours: compact_host.update_host, int8 and int4 moments, bf16 grads (the C kernel; torch ops where none builds).
 - torchao AdamW8bit / AdamW4bit's step on CPU tensors: eager ``single_param_adam`` and, unless --no-compile,
   the same under torch.compile as torchao runs it (timed after the warm-up compiles it).
 - bitsandbytes' AdamW8bit (blockwise) on a CPU parameter.
@@ -24,6 +24,7 @@ import torch
 
 from rows import emit  # bench/ is on sys.path when this runs as a script
 
+from megatrain_nb.host import compact_host as ch
 from megatrain_nb.host import compact_state as cs
 from megatrain_nb.config import OptimConfig
 from megatrain_nb.host.optim import HostAdamW
@@ -64,7 +65,7 @@ def ours(n: int, kind: str):
     p, g = torch.randn(n) * 0.02, (torch.randn(n) * 1e-3).bfloat16()
     m, v = torch.zeros(lay.words), torch.zeros(lay.words)
     step = torch.tensor(1.0)
-    return lambda: cs.update_host(lay, p, g, m, v, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, step=step)
+    return lambda: ch.update_host(lay, p, g, m, v, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, step=step)
 
 
 def torchao_step(n: int, bits: int, compiled: bool):

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from megatrain_nb.host import compact_host as ch
 from megatrain_nb.host import compact_state as cs
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
@@ -71,7 +72,7 @@ def test_maps_equal_torchao():
 @pytest.mark.parametrize("kind", cs.KINDS)
 def test_thresholds_reproduce_nearest_code(kind):
     for q in cs.qmaps(kind):
-        t = cs._thresholds(q)
+        t = ch._thresholds(q)
         x = torch.cat([t, torch.nextafter(t, torch.tensor(-math.inf)), q, torch.rand(20000) * 2 - 1])
         count = torch.searchsorted(t, x, right=True)  # thresholds at or below x
         assert torch.equal(count, cs._codes_of(x, q).long())
@@ -114,11 +115,11 @@ def test_zero_slab_is_zero_moment(kind):
 @pytest.mark.parametrize("kind", cs.KINDS)
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_update_host_equals_update_torch(kind, grad_dtype):
-    assert cs.kernel() is not None, "the C kernel did not build here"
+    assert ch.kernel() is not None, "the C kernel did not build here"
     lay, p, grad, m, v = _unit(kind, grad_dtype=grad_dtype)
     p2, m2, v2 = p.clone(), m.clone(), v.clone()
     kw = dict(HYPER, weight_decay=0.1, step=torch.tensor(3.0), grad_scale=0.5)
-    cs.update_host(lay, p, grad, m, v, **kw)
+    ch.update_host(lay, p, grad, m, v, **kw)
     cs.update_torch(lay, p2, grad, m2, v2, **kw)
     _assert_moments_close(lay, m, m2)
     torch.testing.assert_close(p, p2, rtol=1e-6, atol=1e-7)
@@ -152,7 +153,7 @@ def test_one_update_equals_torchao(kind, block):
     pa = p.clone()
     single_param_adam(pa, grad, torch.tensor(4.0), am, av, None, torch.tensor(HYPER["lr"]), *HYPER["betas"], 0.01,
                       HYPER["eps"], True, False)
-    cs.update_host(lay, p, grad, m, v, **HYPER, weight_decay=0.01, step=torch.tensor(4.0))
+    ch.update_host(lay, p, grad, m, v, **HYPER, weight_decay=0.01, step=torch.tensor(4.0))
     torch.testing.assert_close(p, pa, rtol=1e-6, atol=1e-7)
     for which, st in ((0, am), (1, av)):
         ours = cs.dequantize((m, v)[which], lay, which)
@@ -191,7 +192,7 @@ def _steps(kind, threads, n_steps=3):
     try:
         lay, p, grad, m, v = _unit(kind, n_big=20000)
         for t in range(1, n_steps + 1):
-            cs.update_host(lay, p, grad, m, v, **HYPER, weight_decay=0.01, step=torch.tensor(float(t)))
+            ch.update_host(lay, p, grad, m, v, **HYPER, weight_decay=0.01, step=torch.tensor(float(t)))
         return p, m, v
     finally:
         torch.set_num_threads(prev)
@@ -215,10 +216,10 @@ def test_subnormal_moments_flush(kind):
     cs.quantize_into(v, lay, 1, sub)
     assert bool((cs.dequantize(m, lay, 0) < 1.2e-38).all())
     p_sub, m_sub, v_sub = p.clone(), m.clone(), v.clone()
-    cs.update_host(lay, p_sub, grad, m_sub, v_sub, **HYPER, weight_decay=0.0, step=torch.tensor(2.0))
+    ch.update_host(lay, p_sub, grad, m_sub, v_sub, **HYPER, weight_decay=0.0, step=torch.tensor(2.0))
     # flushed expectation: with denormals as zero the moments start and stay zero, the parameters do not move
     p0, m0, v0 = p.clone(), torch.zeros(lay.words), torch.zeros(lay.words)
-    cs.update_host(lay, p0, grad, m0, v0, **HYPER, weight_decay=0.0, step=torch.tensor(2.0))
+    ch.update_host(lay, p0, grad, m0, v0, **HYPER, weight_decay=0.0, step=torch.tensor(2.0))
     assert torch.equal(p_sub, p) and torch.equal(p0, p)
     assert torch.equal(_bits(m_sub), _bits(m0)) and torch.equal(_bits(v_sub), _bits(v0))
     assert float(torch.tensor([1e-30]) * 1e-10) > 0  # the caller's thread got its own float mode back
@@ -227,13 +228,13 @@ def test_subnormal_moments_flush(kind):
 def test_fallback_without_kernel(monkeypatch):
     lay, p, grad, m, v = _unit("int8")
     p2, m2, v2 = p.clone(), m.clone(), v.clone()
-    monkeypatch.setattr(cs, "_lib", False)  # as after a failed build
-    monkeypatch.setattr(cs, "_warned_fallback", False, raising=False)
+    monkeypatch.setattr(ch, "_lib", False)  # as after a failed build
+    monkeypatch.setattr(ch, "_warned_fallback", False, raising=False)
     kw = dict(HYPER, weight_decay=0.1, step=torch.tensor(2.0))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        cs.update_host(lay, p, grad, m, v, **kw)
-        cs.update_host(lay, p, grad, m, v, **kw)
+        ch.update_host(lay, p, grad, m, v, **kw)
+        ch.update_host(lay, p, grad, m, v, **kw)
     assert len([x for x in w if "torch ops" in str(x.message)]) == 1
     cs.update_torch(lay, p2, grad, m2, v2, **kw)
     cs.update_torch(lay, p2, grad, m2, v2, **kw)

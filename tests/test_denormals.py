@@ -97,7 +97,7 @@ def test_the_adam_workers_compact_update_on_subnormal_moments_equals_the_update_
     host's path where no C compiler is found) is torch ops on the worker's thread and pool alone; the C kernel
     sets the same bits on its own threads, which leaves its caller flushing too, so only the former can fail
     in a plain thread."""
-    from megatrain_nb.host import compact_state as cs
+    from megatrain_nb.host import compact_host, compact_state as cs
 
     n = 1 << 16
     lay = cs.Layout("int8", n, ((0, n // 2),))  # the first half keeps fp32 moments, the second is quantized
@@ -112,7 +112,7 @@ def test_the_adam_workers_compact_update_on_subnormal_moments_equals_the_update_
 
     def step(m, v):
         p, m, v = p0.clone(), m.clone(), v.clone()
-        getattr(cs, update)(lay, p, grad, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+        (compact_host.update_host if update == "update_host" else cs.update_torch)(lay, p, grad, m, v, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
                             step=torch.tensor(1.0))
         return _bits(p, m, v)
 

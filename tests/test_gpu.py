@@ -289,7 +289,7 @@ def _params_close(a: torch.Tensor, b: torch.Tensor, k: int, lr: float) -> None:
 def test_compact_update_on_cuda_equals_the_host_kernel(kind):
     """The device's torch-op update and the host's C kernel: params within 1e-6, moments within one
     quantization step (the kernels round the same arithmetic in different orders)."""
-    from megatrain_nb.host import compact_state as cs
+    from megatrain_nb.host import compact_host, compact_state as cs
 
     torch.manual_seed(0)
     n = (1 << 20) + 300
@@ -300,7 +300,7 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     for k in range(3):
         g = torch.randn(n).bfloat16()
-        cs.update_host(lay, p, g, m, v, step=torch.tensor(k + 1.0), **hp)
+        compact_host.update_host(lay, p, g, m, v, step=torch.tensor(k + 1.0), **hp)
         cs.update_torch(lay, pd, g.cuda(), md, vd, step=torch.tensor(k + 1.0, device="cuda"), **hp)
         _params_close(pd.cpu(), p, k, hp["lr"])
     for which, (a, b) in enumerate(((m, md), (v, vd))):

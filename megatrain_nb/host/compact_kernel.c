@@ -1,6 +1,6 @@
 /* AdamW over block-wise quantized moments, fused: dequantize, update in fp32, requantize, one pass.
  *
- * Built at first use by compact_state.py (gcc -O3 -march=native -fopenmp, cached by source hash) and called
+ * Built at first use by compact_host.py (gcc -O3 -march=native -fopenmp, cached by source hash) and called
  * through ctypes, which releases the GIL. The arithmetic follows compact_state.update_torch element for
  * element, with fused multiply-adds and reciprocals where they change a result by an ulp:
  *   m  = dq(m) + (1 - b1) (g - dq(m));   v = dq(v) + (1 - b2) (g*g - dq(v))        (torch.lerp's form)
@@ -8,11 +8,11 @@
  * then each block of the new moments is scaled by its absmax (clipped at 1e-12) and every value stored as
  * the nearest entry of its map (ties up), as torchao's quantize_8bit_with_qmap / quantize_4bit_with_qmap.
  * Exempt positions (fp32 moments kept apart) are neither read nor written, and count 0 in the absmax.
- * Every thread sets flush-to-zero and denormals-are-zero first (Note: [Subnormals] in compact_state.py).
+ * Every thread sets flush-to-zero and denormals-are-zero first (Note: [Subnormals] in denormals.py).
  *
  * Note: [Code by threshold count] "nearest entry, ties up" of a sorted map q of N entries is the number of
  * thresholds t[0..N-2] at or below x, t[c] the least float x in (q[c], q[c+1]] with fl(x - q[c]) >=
- * fl((q[c+1] - q[c]) * 0.5) (compact_state._thresholds finds them exactly and checks them). Two ways to
+ * fl((q[c+1] - q[c]) * 0.5) (compact_host._thresholds finds them exactly and checks them). Two ways to
  * count: a binary search over the 16 thresholds of a 4-bit map held in one register (permutes, no memory),
  * and for 8 bits a bucket table keyed by x's sign and top 15 magnitude bits (magnitudes under 2^-23 share
  * bucket 0, at or over 1 the last): entry = count below the bucket << 17 | the low 16 key bits of the one

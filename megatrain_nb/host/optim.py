@@ -4,7 +4,7 @@ Owns: one ``torch.optim.AdamW`` (fused CPU kernel) per unit whose single paramet
 flat fp32 master slab and whose state *is* the store's moment slabs; the LR schedule; the global
 gradient-norm clip factor. The arithmetic is torch's own, so the semantics are exactly
 ``torch.optim.AdamW``'s (decoupled weight decay, bias correction). A unit with compact moments
-(``optimizer_state`` "int8" / "int4") is updated by ``compact_state`` instead, with the same
+(``optimizer_state`` "int8" / "int4") is updated by ``compact_host`` (the C kernel) instead, with the same
 hyper-parameters and step count.
 ``DeviceAdamW`` does the same for units resident on the device (placement.py).
 Does not own: when an update runs (the engine and its worker decide), or streams.
@@ -17,7 +17,7 @@ import math
 import torch
 from torch.optim.adamw import adamw as _adamw
 
-from . import compact_state
+from . import compact_host, compact_state
 from ..config import OptimConfig
 from .host_store import HostStore
 
@@ -81,7 +81,7 @@ class HostAdamW:
         opt.param_groups[0]["lr"] = lr
         if unit.compact is not None:
             step = opt.state[unit.master]["step"]
-            compact_state.update_host(unit.compact, unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, lr=lr,
+            compact_host.update_host(unit.compact, unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, lr=lr,
                                       betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
                                       step=step + 1, grad_scale=grad_scale)
             step.add_(1)
