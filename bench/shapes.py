@@ -1,6 +1,8 @@
 """Qwen2.5-shaped configs for benchmarks (random init; no download)."""
 from transformers import Qwen2Config
 
+from megatrain_nb.machine.shape import QWEN25
+
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),  # CPU tests of the benchmarks
@@ -8,14 +10,8 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    # the Qwen2.5 shapes the planner and the preflight know (megatrain_nb.machine.shape.QWEN25): 3b, 7b, 14b, 32b
+    **{name.lower(): {k: v for k, v in shape.items() if k != "model_type"} for name, shape in QWEN25.items()},
 }
 
 

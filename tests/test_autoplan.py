@@ -15,16 +15,10 @@ import torch
 from megatrain_nb.machine import autoplan, planner
 from megatrain_nb.machine import placement as placing
 from megatrain_nb.config import EngineConfig, OptimConfig
+from megatrain_nb.machine.shape import QWEN25
 from megatrain_nb.step.device_updates import DeviceUpdates
 
-SHAPES = {  # Qwen2.5 shapes
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-}
+SHAPES = {name.lower(): shape for name, shape in QWEN25.items()}  # the Qwen2.5 shapes, as the planner takes them
 SEQ = 4096
 
 

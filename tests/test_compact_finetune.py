@@ -127,19 +127,23 @@ def test_placement_names_how_each_unit_holds_its_moments(kind):
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
+def _checkpoint_then_train_on(s, batches, path) -> list[float]:
+    """Four steps, a checkpoint at ``path``, then the rest of ``batches``: their losses; ``s`` is closed after."""
+    try:
+        for b in batches[:4]:
+            s.step(b)
+        s.save_checkpoint(path)
+        return [s.step(b).loss for b in batches[4:]]
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("placement", ["host", MIXED], ids=["host", "mixed"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_continues_bit_exactly(short, tmp_path, kind, placement):
     from megatrain_nb import Session
 
-    s = _make(kind, placement=placement)
-    try:
-        for b in short[:4]:
-            s.step(b)
-        s.save_checkpoint(tmp_path / "ck")
-        straight = [s.step(b).loss for b in short[4:]]
-    finally:
-        s.close()
+    straight = _checkpoint_then_train_on(_make(kind, placement=placement), short, tmp_path / "ck")
     r = Session.resume(tmp_path / "ck")
     assert r.optim_cfg.optimizer_state == kind
     assert _train(r, short[4:]) == straight
@@ -149,14 +153,7 @@ def test_resume_continues_bit_exactly(short, tmp_path, kind, placement):
 def test_resume_under_another_optimizer_state_converts_with_a_warning(short, tmp_path, other):
     from megatrain_nb import Session
 
-    s = _make("int8")
-    try:
-        for b in short[:4]:
-            s.step(b)
-        s.save_checkpoint(tmp_path / "ck")
-        straight = [s.step(b).loss for b in short[4:]]
-    finally:
-        s.close()
+    straight = _checkpoint_then_train_on(_make("int8"), short, tmp_path / "ck")
     with pytest.warns(UserWarning, match="converted"):
         r = Session.resume(tmp_path / "ck", optimizer_state=other)
     assert r.optim_cfg.optimizer_state == other

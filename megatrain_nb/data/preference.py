@@ -26,7 +26,8 @@ import warnings
 
 import torch
 
-from .sft import IGNORE, _Encoder, load_tokenizer, read_records
+from . import sft
+from .sft import IGNORE, encoder, read_records
 
 KEYS = ("prompt", "chosen", "rejected")
 FORMATS = {  # name -> how a record of it looks, for errors
@@ -65,7 +66,7 @@ def _format_of(rec, where: str) -> str:
     return "conversational"
 
 
-def _side(enc: _Encoder, rec: dict, key: str, fmt: str, where: str) -> tuple[list[int], list[int], list[int]]:
+def _side(enc: "sft._Encoder", rec: dict, key: str, fmt: str, where: str) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, completion ids, completion labels) of the ``key`` side of a checked record."""
     if fmt == "standard":  # as sft's prompt/response: BOS + prompt, then completion + EOS
         completion = enc.wrap(enc.encode(rec[key]), eos=True, bos=False)
@@ -117,12 +118,7 @@ class PreferenceBatches:
             raise ValueError(f"max_prompt={max_prompt!r}: must be an int in [1, seq={seq}); it is the prompt tokens "
                              "kept when completions are long (Note: [Truncation])")
         self.batch, self.seq, self.seed, self.shuffle, self.max_prompt = batch, seq, seed, shuffle, max_prompt
-        tok = load_tokenizer(tokenizer)
-        if tok is None:
-            where = "no tokenizer given" if tokenizer is None else f"{str(tokenizer)!r} has no tokenizer files"
-            warnings.warn(f"{where}: tokenizing as UTF-8 bytes (fine for smoke tests, meaningless for a "
-                          "pretrained model)", stacklevel=3)
-        self.enc = _Encoder(tok, None)
+        self.enc = encoder(tokenizer, stacklevel=4)
         self.name, records = read_records(source)
         self._read(records)
         self.epoch, self.index = 0, 0

@@ -71,6 +71,17 @@ def _needs_template(tok, where: str) -> None:
                          "tokenizer_config.json has one), or write the records as {\"prompt\", \"response\"}")
 
 
+def encoder(tokenizer, vocab_size: int | None = None, *, stacklevel: int = 2) -> "_Encoder":
+    """The records' encoder: ``tokenizer`` (a directory or a loaded HF tokenizer) loaded, or UTF-8 bytes modulo
+    ``vocab_size`` (256 if None) with a warning where there is none (``stacklevel``: the user's call)."""
+    tok = load_tokenizer(tokenizer)
+    if tok is None:
+        where = "no tokenizer given" if tokenizer is None else f"{str(tokenizer)!r} has no tokenizer files"
+        warnings.warn(f"{where}: tokenizing as UTF-8 bytes modulo vocab_size={vocab_size or 256} (fine for smoke "
+                      "tests, meaningless for a pretrained model)", stacklevel=stacklevel + 1)
+    return _Encoder(tok, vocab_size)
+
+
 class _Encoder:
     """Text -> ids with the HF tokenizer, or UTF-8 bytes modulo ``vocab_size`` without one."""
 
@@ -222,12 +233,7 @@ class SftBatches:
         if overlong not in ("error", "truncate"):
             raise ValueError(f"overlong={overlong!r}: 'error' or 'truncate'")
         self.batch, self.seq, self.pack, self.seed = batch, seq, pack, seed
-        tok = load_tokenizer(tokenizer)
-        if tok is None:
-            where = "no tokenizer given" if tokenizer is None else f"{str(tokenizer)!r} has no tokenizer files"
-            warnings.warn(f"{where}: tokenizing as UTF-8 bytes modulo vocab_size={vocab_size or 256} (fine for smoke "
-                          "tests, meaningless for a pretrained model)", stacklevel=3)
-        self.enc = _Encoder(tok, vocab_size)
+        self.enc = encoder(tokenizer, vocab_size, stacklevel=4)
         self.name, records = read_records(source)
         self.examples = self._read(records, overlong)
         self.epoch, self.index = 0, 0
