@@ -79,6 +79,7 @@ class Session:
         self.skipped_steps = 0
         self.data_state: dict | None = None  # position of the data iterator (train() sets it; checkpoints keep it)
         self.eval_history: list[dict] = []  # {"step", "eval_loss", "seconds"} of each evaluate()
+        self.reference = None  # post/reference.py: the frozen model (from_pretrained's files, or freeze_reference)
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -103,7 +104,11 @@ class Session:
             raise FileNotFoundError(f"{str(path)!r} has no config.json; pass an HF model directory")
         config = AutoConfig.from_pretrained(str(path))
         HostStore._files(path)  # fail on missing weights before allocating anything
-        return cls(config, _init=lambda store: store.load_safetensors(path), **settings)
+        from .post.reference import Reference
+
+        s = cls(config, _init=lambda store: store.load_safetensors(path), **settings)
+        s.reference = Reference(path, s.store)  # the loaded weights, read again from these files, never copied
+        return s
 
     @classmethod
     def from_config(cls, config, *, seed: int = 0, **settings) -> "Session":
@@ -346,6 +351,25 @@ class Session:
 
         return generate(self, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                         top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed)
+
+    def freeze_reference(self, path: str | os.PathLike | None = None):
+        """Freeze the current weights as the reference model (``self.reference``) of DPO / GRPO's KL.
+
+        Writes a bf16 snapshot (``save_pretrained(path, dtype=torch.bfloat16)``) and points
+        ``reference`` at it; reference passes then stream it from disk (Note: [Reference without a
+        copy] in post/reference.py). A Session from ``from_pretrained`` already has one: its files.
+
+        Args:
+            path: the directory to write; None: a temporary one, deleted with the reference.
+        Returns:
+            the new ``Reference``.
+        Example:
+            >>> s = Session.from_config(cfg); s.train(sft_data, steps=50); s.freeze_reference()  # doctest: +SKIP
+        """
+        from .post.reference import snapshot
+
+        self.reference = snapshot(self, path)
+        return self.reference
 
     def report(self, path: str | os.PathLike):
         """Write one standalone HTML page with this run's figures and numbers. See ``report.write_report``."""
