@@ -86,9 +86,18 @@ def _loss_sum(engine, mbs: list[dict]) -> float:
 
 # ---- generation ----------------------------------------------------------------------------
 def generate(session, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
-    """Continue ``prompt`` from the session's current weights (see ``Session.generate``)."""
+             top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
+             num_return_sequences: int = 1, return_logprobs: bool = False):
+    """Continue ``prompt`` from the session's current weights (see ``Session.generate``); several prompts,
+    several samples or their log-probs: the batched path (``post/rollout.py``)."""
     from .data.sft import load_tokenizer, prompt_ids
+    from .post.rollout import generate_batch, is_batch
+
+    if is_batch(prompt) or num_return_sequences != 1 or return_logprobs:
+        return generate_batch(session, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                              temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
+                              return_logprobs=return_logprobs, tokenizer=tokenizer, cache_weights=cache_weights,
+                              seed=seed)
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
@@ -131,9 +140,9 @@ def _eos_ids(config, tok) -> set[int]:
 
 
 def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
-    """logits (1, V) fp32 -> next token id; greedy, or sampled with transformers' own warpers."""
+    """logits (N, V) fp32 -> (N,) next token ids on the host; greedy, or sampled with transformers' own warpers."""
     if not do_sample:
-        return lambda logits: int(logits.argmax(-1))  # host sync: the next input depends on it
+        return lambda logits: logits.argmax(-1).cpu()  # host sync: the next input depends on it
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
@@ -142,7 +151,7 @@ def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
     def pick(logits):
         for w in warpers:
             logits = w(None, logits)
-        return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g))
+        return torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g).view(-1)
     return pick
 
 
@@ -172,7 +181,7 @@ def _decode(engine, ids: torch.Tensor, max_new: int, pick, eos: set[int], cache_
         for unit, params in (enumerate(layers) if cache_weights else engine.stream_layers(head=False)):
             cache.layer = unit
             h = call(engine._template(unit), params, h, *calls[unit][0], **calls[unit][1])
-        token = pick(arch.logits(head, h[:, -1:]).float()[:, -1])
+        token = int(pick(arch.logits(head, h[:, -1:]).float()[:, -1])[0])
         new.append(token)
         if token in eos:
             break

@@ -320,37 +320,90 @@ class Session:
         return loss
 
     def generate(self, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
-        """Continue a prompt from the current weights, one token at a time with a KV cache.
+                 top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
+                 num_return_sequences: int = 1, return_logprobs: bool = False):
+        """Continue a prompt (or a batch of prompts) from the current weights, one token at a time with a KV cache.
 
         Greedy decoding equals ``AutoModelForCausalLM.generate`` of ``save_pretrained``'s weights,
         token for token. Stops after ``max_new_tokens`` or at an end-of-sequence token (the
-        config's ``eos_token_id``, and the tokenizer's).
+        config's ``eos_token_id``, and the tokenizer's), each row of a batch on its own.
 
         Args:
             prompt: a string (BOS + text, as prompt/response training sees it), a chat (a list of
                 ``{"role", "content"}``, rendered with the chat template and its generation
-                prompt), or token ids, a LongTensor (T,) or (1, T).
+                prompt), or token ids, a LongTensor (T,) or (1, T); or a LIST of such prompts
+                (the batched path, below).
             max_new_tokens: the most tokens to add.
             do_sample: sample (with ``temperature`` and ``top_p``, transformers' warpers) instead of greedy.
             tokenizer: a model directory or a loaded HF tokenizer; needed for text and chat prompts.
             cache_weights: keep a copy of every layer on the device for the whole generation (True) or stream the
                 layers through the weight slots for each token (False); None: resident on CUDA when
-                the layers fit in half the free device memory.
+                the layers fit in half the free device memory. The copies are dropped on return.
             seed: the sampling generator's seed (the global RNG is left alone).
+            num_return_sequences: completions per prompt (> 1: the batched path); a prompt's rows are consecutive.
+            return_logprobs: the batched path, with each generated token's log-prob at ``temperature``.
         Returns:
-            For a text or chat prompt, the new text (special tokens skipped); for ids, the prompt
-            followed by the new ids, shaped like the prompt (as ``model.generate``).
+            One prompt (and neither of the last two arguments): for a text or chat prompt, the new
+            text (special tokens skipped); for ids, the prompt followed by the new ids, shaped like
+            the prompt (as ``model.generate``). The batched path (a list of prompts,
+            ``num_return_sequences > 1`` or ``return_logprobs``): a ``post.rollout.Rollouts`` (left-padded
+            ``sequences``, ``attention_mask``, ``prompt_lengths``, ``completion_mask``, ``logprobs``
+            aligned as a training step's ``logp`` of ``Rollouts.batch()``'s labels, ``texts`` with a tokenizer).
         Raises:
             ValueError: a bad prompt or setting, or a text prompt without a tokenizer.
         Example:
             >>> s.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=20, tokenizer="my-model")  # doctest: +SKIP
             'Hello! How can I help?'
+            >>> r = s.generate(["1+2=", "3+4="], max_new_tokens=3, do_sample=True, num_return_sequences=4,  # doctest: +SKIP
+            ...                return_logprobs=True, tokenizer=tok)
+            >>> r.sequences.shape, len(r.texts)                                                             # doctest: +SKIP
+            (torch.Size([8, 8]), 8)
         """
         from .inference import generate
 
         return generate(self, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                        top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed)
+                        top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
+                        num_return_sequences=num_return_sequences, return_logprobs=return_logprobs)
+
+    def train_grpo(self, prompts: list, reward_fn, *, steps: int, group_size: int = 4, prompts_per_step: int = 2,
+                   max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
+                   epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
+                   scale_rewards: bool = True, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
+                   progress: bool = True):
+        """GRPO on-policy (one update per batch of rollouts), with a progress bar. Each step samples
+        ``prompts_per_step`` prompts (a seeded permutation per epoch), rolls out ``group_size`` completions
+        of each, scores them with ``reward_fn``, forms ``losses.group_advantages``, adds the reference's
+        log-probs when ``beta > 0`` and takes one ``step`` with ``losses.grpo``.
+
+        Args:
+            prompts: strings, chats or LongTensors of ids.
+            reward_fn: ``reward_fn(prompts, completions) -> list[float]``, one per completion: prompts
+                repeated per completion, completions as texts (with ``tokenizer``) or lists of ids.
+            steps: optimizer steps.
+            group_size: completions per prompt (TRL's ``num_generations``).
+            prompts_per_step: prompts per step; the batch is ``prompts_per_step * group_size`` rows.
+            max_new_tokens, temperature, top_p: sampling (``generate``).
+            epsilon, epsilon_high, beta, loss_type: ``losses.grpo``'s. ``beta > 0`` needs ``reference``.
+            scale_rewards: divide advantages by the group's std (False: Dr. GRPO).
+            tokenizer, cache_weights, seed: as ``generate``; step k samples with seed ``seed * 1_000_003 + k``.
+            progress: show a tqdm bar.
+        Returns:
+            DataFrame, one row per step: step, reward_mean, reward_std, loss, kl, clip_ratio,
+            completion_len, seconds. ``old_logp`` is the sampling log-prob at ``temperature == 1``;
+            at another temperature it is left out, and the loss takes the policy's own (ratio 1).
+        Raises:
+            ValueError: bad arguments, ``beta > 0`` without a reference, a reward list of the wrong length.
+        Example:
+            >>> df = s.train_grpo(["2+3=", "4+1="], lambda p, c: [float(x == "5") for x in c], steps=20,  # doctest: +SKIP
+            ...                   tokenizer=tok, max_new_tokens=2)
+        """
+        from .post.rollout import train_grpo
+
+        return train_grpo(self, prompts, reward_fn, steps=steps, group_size=group_size,
+                          prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
+                          scale_rewards=scale_rewards, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
+                          progress=progress)
 
     def freeze_reference(self, path: str | os.PathLike | None = None):
         """Freeze the current weights as the reference model (``self.reference``) of DPO / GRPO's KL.
