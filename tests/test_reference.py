@@ -10,16 +10,24 @@ from conftest import make_batches
 
 
 def _logits(s, ids, *, ref: bool) -> torch.Tensor:
-    """Forward only, as inference._loss_sum runs it: (B, T, V) fp32 logits from the reference's or the policy's weights."""
+    """Forward only, as inference._loss_sum runs it: (B, T, V) fp32 logits from the reference's or the policy's
+    weights; the reference as a weights source (Note: [Weights source] in inference.py: the embedding table first)."""
     eng, arch = s.engine, s.arch
 
     def fwd():
-        gather = s.reference.gather if ref else eng._gather
-        E, box = gather(eng, {"input_ids": ids}) if ref else gather({"input_ids": ids})
-        eng._ready(box)
         H = arch.embed.weight.shape[1]
-        h, calls = arch.prelude(arch.embed_rows(E.reshape(-1, H), tuple(ids.shape)), None)
-        for unit, params in (s.reference.stream(eng, head=True) if ref else eng.stream_layers(head=True)):
+        if ref:
+            it = s.reference.stream(eng, head=True)
+            unit, embed = next(it)
+            assert unit == -1 and embed[arch.embed_name].shape == arch.embed.weight.shape
+            rows = embed[arch.embed_name].index_select(0, ids.flatten())
+        else:
+            it = eng.stream_layers(head=True)
+            E, box = eng._gather({"input_ids": ids})
+            eng._ready(box)
+            rows = E.reshape(-1, H)
+        h, calls = arch.prelude(arch.embed_rows(rows, tuple(ids.shape)), None)
+        for unit, params in it:
             if unit < eng.L:
                 h = call(eng._template(unit), params, h, *calls[unit][0], **calls[unit][1])
             else:

@@ -1,8 +1,8 @@
 """The frozen reference model of preference and RL post-training, read from safetensors on disk.
 
 Owns: streaming a model directory's ORIGINAL weights, unit by unit, into one device buffer per
-kind of unit (a layer, the head) in the compute dtype, in the form ``Engine.stream_layers`` yields
-them; the reference's embedding rows for a micro-batch; and the bf16 snapshot that gives a
+kind of unit (the embedding table, a layer, the head) in the compute dtype, in the form of a
+forward pass's weights source (Note: [Weights source] in inference.py); and the bf16 snapshot that gives a
 Session built from a config a directory to read (``snapshot``).
 Does not own: the forward pass (the caller runs the templates on what ``stream`` yields, as it
 does for the policy), the policy's weights, the losses.
@@ -44,7 +44,7 @@ class Reference:
         ValueError: ``path`` holds a tensor the architecture does not have, or lacks one.
     Example:
         >>> for unit, params in s.reference.stream(s.engine, head=True):   # doctest: +SKIP
-        ...     ...  # unit 0..L-1: a layer's named views; unit L: the head's
+        ...     ...  # -1: the embedding table; 0..L-1: a layer's named views; L: the head's
     """
 
     def __init__(self, path: str | os.PathLike, store: HostStore, *, owned: str | None = None):
@@ -96,21 +96,30 @@ class Reference:
             put(flat, where, handles[k].get_tensor(name), f"{self.files[k].name}:{name}")
 
     def stream(self, engine, *, head: bool):
-        """Driver: yield (unit, the reference's weights on the device) for layers 0..L-1, then the head
-        (unit L) if ``head``: the form of ``Engine.stream_layers``.
+        """Driver: yield the reference's weights on the device, as a weights source of a forward-only pass
+        (Note: [Weights source] in inference.py): ``(-1, {embedding name: table (V, H)})``, then
+        ``(unit, params)`` for layers 0..L-1 as ``Engine.stream_layers`` yields them, then the head
+        (unit L: final norm, lm_head or the tied embedding, ``Engine.head_layout``) if ``head``.
 
         Each layer is copied into one buffer of the engine's device and compute dtype, in order, on
         the current stream: the copy of layer i+1 is ordered after the compute the caller enqueued on
-        layer i's views before resuming the generator. Run it on the compute stream, under no_grad.
+        layer i's views before resuming the generator. The embedding table is dropped once the caller
+        resumes past it (it has gathered its rows). Run it on the compute stream, under no_grad.
 
         Args:
             engine: the policy's ``Engine`` (its device, compute dtype, head layout).
-            head: also yield the head (final norm, lm_head or the tied embedding).
+            head: also yield the head.
         Yields:
-            (unit, {parameter name: view}) as ``Engine.stream_layers``.
+            (unit, {parameter name: tensor on the device}).
         """
         dev, dtype = engine.dev.device, engine.dtype
+        name = self.arch.embed_name
         with self._open() as handles:
+            (k, key, where), = self.by_unit[-1]
+            table = torch.empty(self.arch.embed.weight.shape, dtype=dtype, device=dev)
+            put(table.view(-1), where, handles[k].get_tensor(key), f"{self.files[k].name}:{key}")
+            yield -1, {name: table}
+            del table  # the rows are gathered: one unit's staging at a time
             n = max(lay.numel for lay in self.layouts.values())
             for u in range(self.L):
                 lay = self.layouts[u]
@@ -122,38 +131,11 @@ class Reference:
                 flat = self._buffer("head", lay.numel, dtype, dev)
                 self._fill(handles, self.L, flat)
                 if self.arch.tied:
-                    self._fill(handles, -1, flat, shift=lay.offsets[lay.names.index(self.arch.embed_name)])
+                    self._fill(handles, -1, flat, shift=lay.offsets[lay.names.index(name)])
                 yield self.L, lay.views(flat)
 
-    def gather(self, engine, mb: dict):
-        """The reference's embedding rows of a micro-batch, in ``Engine._gather``'s form.
-
-        Reads only the rows of the tokens present (one slice of the mapped table per distinct token).
-
-        Args:
-            engine: the policy's ``Engine`` (device, compute dtype).
-            mb: {"input_ids": LongTensor (B, T) on the host}.
-        Returns:
-            (rows (B, T, H) compute dtype on the engine's device, a ready ``Box``).
-        """
-        from ..step.workers import Box
-
-        ids = mb["input_ids"].cpu()
-        H = self.arch.embed.weight.shape[1]
-        (k, name, where), = self.by_unit[-1]
-        if isinstance(where, torch.Tensor):
-            raise ValueError(f"{name} is stored converted (a fused layout); the reference reads it as a plain table")
-        uniq, inv = torch.unique(ids, return_inverse=True)
-        rows = torch.empty(len(uniq), H, dtype=engine.dtype)
-        with self._open() as handles:
-            table = handles[k].get_slice(name)
-            for j, t in enumerate(uniq.tolist()):
-                rows[j] = table[t:t + 1][0]
-        E = rows[inv.flatten()].view(*ids.shape, H).to(engine.dev.device)
-        return E, Box(ready=True)
-
     def host_bytes(self) -> int:
-        """Bytes of the buffers this object holds (on "cpu", host memory): one layer and the head."""
+        """Bytes of the buffers this object keeps between passes (on "cpu", host memory): one layer and the head."""
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
     def __repr__(self) -> str:
