@@ -95,7 +95,7 @@ class Reference:
                 where = where + shift if isinstance(where, torch.Tensor) else (where[0] + shift, where[1])
             put(flat, where, handles[k].get_tensor(name), f"{self.files[k].name}:{name}")
 
-    def stream(self, engine, *, head: bool):
+    def stream(self, engine, head: bool = True):
         """Driver: yield the reference's weights on the device, as a weights source of a forward-only pass
         (Note: [Weights source] in inference.py): ``(-1, {embedding name: table (V, H)})``, then
         ``(unit, params)`` for layers 0..L-1 as ``Engine.stream_layers`` yields them, then the head
