@@ -115,3 +115,34 @@ def test_bad_batched_arguments(session, tok):
         session.generate([], max_new_tokens=2)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         session.generate([torch.tensor([1, 10_000])], max_new_tokens=2)
+
+
+HOOK = pytest.mark.skipif(not hasattr(Session, "logprobs"), reason="needs Session.logprobs and step(loss=)")
+
+
+@HOOK
+def test_rollout_logprobs_equal_the_training_sides(session, tok):
+    r = session.generate(_prompts(tok), max_new_tokens=5, do_sample=True, num_return_sequences=2,
+                         return_logprobs=True, seed=3)
+    b = r.batch()
+    assert (session.logprobs(b) - b["old_logp"]).abs().max() < 1e-5
+    ref = session.logprobs(b, ref=True)  # nothing trained yet: the files are the weights
+    assert (ref - b["old_logp"]).abs().max() < 1e-5
+
+
+@HOOK
+def test_train_grpo_runs_and_logs(model_dir, tok):
+    s = Session.from_pretrained(model_dir, device="cpu", dtype=torch.float32, lr=1e-3)
+    try:
+        prompts = ["What is 7 plus", "Hello", "The capital of"]
+        want = tok("two", add_special_tokens=False)["input_ids"][0]
+        reward = lambda ps, cs: [float(want in c) for c in cs]  # noqa: E731
+        df = s.train_grpo([torch.tensor(tok(p)["input_ids"]) for p in prompts], reward, steps=3, group_size=4,
+                          prompts_per_step=2, max_new_tokens=4, beta=0.1, progress=False)
+        assert list(df.columns) == ["step", "reward_mean", "reward_std", "loss", "kl", "clip_ratio",
+                                    "completion_len", "seconds"]
+        assert df.step.tolist() == [1, 2, 3] and df.kl.notna().all() and (df.kl >= 0).all()
+        with pytest.raises(ValueError, match="prompts_per_step=5"):
+            s.train_grpo(prompts, reward, steps=1, prompts_per_step=5, tokenizer=tok)
+    finally:
+        s.close()
