@@ -105,7 +105,7 @@ LOSSES = {  # name -> (fields kind, fn)
 }
 
 
-def reference_step(d: Path, attn: str, batch: dict, fn):
+def reference_step(d: Path, attn: str, batch: dict, fn, grad_clip: float | None = None):
     """One step of the plain HF model + torch.optim.AdamW on ``fn``: (loss, metrics, state_dict after)."""
     model = load_reference(d, attn)
     opt = torch.optim.AdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"], weight_decay=0.0)
@@ -114,6 +114,8 @@ def reference_step(d: Path, attn: str, batch: dict, fn):
     kw = {"entropy": H} if losses.needs_entropy(fn) else {}
     loss = fn(lp, batch, ctx, **kw)
     loss.backward()
+    if grad_clip is not None:
+        assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) > grad_clip  # it clips
     opt.step()
     return float(loss.detach()), {k: float(v) for k, v in ctx.metrics.items()}, model.state_dict()
 
@@ -121,7 +123,7 @@ def reference_step(d: Path, attn: str, batch: dict, fn):
 def assert_step_equal(d: Path, tmp_path: Path, name: str, batch: dict, r, s, fn, *, tol: float = TOL):
     """The session's loss, metrics and updated weights (after ``r``) against one reference step from ``d``."""
     attn = s.arch.model.config._attn_implementation
-    want_loss, want_metrics, after = reference_step(d, attn, batch, fn)
+    want_loss, want_metrics, after = reference_step(d, attn, batch, fn, s.optim_cfg.grad_clip)
     before = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()
     s.save_pretrained(tmp_path / "s")
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "s"), dtype=torch.float32).state_dict()
@@ -247,6 +249,7 @@ SETTINGS = {
     "resident": dict(placement={-1: "resident", 0: "resident", 1: "resident", U: "resident"}),
     "streamed": dict(placement={0: "device", U: "device"}),
     "micro_batches": dict(placement="host", micro_batch_size=2, checkpoint_every=1),
+    "auto_clipped": dict(placement="auto", grad_clip=0.05),
 }
 
 
@@ -286,6 +289,20 @@ def test_default_path_unchanged_and_sft_hook_equal(hf_dir):
     assert all(abs(a - b) <= 1e-6 for a, b in zip(ce, hook)), (ce, hook)
     assert all(rel(w_hook[u], w_ce[u]) <= TOL for u in w_ce)
     assert r_ce[0].metrics is None and r_hook[0].metrics == {}
+
+
+def test_nonfinite_hook_loss_skips_the_update(hf_dir):
+    s = Session.from_pretrained(hf_dir("llama"), **OPT, nonfinite="skip")
+    try:
+        s.engine.drain()
+        before = {u: s.store.units[u].master.clone() for u in s.store.order}
+        with pytest.warns(UserWarning, match="non-finite loss"):
+            r = s.step(make_batch(), loss=lambda logp, batch, ctx: logp.sum() * float("nan"))
+        s.engine.drain()
+        assert r.skipped and s.skipped_steps == 1
+        assert all(torch.equal(s.store.units[u].master, w) for u, w in before.items())
+    finally:
+        s.close()
 
 
 def test_metrics_reach_history_and_train(hf_dir):
