@@ -305,16 +305,24 @@ def test_nonfinite_hook_loss_skips_the_update(hf_dir):
         s.close()
 
 
-def test_metrics_reach_history_and_train(hf_dir):
+def test_metrics_reach_history_train_checkpoint_and_report(hf_dir, tmp_path):
     s = Session.from_pretrained(hf_dir("llama"), **OPT | {"lr": 1e-3, "eps": 1e-8})
     try:
         batch = make_batch()
         batch |= fields("dpo", batch, load_reference(hf_dir("llama"), s.arch.model.config._attn_implementation))
+        s.step(batch)  # a cross-entropy step: no metrics
         df = s.train([batch, batch], steps=2, loss=losses.dpo, dashboard=False)
-        assert list(df.step) == [1, 2] and "rewards/accuracies" in df.columns and "metrics" not in df.columns
-        assert df["rewards/margins"].notna().all()
+        assert list(df.step) == [1, 2, 3] and "rewards/accuracies" in df.columns and "metrics" not in df.columns
+        assert df["rewards/margins"].isna().tolist() == [True, False, False]
+        s.save_checkpoint(tmp_path / "ck")
+        s.report(tmp_path / "r.html")
     finally:
         s.close()
+    r = Session.resume(tmp_path / "ck")
+    try:
+        assert [h.metrics for h in r.history] == [h.metrics for h in s.history]
+    finally:
+        r.close()
 
 
 # ---- errors -------------------------------------------------------------------------------------
