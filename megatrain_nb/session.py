@@ -79,7 +79,8 @@ class Session:
         self.skipped_steps = 0
         self.data_state: dict | None = None  # position of the data iterator (train() sets it; checkpoints keep it)
         self.eval_history: list[dict] = []  # {"step", "eval_loss", "seconds"} of each evaluate()
-        self.reference = None  # post/reference.py: the frozen model (from_pretrained's files, or freeze_reference)
+        self.reference = None  # logprobs(ref=True)'s weights (post/reference.py: from_pretrained's files, or
+        # freeze_reference's snapshot); .stream(engine, head) (Note: [Weights source] in inference.py)
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -116,25 +117,58 @@ class Session:
         return cls(config, _init=lambda store: store.init_random(seed), **settings)
 
     # ---- training ----------------------------------------------------------------------
-    def step(self, batch: dict) -> StepResult:
+    def step(self, batch: dict, loss=None, *, group_size: int | None = None) -> StepResult:
         """Train on one batch: forward, loss, backward, AdamW on every parameter.
+
+        With ``loss=fn`` the step's loss is ``fn(logp, batch, ctx)`` (``post.losses``: sft, dpo, grpo,
+        kto, or your own) over the per-token log-probs, differentiated through the head and every
+        layer (Note: [Loss hook] in step/hook.py); without it, HF's cross-entropy, as always.
 
         Args:
             batch: {"input_ids": LongTensor [B, T], "labels": LongTensor [B, T] (optional: defaults
-                to input_ids; -100 = ignored), "attention_mask": [B, T] of 0/1 (optional)}.
+                to input_ids; -100 = ignored), "attention_mask": [B, T] of 0/1 (optional),
+                "position_ids": [B, T] (optional: packed rows)}; with ``loss``, any extra fields the
+                loss reads: tensors per row [B] or per token [B, T] (sliced into each micro-batch),
+                anything else (a float, a 0-d tensor) passed to every micro-batch as it is;
+                "max_completion_length" (an int) also goes to ``ctx`` (GRPO's ``dr_grpo``).
+            loss: ``fn(logp, batch, ctx) -> 0-d tensor``: ``logp`` [b, T] fp32 with gradient,
+                ``logp[r, t] = log p(labels[r, t] | input_ids[r, :t])`` (0 where the label is -100
+                and at t = 0); ``batch`` the micro-batch's fields on the device (``labels`` always);
+                ``ctx`` a ``post.losses.LossContext`` with the step's global token and row counts
+                (over micro-batches and data-parallel ranks); ``entropy=`` [b, T] too when ``fn``
+                has that parameter. The step's loss is the sum of ``fn`` over micro-batches and ranks.
+            group_size: rows that must share a micro-batch (a DPO pair: 2, a GRPO group: the
+                completions per prompt); default: 2 when the batch has "pair", the run length of
+                "group", else 1.
         Returns:
-            StepResult; ``loss`` is HF's (labels shifted inside, mean over supervised tokens).
+            StepResult; ``loss`` is HF's (labels shifted inside, mean over supervised tokens), or
+            the hook's; ``metrics`` what the hook's loss logged (``ctx.log``), summed, or None.
         Raises:
-            TypeError / ValueError: a malformed batch, before any state changes.
+            TypeError / ValueError: a malformed batch, a field of the wrong shape, or a
+                ``micro_batch_size`` that splits a group, before any state changes.
+        Example:
+            >>> from megatrain_nb.post import losses                                  # doctest: +SKIP
+            >>> r = s.step(pref_batch, loss=functools.partial(losses.dpo, beta=0.1))  # doctest: +SKIP
+            >>> r.loss, r.metrics["rewards/accuracies"]                               # doctest: +SKIP
         """
         if self.engine.closed:
             raise RuntimeError("this Session is closed (close() released its buffers and threads); make a new one, "
                                "or Session.resume(path) from a checkpoint saved before closing")
-        mbs, n_valid, tokens = self._prepare(batch)
+        hook = None
+        if loss is not None:
+            if not callable(loss):
+                raise TypeError(f"loss={loss!r}: pass a function fn(logp, batch, ctx), "
+                                "e.g. megatrain_nb.post.losses.dpo")
+            from .step.hook import LossHook
+
+            mbs, n_valid, tokens = self._prepare(batch, fields=True, group_size=group_size)
+            hook = LossHook(loss, [mb.pop("batch") for mb in mbs])
+        else:
+            mbs, n_valid, tokens = self._prepare(batch)
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
         try:
-            out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid), self._driver)
+            out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid, hook), self._driver)
         except torch.OutOfMemoryError as e:
             from .machine.preflight import oom_advice
 
@@ -144,7 +178,7 @@ class Session:
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
                        tflops=6 * self.store.num_params() * tokens / dt / 1e12,
                        recomputed_layers=out["recomputed_layers"], grad_norm=out["grad_norm"],
-                       skipped=out["nonfinite"])
+                       skipped=out["nonfinite"], metrics=out["metrics"])
         self.history.append(r)
         if r.skipped:
             self.skipped_steps += 1
@@ -160,8 +194,11 @@ class Session:
                                     "the session is consistent and training can continue")
         return r
 
-    def _prepare(self, batch: dict) -> tuple[list[dict], int, int]:
-        """Validate and split a batch; raises before anything is touched."""
+    def _prepare(self, batch: dict, *, fields: bool = False, group_size: int | None = None,
+                 need_labels: bool = True) -> tuple[list[dict], int, int]:
+        """Validate and split a batch; raises before anything is touched. ``fields``: each micro-batch also gets
+        ``"batch"``, what a loss hook reads (step/hook.py), in micro-batches of whole groups; ``need_labels``:
+        refuse a batch without a supervised token."""
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise TypeError("batch must be a dict with 'input_ids' (and optionally 'labels', 'attention_mask')")
         ids = _as_long(batch["input_ids"], "input_ids")
@@ -199,13 +236,23 @@ class Session:
         shift = torch.full_like(labels, -100)
         shift[:, :-1] = labels[:, 1:]  # HF shifts inside: position t predicts token t+1
         n_valid = int((shift != -100).sum())
-        if n_valid == 0:
+        if n_valid == 0 and need_labels:
             raise ValueError("no supervised tokens: every label after shifting is -100, so the loss is undefined")
         B = ids.shape[0]
         mb = self.engine.device_updates.micro_batch(B, ids.shape[1]) or B  # set, or "auto"'s (Note: [Micro-batch choice])
+        if fields:
+            from .step import hook
+
+            extra = hook.loss_fields(batch, B, ids.shape[1])
+            mb = hook.micro_batch_for(mb, B, hook.group_size_of(batch, group_size, B), self.engine_cfg.micro_batch_size)
         mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
                 "attention_mask": None if mask is None else mask[a:a + mb],
                 "position_ids": None if pos is None else pos[a:a + mb]} for a in range(0, B, mb)]
+        if fields:  # what the hook's loss reads: per-row and per-token tensors sliced, the rest as it is
+            full = {"input_ids": ids, "labels": labels, **({} if mask is None else {"attention_mask": mask}),
+                    **({} if pos is None else {"position_ids": pos}), **extra}
+            for a, m in zip(range(0, B, mb), mbs):
+                m["batch"] = {k: v[a:a + mb] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in full.items()}
         return mbs, n_valid, ids.numel()
 
     # ---- results -----------------------------------------------------------------------
@@ -261,10 +308,13 @@ class Session:
         return viz.memory(self._last_trace().counters_dataframe())
 
     def history_dataframe(self):
-        """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s."""
+        """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s, and a column
+        per metric a loss hook logged (``StepResult.metrics``)."""
         import pandas as pd
 
-        df = pd.DataFrame([dataclasses.asdict(r) for r in self.history])
+        rows = [dataclasses.asdict(r) for r in self.history]
+        df = pd.DataFrame([{**{k: v for k, v in r.items() if k != "metrics"}, **(r["metrics"] or {})}
+                           for r in rows])
         if len(df):
             df["tokens_per_s"] = df.tokens / df.seconds
         if self.eval_history:  # eval_loss at the step it followed (0: before training)
@@ -284,12 +334,13 @@ class Session:
 
         export_chrome_trace(self._last_trace(), path)
 
-    def train(self, data, *, steps: int, **kw):
+    def train(self, data, *, steps: int, loss=None, **kw):
         """Train ``steps`` steps from an iterable of batches with a progress bar (and a live dashboard in
-        Jupyter); Jupyter's Stop ends it cleanly after the current step. See ``training.train``."""
+        Jupyter); Jupyter's Stop ends it cleanly after the current step. ``loss``: each step's loss hook
+        (see ``step``). See ``training.train``."""
         from .training import train
 
-        return train(self, data, steps=steps, **kw)
+        return train(self, data, steps=steps, loss=loss, **kw)
 
     def evaluate(self, batches, *, steps: int | None = None) -> float:
         """Mean loss per supervised token over held-out batches, forward only, from the current weights.
@@ -318,6 +369,35 @@ class Session:
         self.eval_history.append({"step": self.engine.steps_done, "eval_loss": loss,
                                   "seconds": time.perf_counter() - t0})
         return loss
+
+    def logprobs(self, batch: dict, *, ref: bool = False, entropy: bool = False, temperature: float = 1.0):
+        """Per-token log-probs of a batch's labels, forward only, without gradient; full logits never exist.
+
+        Streams the layers between steps as ``evaluate`` does (Note: [Eval between steps] in
+        inference.py) and computes the log-probs in the head's chunks of positions.
+
+        Args:
+            batch: as ``step`` takes it: "input_ids" [B, T], optional "labels" (default: input_ids;
+                -100 = none), "attention_mask", "position_ids" (packed rows); other fields are ignored.
+            ref: from the reference weights ``self.reference`` (an object whose ``stream(engine,
+                head)`` yields ``(unit, params)``: Note: [Weights source] in inference.py) instead of
+                the current weights.
+            entropy: also return the entropy of each predictive distribution.
+            temperature: the logits are divided by it first.
+        Returns:
+            ``logp`` [B, T] fp32 on the CPU, ``logp[b, t] = log p(labels[b, t] | input_ids[b, :t])``
+            where ``labels[b, t] != -100``, 0 elsewhere and at t = 0 (HF's alignment; what a loss
+            hook's ``logp`` is); with ``entropy``, ``(logp, H)``, H [B, T] fp32 at the same places.
+        Raises:
+            NotImplementedError: ``ref=True`` while ``self.reference`` is None.
+            ValueError / TypeError: a malformed batch or a temperature <= 0, before anything runs.
+        Example:
+            >>> ref_logp = s.logprobs(batch, ref=True)              # doctest: +SKIP
+            >>> s.step({**batch, "ref_logp": ref_logp}, loss=losses.dpo)  # doctest: +SKIP
+        """
+        from .inference import logprobs
+
+        return logprobs(self, batch, ref=ref, entropy=entropy, temperature=temperature)
 
     def generate(self, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
