@@ -1,7 +1,8 @@
 """Evaluation and generation from the weights being trained, through the engine's own loads.
 
-Owns: the forward-only pass over held-out batches (mean loss per supervised token) and
-token-by-token generation with a KV cache, greedy or sampled; bound as ``Session.evaluate`` and
+Owns: the forward-only pass over held-out batches (mean loss per supervised token), the per-token
+log-probs and entropies of a batch from a pluggable weights source, and token-by-token generation
+with a KV cache, greedy or sampled; bound as ``Session.evaluate``, ``Session.logprobs`` and
 ``Session.generate``. Weights come from the engine (``Engine.stream_layers``,
 ``Engine.weights_copy``): the same weight source, loads and slot ordering as a step's forward.
 Does not own: the training step, the optimizer (never touched here), the data's tokenization.
@@ -11,6 +12,17 @@ that it reads the weights after the last step, and so that a failure inside it (
 engine's handoffs) drops no update. It keeps no graph and touches neither gradients, optimizer
 state, the step count nor the activation policy; its loads record no trace (the recorder is set
 aside for the pass). The next step therefore runs exactly as it would have without it.
+
+Note: [Weights source] a forward-only pass reads its weights from ``layers(head: bool)``, a factory
+of an iterator of ``(unit, params)``: first ``(-1, embedding)``, where embedding is None for the
+engine's own rows (gathered as a step does) or a dict holding the embedding table (V, H) on the
+device (under the model's embedding name, e.g. "model.embed_tokens.weight"); then ``(i, params)``
+for layers i = 0..L-1, params the dict of layer i's tensors on the device by their names in the
+layer (``Layout.views``, as ``Engine.stream_layers`` yields them); then, when ``head``, ``(L, the
+head unit's params)`` (final norm and lm_head, plus the embedding where tied:
+``Engine.head_layout``). The iterator may reuse a buffer once the pass has resumed it: each unit's
+compute is enqueued before the next item is asked for. ``own_layers`` is the engine's current
+weights; ``Session.logprobs(ref=True)`` takes ``session.reference.stream(engine, head)``.
 """
 from __future__ import annotations
 
@@ -58,37 +70,119 @@ def _eval_batches(batches, steps: int | None):
 
 def _loss_sum(engine, mbs: list[dict]) -> float:
     """Driver: the summed (not averaged) token losses of one batch's micro-batches, forward only."""
+    total = torch.zeros((), dtype=torch.float32, device=engine.dev.device)
+
+    def at_head(m, mb, h, params):
+        nonlocal total
+        labels = mb["shift_labels"].to(engine.dev.device, non_blocking=True)
+        for a, b in chunks(h.shape[1], loss_positions(engine.cfg.loss_chunk_tokens, h.shape[0])):
+            logits = engine.arch.logits(params, h[:, a:b])
+            total += F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(), ignore_index=-100,
+                                     reduction="sum")
+
+    _forward(engine, mbs, lambda head: own_layers(engine, head), at_head)
+    return float(total)  # host sync: the end of the pass
+
+
+def own_layers(engine, head: bool):
+    """The engine's current weights as a weights source (Note: [Weights source]): the embedding's rows from its
+    own gather, then ``Engine.stream_layers``."""
+    yield -1, None
+    yield from engine.stream_layers(head=head)
+
+
+def _forward(engine, mbs: list[dict], layers, at_head) -> None:
+    """Driver: run the micro-batches through ``layers(True)`` (Note: [Weights source]); at the head, call
+    ``at_head(m, mb, h, head_params)`` for each micro-batch m with its last hidden states h (b, T, H)."""
     arch, dev = engine.arch, engine.dev
     H = arch.embed.weight.shape[1]
+    it = layers(True)
+    unit, embed = next(it)
+    if unit != -1:
+        raise ValueError(f"the weights source yielded unit {unit} first; it must yield (-1, the embedding's params, "
+                         "or None for the engine's own) before the layers (Note: [Weights source] in inference.py)")
     hs, calls = [], []
     for mb in mbs:
-        E, box = engine._gather(mb)
-        engine._ready(box)
+        ids = mb["input_ids"]
+        if embed is None:  # the engine's own rows, gathered as a step's forward does
+            E, box = engine._gather(mb)
+            engine._ready(box)
+            rows = E.view(-1, H)
+        else:
+            table = embed[arch.embed_name] if arch.embed_name in embed else next(iter(embed.values()))  # (V, H)
+            rows = table.index_select(0, ids.flatten().to(table.device, non_blocking=True))
         mask = mb["attention_mask"]
         mask = None if mask is None else mask.to(dev.device, non_blocking=True)
-        h0, c = arch.prelude(arch.embed_rows(E.view(-1, H), tuple(E.shape[:2])), mask,
+        h0, c = arch.prelude(arch.embed_rows(rows, tuple(ids.shape)), mask,
                              **arch.position_kwargs(mb.get("position_ids"), dev.device))
         hs.append(h0), calls.append(c)
-    total = torch.zeros((), dtype=torch.float32, device=dev.device)
-    for unit, params in engine.stream_layers(head=True):
+    for unit, params in it:
         if unit < engine.L:
             for m, c in enumerate(calls):
                 hs[m] = call(engine._template(unit), params, hs[m], *c[unit][0], **c[unit][1])
             continue
-        for mb, h in zip(mbs, hs):
-            labels = mb["shift_labels"].to(dev.device, non_blocking=True)
-            for a, b in chunks(h.shape[1], loss_positions(engine.cfg.loss_chunk_tokens, h.shape[0])):
-                logits = arch.logits(params, h[:, a:b])
-                total += F.cross_entropy(logits.float().flatten(0, 1), labels[:, a:b].flatten(), ignore_index=-100,
-                                         reduction="sum")
-    return float(total)  # host sync: the end of the pass
+        for m, (mb, h) in enumerate(zip(mbs, hs)):
+            at_head(m, mb, h, params)
+
+
+# ---- per-token log-probs -------------------------------------------------------------------
+def logprobs(session, batch: dict, *, ref: bool = False, entropy: bool = False, temperature: float = 1.0):
+    """Per-token log-probs (and entropies) of ``batch`` from the current or the reference weights (see
+    ``Session.logprobs``)."""
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r}: must be a number > 0 (the logits are divided by it)")
+    engine = session.engine
+    if ref:
+        reference = getattr(session, "reference", None)
+        if reference is None:
+            raise NotImplementedError(
+                "ref=True needs the reference weights: set session.reference to an object whose "
+                "stream(engine, head) yields (-1, embedding params), then (unit, params) of layers 0..L-1 and, "
+                "with head, (L, head params), as Engine.stream_layers does (Note: [Weights source] in inference.py)")
+        layers = lambda head: reference.stream(engine, head)  # noqa: E731
+    else:
+        layers = lambda head: own_layers(engine, head)  # noqa: E731
+    mbs, _, _ = session._prepare(batch, need_labels=False)  # raises on a bad batch before anything runs
+    lp, H = _run(session, lambda: _logprobs(engine, mbs, layers, entropy, float(temperature)))
+    return (lp, H) if entropy else lp
+
+
+def _logprobs(engine, mbs: list[dict], layers, entropy: bool, temperature: float):
+    """Driver: ([B, T], [B, T] or None) fp32 on the host, HF's alignment, from the head's chunks."""
+    from .post.logprobs import to_hf, token_logprobs
+
+    lps, Hs = [], []
+
+    def at_head(m, mb, h, params):
+        labels = mb["shift_labels"].to(engine.dev.device, non_blocking=True)
+        lp = torch.zeros(labels.shape, dtype=torch.float32, device=h.device)  # (b, T), position t predicts t + 1
+        ent = torch.zeros_like(lp) if entropy else None
+        for a, b in chunks(h.shape[1], loss_positions(engine.cfg.loss_chunk_tokens, h.shape[0])):
+            lp[:, a:b], e = token_logprobs(engine.arch.logits(params, h[:, a:b]), labels[:, a:b], temperature,
+                                           entropy=entropy)
+            if entropy:
+                ent[:, a:b] = e
+        lps.append(to_hf(lp)), Hs.append(None if ent is None else to_hf(ent))
+
+    _forward(engine, mbs, layers, at_head)
+    lp = torch.cat(lps).cpu()  # host sync: the end of the pass
+    return lp, (torch.cat(Hs).cpu() if entropy else None)
 
 
 # ---- generation ----------------------------------------------------------------------------
 def generate(session, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-             top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
-    """Continue ``prompt`` from the session's current weights (see ``Session.generate``)."""
+             top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
+             num_return_sequences: int = 1, return_logprobs: bool = False):
+    """Continue ``prompt`` from the session's current weights (see ``Session.generate``); several prompts,
+    several samples or their log-probs: the batched path (``post/rollout.py``)."""
     from .data.sft import load_tokenizer, prompt_ids
+    from .post.rollout import generate_batch, is_batch
+
+    if is_batch(prompt) or num_return_sequences != 1 or return_logprobs:
+        return generate_batch(session, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                              temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
+                              return_logprobs=return_logprobs, tokenizer=tokenizer, cache_weights=cache_weights,
+                              seed=seed)
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
@@ -131,9 +225,9 @@ def _eos_ids(config, tok) -> set[int]:
 
 
 def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
-    """logits (1, V) fp32 -> next token id; greedy, or sampled with transformers' own warpers."""
+    """logits (N, V) fp32 -> (N,) next token ids on the host; greedy, or sampled with transformers' own warpers."""
     if not do_sample:
-        return lambda logits: int(logits.argmax(-1))  # host sync: the next input depends on it
+        return lambda logits: logits.argmax(-1).cpu()  # host sync: the next input depends on it
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
@@ -142,7 +236,7 @@ def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
     def pick(logits):
         for w in warpers:
             logits = w(None, logits)
-        return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g))
+        return torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g).view(-1)
     return pick
 
 
@@ -172,7 +266,7 @@ def _decode(engine, ids: torch.Tensor, max_new: int, pick, eos: set[int], cache_
         for unit, params in (enumerate(layers) if cache_weights else engine.stream_layers(head=False)):
             cache.layer = unit
             h = call(engine._template(unit), params, h, *calls[unit][0], **calls[unit][1])
-        token = pick(arch.logits(head, h[:, -1:]).float()[:, -1])
+        token = int(pick(arch.logits(head, h[:, -1:]).float()[:, -1])[0])
         new.append(token)
         if token in eos:
             break

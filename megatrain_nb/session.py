@@ -79,6 +79,8 @@ class Session:
         self.skipped_steps = 0
         self.data_state: dict | None = None  # position of the data iterator (train() sets it; checkpoints keep it)
         self.eval_history: list[dict] = []  # {"step", "eval_loss", "seconds"} of each evaluate()
+        self.reference = None  # logprobs(ref=True)'s weights (post/reference.py: from_pretrained's files, or
+        # freeze_reference's snapshot); .stream(engine, head) (Note: [Weights source] in inference.py)
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -103,7 +105,11 @@ class Session:
             raise FileNotFoundError(f"{str(path)!r} has no config.json; pass an HF model directory")
         config = AutoConfig.from_pretrained(str(path))
         HostStore._files(path)  # fail on missing weights before allocating anything
-        return cls(config, _init=lambda store: store.load_safetensors(path), **settings)
+        from .post.reference import Reference
+
+        s = cls(config, _init=lambda store: store.load_safetensors(path), **settings)
+        s.reference = Reference(path, s.store)  # the loaded weights, read again from these files, never copied
+        return s
 
     @classmethod
     def from_config(cls, config, *, seed: int = 0, **settings) -> "Session":
@@ -111,25 +117,58 @@ class Session:
         return cls(config, _init=lambda store: store.init_random(seed), **settings)
 
     # ---- training ----------------------------------------------------------------------
-    def step(self, batch: dict) -> StepResult:
+    def step(self, batch: dict, loss=None, *, group_size: int | None = None) -> StepResult:
         """Train on one batch: forward, loss, backward, AdamW on every parameter.
+
+        With ``loss=fn`` the step's loss is ``fn(logp, batch, ctx)`` (``post.losses``: sft, dpo, grpo,
+        kto, or your own) over the per-token log-probs, differentiated through the head and every
+        layer (Note: [Loss hook] in step/hook.py); without it, HF's cross-entropy, as always.
 
         Args:
             batch: {"input_ids": LongTensor [B, T], "labels": LongTensor [B, T] (optional: defaults
-                to input_ids; -100 = ignored), "attention_mask": [B, T] of 0/1 (optional)}.
+                to input_ids; -100 = ignored), "attention_mask": [B, T] of 0/1 (optional),
+                "position_ids": [B, T] (optional: packed rows)}; with ``loss``, any extra fields the
+                loss reads: tensors per row [B] or per token [B, T] (sliced into each micro-batch),
+                anything else (a float, a 0-d tensor) passed to every micro-batch as it is;
+                "max_completion_length" (an int) also goes to ``ctx`` (GRPO's ``dr_grpo``).
+            loss: ``fn(logp, batch, ctx) -> 0-d tensor``: ``logp`` [b, T] fp32 with gradient,
+                ``logp[r, t] = log p(labels[r, t] | input_ids[r, :t])`` (0 where the label is -100
+                and at t = 0); ``batch`` the micro-batch's fields on the device (``labels`` always);
+                ``ctx`` a ``post.losses.LossContext`` with the step's global token and row counts
+                (over micro-batches and data-parallel ranks); ``entropy=`` [b, T] too when ``fn``
+                has that parameter. The step's loss is the sum of ``fn`` over micro-batches and ranks.
+            group_size: rows that must share a micro-batch (a DPO pair: 2, a GRPO group: the
+                completions per prompt); default: 2 when the batch has "pair", the run length of
+                "group", else 1.
         Returns:
-            StepResult; ``loss`` is HF's (labels shifted inside, mean over supervised tokens).
+            StepResult; ``loss`` is HF's (labels shifted inside, mean over supervised tokens), or
+            the hook's; ``metrics`` what the hook's loss logged (``ctx.log``), summed, or None.
         Raises:
-            TypeError / ValueError: a malformed batch, before any state changes.
+            TypeError / ValueError: a malformed batch, a field of the wrong shape, or a
+                ``micro_batch_size`` that splits a group, before any state changes.
+        Example:
+            >>> from megatrain_nb.post import losses                                  # doctest: +SKIP
+            >>> r = s.step(pref_batch, loss=functools.partial(losses.dpo, beta=0.1))  # doctest: +SKIP
+            >>> r.loss, r.metrics["rewards/accuracies"]                               # doctest: +SKIP
         """
         if self.engine.closed:
             raise RuntimeError("this Session is closed (close() released its buffers and threads); make a new one, "
                                "or Session.resume(path) from a checkpoint saved before closing")
-        mbs, n_valid, tokens = self._prepare(batch)
+        hook = None
+        if loss is not None:
+            if not callable(loss):
+                raise TypeError(f"loss={loss!r}: pass a function fn(logp, batch, ctx), "
+                                "e.g. megatrain_nb.post.losses.dpo")
+            from .step.hook import LossHook
+
+            mbs, n_valid, tokens = self._prepare(batch, fields=True, group_size=group_size)
+            hook = LossHook(loss, [mb.pop("batch") for mb in mbs])
+        else:
+            mbs, n_valid, tokens = self._prepare(batch)
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
         try:
-            out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid), self._driver)
+            out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid, hook), self._driver)
         except torch.OutOfMemoryError as e:
             from .machine.preflight import oom_advice
 
@@ -139,7 +178,7 @@ class Session:
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
                        tflops=6 * self.store.num_params() * tokens / dt / 1e12,
                        recomputed_layers=out["recomputed_layers"], grad_norm=out["grad_norm"],
-                       skipped=out["nonfinite"])
+                       skipped=out["nonfinite"], metrics=out["metrics"])
         self.history.append(r)
         if r.skipped:
             self.skipped_steps += 1
@@ -155,8 +194,11 @@ class Session:
                                     "the session is consistent and training can continue")
         return r
 
-    def _prepare(self, batch: dict) -> tuple[list[dict], int, int]:
-        """Validate and split a batch; raises before anything is touched."""
+    def _prepare(self, batch: dict, *, fields: bool = False, group_size: int | None = None,
+                 need_labels: bool = True) -> tuple[list[dict], int, int]:
+        """Validate and split a batch; raises before anything is touched. ``fields``: each micro-batch also gets
+        ``"batch"``, what a loss hook reads (step/hook.py), in micro-batches of whole groups; ``need_labels``:
+        refuse a batch without a supervised token."""
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise TypeError("batch must be a dict with 'input_ids' (and optionally 'labels', 'attention_mask')")
         ids = _as_long(batch["input_ids"], "input_ids")
@@ -194,13 +236,23 @@ class Session:
         shift = torch.full_like(labels, -100)
         shift[:, :-1] = labels[:, 1:]  # HF shifts inside: position t predicts token t+1
         n_valid = int((shift != -100).sum())
-        if n_valid == 0:
+        if n_valid == 0 and need_labels:
             raise ValueError("no supervised tokens: every label after shifting is -100, so the loss is undefined")
         B = ids.shape[0]
         mb = self.engine.device_updates.micro_batch(B, ids.shape[1]) or B  # set, or "auto"'s (Note: [Micro-batch choice])
+        if fields:
+            from .step import hook
+
+            extra = hook.loss_fields(batch, B, ids.shape[1])
+            mb = hook.micro_batch_for(mb, B, hook.group_size_of(batch, group_size, B), self.engine_cfg.micro_batch_size)
         mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
                 "attention_mask": None if mask is None else mask[a:a + mb],
                 "position_ids": None if pos is None else pos[a:a + mb]} for a in range(0, B, mb)]
+        if fields:  # what the hook's loss reads: per-row and per-token tensors sliced, the rest as it is
+            full = {"input_ids": ids, "labels": labels, **({} if mask is None else {"attention_mask": mask}),
+                    **({} if pos is None else {"position_ids": pos}), **extra}
+            for a, m in zip(range(0, B, mb), mbs):
+                m["batch"] = {k: v[a:a + mb] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in full.items()}
         return mbs, n_valid, ids.numel()
 
     # ---- results -----------------------------------------------------------------------
@@ -256,10 +308,13 @@ class Session:
         return viz.memory(self._last_trace().counters_dataframe())
 
     def history_dataframe(self):
-        """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s."""
+        """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s, and a column
+        per metric a loss hook logged (``StepResult.metrics``)."""
         import pandas as pd
 
-        df = pd.DataFrame([dataclasses.asdict(r) for r in self.history])
+        rows = [dataclasses.asdict(r) for r in self.history]
+        df = pd.DataFrame([{**{k: v for k, v in r.items() if k != "metrics"}, **(r["metrics"] or {})}
+                           for r in rows])
         if len(df):
             df["tokens_per_s"] = df.tokens / df.seconds
         if self.eval_history:  # eval_loss at the step it followed (0: before training)
@@ -279,12 +334,13 @@ class Session:
 
         export_chrome_trace(self._last_trace(), path)
 
-    def train(self, data, *, steps: int, **kw):
+    def train(self, data, *, steps: int, loss=None, **kw):
         """Train ``steps`` steps from an iterable of batches with a progress bar (and a live dashboard in
-        Jupyter); Jupyter's Stop ends it cleanly after the current step. See ``training.train``."""
+        Jupyter); Jupyter's Stop ends it cleanly after the current step. ``loss``: each step's loss hook
+        (see ``step``). See ``training.train``."""
         from .training import train
 
-        return train(self, data, steps=steps, **kw)
+        return train(self, data, steps=steps, loss=loss, **kw)
 
     def evaluate(self, batches, *, steps: int | None = None) -> float:
         """Mean loss per supervised token over held-out batches, forward only, from the current weights.
@@ -314,38 +370,139 @@ class Session:
                                   "seconds": time.perf_counter() - t0})
         return loss
 
+    def logprobs(self, batch: dict, *, ref: bool = False, entropy: bool = False, temperature: float = 1.0):
+        """Per-token log-probs of a batch's labels, forward only, without gradient; full logits never exist.
+
+        Streams the layers between steps as ``evaluate`` does (Note: [Eval between steps] in
+        inference.py) and computes the log-probs in the head's chunks of positions.
+
+        Args:
+            batch: as ``step`` takes it: "input_ids" [B, T], optional "labels" (default: input_ids;
+                -100 = none), "attention_mask", "position_ids" (packed rows); other fields are ignored.
+            ref: from the reference weights ``self.reference`` (an object whose ``stream(engine,
+                head)`` yields ``(unit, params)``: Note: [Weights source] in inference.py) instead of
+                the current weights.
+            entropy: also return the entropy of each predictive distribution.
+            temperature: the logits are divided by it first.
+        Returns:
+            ``logp`` [B, T] fp32 on the CPU, ``logp[b, t] = log p(labels[b, t] | input_ids[b, :t])``
+            where ``labels[b, t] != -100``, 0 elsewhere and at t = 0 (HF's alignment; what a loss
+            hook's ``logp`` is); with ``entropy``, ``(logp, H)``, H [B, T] fp32 at the same places.
+        Raises:
+            NotImplementedError: ``ref=True`` while ``self.reference`` is None.
+            ValueError / TypeError: a malformed batch or a temperature <= 0, before anything runs.
+        Example:
+            >>> ref_logp = s.logprobs(batch, ref=True)              # doctest: +SKIP
+            >>> s.step({**batch, "ref_logp": ref_logp}, loss=losses.dpo)  # doctest: +SKIP
+        """
+        from .inference import logprobs
+
+        return logprobs(self, batch, ref=ref, entropy=entropy, temperature=temperature)
+
     def generate(self, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0):
-        """Continue a prompt from the current weights, one token at a time with a KV cache.
+                 top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
+                 num_return_sequences: int = 1, return_logprobs: bool = False):
+        """Continue a prompt (or a batch of prompts) from the current weights, one token at a time with a KV cache.
 
         Greedy decoding equals ``AutoModelForCausalLM.generate`` of ``save_pretrained``'s weights,
         token for token. Stops after ``max_new_tokens`` or at an end-of-sequence token (the
-        config's ``eos_token_id``, and the tokenizer's).
+        config's ``eos_token_id``, and the tokenizer's), each row of a batch on its own.
 
         Args:
             prompt: a string (BOS + text, as prompt/response training sees it), a chat (a list of
                 ``{"role", "content"}``, rendered with the chat template and its generation
-                prompt), or token ids, a LongTensor (T,) or (1, T).
+                prompt), or token ids, a LongTensor (T,) or (1, T); or a LIST of such prompts
+                (the batched path, below).
             max_new_tokens: the most tokens to add.
             do_sample: sample (with ``temperature`` and ``top_p``, transformers' warpers) instead of greedy.
             tokenizer: a model directory or a loaded HF tokenizer; needed for text and chat prompts.
             cache_weights: keep a copy of every layer on the device for the whole generation (True) or stream the
                 layers through the weight slots for each token (False); None: resident on CUDA when
-                the layers fit in half the free device memory.
+                the layers fit in half the free device memory. The copies are dropped on return.
             seed: the sampling generator's seed (the global RNG is left alone).
+            num_return_sequences: completions per prompt (> 1: the batched path); a prompt's rows are consecutive.
+            return_logprobs: the batched path, with each generated token's log-prob at ``temperature``.
         Returns:
-            For a text or chat prompt, the new text (special tokens skipped); for ids, the prompt
-            followed by the new ids, shaped like the prompt (as ``model.generate``).
+            One prompt (and neither of the last two arguments): for a text or chat prompt, the new
+            text (special tokens skipped); for ids, the prompt followed by the new ids, shaped like
+            the prompt (as ``model.generate``). The batched path (a list of prompts,
+            ``num_return_sequences > 1`` or ``return_logprobs``): a ``post.rollout.Rollouts`` (left-padded
+            ``sequences``, ``attention_mask``, ``prompt_lengths``, ``completion_mask``, ``logprobs``
+            aligned as a training step's ``logp`` of ``Rollouts.batch()``'s labels, ``texts`` with a tokenizer).
         Raises:
             ValueError: a bad prompt or setting, or a text prompt without a tokenizer.
         Example:
             >>> s.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=20, tokenizer="my-model")  # doctest: +SKIP
             'Hello! How can I help?'
+            >>> r = s.generate(["1+2=", "3+4="], max_new_tokens=3, do_sample=True, num_return_sequences=4,  # doctest: +SKIP
+            ...                return_logprobs=True, tokenizer=tok)
+            >>> r.sequences.shape, len(r.texts)                                                             # doctest: +SKIP
+            (torch.Size([8, 8]), 8)
         """
         from .inference import generate
 
         return generate(self, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                        top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed)
+                        top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
+                        num_return_sequences=num_return_sequences, return_logprobs=return_logprobs)
+
+    def train_grpo(self, prompts: list, reward_fn, *, steps: int, group_size: int = 4, prompts_per_step: int = 2,
+                   max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
+                   epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
+                   scale_rewards: bool = True, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
+                   progress: bool = True):
+        """GRPO on-policy (one update per batch of rollouts), with a progress bar. Each step samples
+        ``prompts_per_step`` prompts (a seeded permutation per epoch), rolls out ``group_size`` completions
+        of each, scores them with ``reward_fn``, forms ``losses.group_advantages``, adds the reference's
+        log-probs when ``beta > 0`` and takes one ``step`` with ``losses.grpo``.
+
+        Args:
+            prompts: strings, chats or LongTensors of ids.
+            reward_fn: ``reward_fn(prompts, completions) -> list[float]``, one per completion: prompts
+                repeated per completion, completions as texts (with ``tokenizer``) or lists of ids.
+            steps: optimizer steps.
+            group_size: completions per prompt (TRL's ``num_generations``).
+            prompts_per_step: prompts per step; the batch is ``prompts_per_step * group_size`` rows.
+            max_new_tokens, temperature, top_p: sampling (``generate``).
+            epsilon, epsilon_high, beta, loss_type: ``losses.grpo``'s. ``beta > 0`` needs ``reference``.
+            scale_rewards: divide advantages by the group's std (False: Dr. GRPO).
+            tokenizer, cache_weights, seed: as ``generate``; step k samples with seed ``seed * 1_000_003 + k``.
+            progress: show a tqdm bar.
+        Returns:
+            DataFrame, one row per step: step, reward_mean, reward_std, loss, kl, clip_ratio,
+            completion_len, seconds. ``old_logp`` is the sampling log-prob at ``temperature == 1``;
+            at another temperature it is left out, and the loss takes the policy's own (ratio 1).
+        Raises:
+            ValueError: bad arguments, ``beta > 0`` without a reference, a reward list of the wrong length.
+        Example:
+            >>> df = s.train_grpo(["2+3=", "4+1="], lambda p, c: [float(x == "5") for x in c], steps=20,  # doctest: +SKIP
+            ...                   tokenizer=tok, max_new_tokens=2)
+        """
+        from .post.rollout import train_grpo
+
+        return train_grpo(self, prompts, reward_fn, steps=steps, group_size=group_size,
+                          prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
+                          scale_rewards=scale_rewards, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
+                          progress=progress)
+
+    def freeze_reference(self, path: str | os.PathLike | None = None):
+        """Freeze the current weights as the reference model (``self.reference``) of DPO / GRPO's KL.
+
+        Writes a bf16 snapshot (``save_pretrained(path, dtype=torch.bfloat16)``) and points
+        ``reference`` at it; reference passes then stream it from disk (Note: [Reference without a
+        copy] in post/reference.py). A Session from ``from_pretrained`` already has one: its files.
+
+        Args:
+            path: the directory to write; None: a temporary one, deleted with the reference.
+        Returns:
+            the new ``Reference``.
+        Example:
+            >>> s = Session.from_config(cfg); s.train(sft_data, steps=50); s.freeze_reference()  # doctest: +SKIP
+        """
+        from .post.reference import snapshot
+
+        self.reference = snapshot(self, path)
+        return self.reference
 
     def report(self, path: str | os.PathLike):
         """Write one standalone HTML page with this run's figures and numbers. See ``report.write_report``."""

@@ -16,7 +16,8 @@ import pandas as pd
 
 
 def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dashboard: bool | None = None,
-          refresh_s: float = 1.0, eval_data=None, eval_every: int | None = None) -> pd.DataFrame:
+          refresh_s: float = 1.0, eval_data=None, eval_every: int | None = None, loss=None,
+          group_size: int | None = None) -> pd.DataFrame:
     """Train `steps` steps, one batch of `data` each, with a progress bar (and a dashboard in Jupyter).
 
     Jupyter's Stop (a KeyboardInterrupt) ends the loop after the step in flight: `Session.step`
@@ -39,6 +40,9 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
             or a list of batches); its loss is drawn next to the training loss (`eval_loss`).
         eval_every: evaluate after every this many steps of this call, and after the last; None:
             after the last step only (when `eval_data` is given).
+        loss: a loss hook for every step, `fn(logp, batch, ctx)` (`Session.step`'s `loss`); None:
+            cross-entropy.
+        group_size: rows of a pair or group that share a micro-batch (`Session.step`'s).
     Returns:
         `session.history_dataframe()`: one row per step of the session (not only of this call).
     Raises:
@@ -79,7 +83,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
                               "(synthetic_batches and jsonl_batches never run out)", stacklevel=2)
                 break
             n, stepping = len(session.history), True
-            r = session.step(batch)
+            r = session.step(batch) if loss is None else session.step(batch, loss, group_size=group_size)
             stepping = False
             if has_state:
                 session.data_state = data.state_dict()  # the position after this step's batch

@@ -13,9 +13,10 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 GUARD = "if torch.cuda.is_available():"
 
 
-def test_the_four_notebooks_exist():
+def test_the_five_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["00_quickstart.ipynb", "01_memory_hierarchy.ipynb",
-                                           "02_overlap_stalls.ipynb", "03_finetune_local_model.ipynb"]
+                                           "02_overlap_stalls.ipynb", "03_finetune_local_model.ipynb",
+                                           "04_post_training.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

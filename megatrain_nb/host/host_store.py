@@ -89,6 +89,22 @@ def carve(want: dict, alloc, align: int = 4096) -> dict:
     return out
 
 
+def put(flat: torch.Tensor, where, tensor: torch.Tensor, name: str) -> None:
+    """Copy checkpoint tensor ``name`` into ``flat`` at ``where`` (``HostStore._targets``' form), cast.
+
+    Raises:
+        ValueError: the tensor's shape is not the one config.json implies.
+    """
+    want = tuple(where.shape) if isinstance(where, torch.Tensor) else tuple(where[1])
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, config.json implies {want}")
+    if isinstance(where, torch.Tensor):
+        flat[where.flatten().to(flat.device)] = tensor.flatten().to(flat.device, flat.dtype)
+    else:
+        off, shape = where
+        flat[off:off + shape.numel()].view(shape).copy_(tensor)
+
+
 class HostStore:
     """All trainable state of a model, in host memory, packed per unit."""
 
@@ -312,16 +328,7 @@ class HostStore:
 
     def _put(self, target, tensor: torch.Tensor, key: str, f: Path) -> None:
         u, where = target
-        master = self.units[u].master
-        if isinstance(where, torch.Tensor):
-            if tuple(where.shape) != tuple(tensor.shape):
-                raise ValueError(f"{f.name}:{key} has shape {tuple(tensor.shape)}, config.json implies {tuple(where.shape)}")
-            master[where.flatten()] = tensor.flatten().to(torch.float32)
-        else:
-            off, shape = where
-            if tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"{f.name}:{key} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}")
-            master[off:off + shape.numel()].view(shape).copy_(tensor)
+        put(self.units[u].master, where, tensor, f"{f.name}:{key}")
 
     def init_random(self, seed: int) -> None:
         """Initialise like the HF model's own ``_init_weights``, one unit at a time (no full model in RAM).

@@ -178,6 +178,15 @@ class DataParallel:
         with _failing(what):
             dist.all_reduce(t)
 
+    def sum_ints(self, xs: list[int]) -> list[int]:
+        """Driver: the sums over ranks of a few host ints (a loss hook's global counts, ``LossContext``).
+
+        Blocks the CPU until every rank has sent its counts (the loss needs them before it runs).
+        """
+        t = torch.tensor(xs, dtype=torch.int64, device=self.dev.device)
+        self.sum_(t, "the loss hook's counts")
+        return t.tolist()  # host sync
+
     def grads(self, g: torch.Tensor, norm: torch.Tensor, n: int, done):
         """Sum ``g`` over ranks and write the L2 norm of its first ``n`` elements into ``norm``.
 

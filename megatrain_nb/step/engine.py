@@ -164,19 +164,20 @@ class Engine:
         return lambda: self.store.weights_source(unit)
 
     # ---- one step --------------------------------------------------------------------------
-    def step(self, mbs: list[dict], n_valid: int) -> dict:
+    def step(self, mbs: list[dict], n_valid: int, hook=None) -> dict:
         """Forward, loss and backward of one batch (already split into micro-batches).
 
         Args:
             mbs: micro-batches, each {"input_ids": (b, T) long, "attention_mask": (b, T) or None,
                  "shift_labels": (b, T) long with -100 where unsupervised}; all on the host.
             n_valid: supervised tokens in the whole batch (the loss divides by it).
+            hook: a ``hook.LossHook`` (the user's loss over per-token log-probs), or None: cross-entropy.
         Returns:
-            {"loss": float, "kept_layers": int, "recomputed_layers": int}
+            {"loss": float, "kept_layers": int, "recomputed_layers": int, "metrics": the hook's, or None, ...}
         """
         self._committed = False  # set once this step's updates may start (see _step)
         try:
-            return self._step(mbs, n_valid)
+            return self._step(mbs, n_valid, hook)
         except torch.OutOfMemoryError:
             self._recover()
             search = self.device_updates.search
@@ -195,7 +196,7 @@ class Engine:
         # and autograd graphs with Python objects in them (custom functions, hooks) wait for a collection
         gc.collect()
         torch.cuda.empty_cache()  # between steps: the failed trial's cached blocks go back
-        return self.step(mbs, n_valid)
+        return self.step(mbs, n_valid, hook)
 
     def _recover(self) -> None:
         """After a failed step: stop its jobs, let the GPU finish what was queued, reset the handoffs.
@@ -225,7 +226,7 @@ class Engine:
         self.attn_cache.clear()  # the failed step's backward will not come for them
         self.adam.error = None
 
-    def _step(self, mbs: list[dict], n_valid: int) -> dict:
+    def _step(self, mbs: list[dict], n_valid: int, hook) -> dict:
         L, dev, rec, du = self.L, self.dev, self.rec, self.device_updates
         if dev.cuda:
             torch.cuda.set_device(dev.device)  # the driver may be a fresh thread (Session.step)
@@ -259,6 +260,8 @@ class Engine:
             memory.count(self)
             with rec.span("driver", "prepare", -1, "fwd"):  # the driver's own time before the first layer
                 small = self._small_inputs(mbs)  # before any load of this step is queued
+                if hook is not None:
+                    hook.begin(self.dp, dev.device)  # hook.py: global counts (a host sync under data parallel)
                 head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
                 if du.head_streamed:
                     head_box = Box(ready=True) if self.head_current else self._load_head()
@@ -270,7 +273,7 @@ class Engine:
                 else:
                     du.head_state_in(self.steps_done, self.abort)  # its state comes in where its weights would
             state = self._forward(embeds, fops, fboxes, small)
-            hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small)
+            hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small, hook)
             blocks = make_blocks(L, self.keep, self.ckpts.block)
             bops = backward_ops(blocks)
             bboxes = self._plan(bops, list(self.slot_layer))
@@ -295,7 +298,8 @@ class Engine:
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
-                "grad_norm": math.sqrt(sum(n * n for n in norms.values()))}
+                "grad_norm": math.sqrt(sum(n * n for n in norms.values())),
+                "metrics": None if hook is None else hook.metrics()}  # host sync, beside the loss's
 
     def _reduced(self, unit: int, g: torch.Tensor, n: int, done):
         """Compute stream: ``unit``'s gradient ``g`` is written (``done``); its first ``n`` elements' norm
@@ -501,8 +505,8 @@ class Engine:
         st["hL"] = hs
         return st
 
-    def _loss(self, hs, n_valid: int, head_box: Box, loss_box: Box, small) -> list[torch.Tensor]:
-        return head.loss(self, hs, n_valid, head_box, loss_box, small)  # head.py: the chunked loss, the head's backward
+    def _loss(self, hs, n_valid: int, head_box: Box, loss_box: Box, small, hook=None) -> list[torch.Tensor]:
+        return head.loss(self, hs, n_valid, head_box, loss_box, small, hook)  # head.py: the chunked loss, the head's backward
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
         dev, rec, kept, gi = self.dev, self.rec, st["kept"], 0

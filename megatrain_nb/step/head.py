@@ -4,8 +4,10 @@ Owns: loading the head slot (the head unit's weights, then the tied embedding's,
 or resident), and the loss: final norm + lm_head + cross-entropy over sequence chunks
 (``shape.loss_positions`` sizes them), each chunk's backward at once so that one chunk's logits live at a
 time, the global loss under data parallel, and where the head's gradients go (out to the host, or to
-the device's update of a streamed head). Its waits are the loss's own: the head slot's load, and the last
-step's copy-out of the head's gradients, both on the compute stream.
+the device's update of a streamed head). A step with a loss hook hands each micro-batch to
+``hook.LossHook.micro_batch`` instead of the cross-entropy (Note: [Loss hook] in hook.py). Its waits are
+the loss's own: the head slot's load, and the last step's copy-out of the head's gradients, both on the
+compute stream.
 Does not own: the head slot's buffers and boxes (``Engine.__init__`` makes them), the updates
 (``device_updates.py``, the Adam worker) or the copies (``transfers.py``). The engine calls ``load`` where
 a step or a forward-only pass needs the head (``Engine._load_head``) and ``loss`` once per step, between
@@ -39,8 +41,9 @@ def load(eng: Engine, dst: torch.Tensor | None = None, after: Box | None = None)
                        "loss", eng.steps_done)
 
 
-def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small) -> list[torch.Tensor]:
-    """Final norm + lm_head + cross-entropy in sequence chunks, each with its own backward."""
+def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small, hook=None) -> list[torch.Tensor]:
+    """Final norm + lm_head + cross-entropy in sequence chunks, each with its own backward; with ``hook``
+    (a ``hook.LossHook``), the user's loss over per-token log-probs instead (Note: [Loss hook] in hook.py)."""
     arch, dev, L, lay = eng.arch, eng.dev, eng.L, eng.head_layout
     eng._ready(head_box)
     eng.dev.wait(dev.compute, eng.head_gbox.get())  # last step's head grads were copied out
@@ -52,8 +55,14 @@ def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small) -> 
     grads_into(params, gslot, lay)
     total = torch.zeros((), dtype=torch.float32, device=dev.device)
     grads = []
-    for inputs, h in zip(small, hs):
+    for m, (inputs, h) in enumerate(zip(small, hs)):
         labels = inputs["labels"]
+        if hook is not None:  # Note: [Loss hook]: two passes over the chunks, the loss the user's
+            positions = loss_positions(eng.cfg.loss_chunk_tokens, h.shape[0])
+            g, part = hook.micro_batch(m, arch, params, h, labels, positions)
+            grads.append(g)
+            total += part
+            continue
         g = torch.empty_like(h)
         for a, b in chunks(h.shape[1], loss_positions(eng.cfg.loss_chunk_tokens, h.shape[0])):
             with torch.enable_grad():
@@ -67,6 +76,8 @@ def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small) -> 
         grads.append(g)
     if eng.dp is not None:
         eng.dp.sum_(total, "the loss all-reduce")  # every rank reports the global loss, and skips alike
+    if hook is not None:
+        hook.reduce(eng.dp)  # its metrics summed over ranks, in the same order on every rank
     n_head = eng.store.units[L].layout.numel
     eng.device_updates.loss_known(total)  # a non-finite loss skips every device update
     eng.rec.cuda_end(tok, dev.compute)

@@ -10,7 +10,7 @@ class StepResult:
     """What one ``Session.step`` did."""
 
     step: int  # 1-based index of this step
-    loss: float  # HF's loss: mean cross-entropy over supervised tokens
+    loss: float  # HF's loss: mean cross-entropy over supervised tokens; with a loss hook, its loss
     tokens: int  # tokens in the batch (B*T)
     seconds: float  # wall time of the step call
     lr: float  # learning rate this step's update uses
@@ -18,3 +18,4 @@ class StepResult:
     recomputed_layers: int
     grad_norm: float = float("nan")  # global L2 norm of the gradients (before clipping)
     skipped: bool = False  # a non-finite loss or gradient: this step's update was skipped
+    metrics: dict | None = None  # a loss hook's logged metrics (name -> float), summed over micro-batches and ranks

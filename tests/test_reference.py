@@ -1,0 +1,100 @@
+"""megatrain_nb.post.reference: the frozen model streamed from safetensors equals the HF model of those files,
+after training changed the policy, and holds no copy of the model."""
+import pytest
+import torch
+
+from megatrain_nb import Session
+from megatrain_nb.inference import _run
+from megatrain_nb.model.binding import call
+from conftest import make_batches
+
+
+def _logits(s, ids, *, ref: bool) -> torch.Tensor:
+    """Forward only, as inference._loss_sum runs it: (B, T, V) fp32 logits from the reference's or the policy's
+    weights; the reference as a weights source (Note: [Weights source] in inference.py: the embedding table first)."""
+    eng, arch = s.engine, s.arch
+
+    def fwd():
+        H = arch.embed.weight.shape[1]
+        if ref:
+            it = s.reference.stream(eng, head=True)
+            unit, embed = next(it)
+            assert unit == -1 and embed[arch.embed_name].shape == arch.embed.weight.shape
+            rows = embed[arch.embed_name].index_select(0, ids.flatten())
+        else:
+            it = eng.stream_layers(head=True)
+            E, box = eng._gather({"input_ids": ids})
+            eng._ready(box)
+            rows = E.reshape(-1, H)
+        h, calls = arch.prelude(arch.embed_rows(rows, tuple(ids.shape)), None)
+        for unit, params in it:
+            if unit < eng.L:
+                h = call(eng._template(unit), params, h, *calls[unit][0], **calls[unit][1])
+            else:
+                out = arch.logits(params, h).float()
+        return out
+    return _run(s, fwd)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "mixtral"])
+def test_reference_equals_the_loaded_model_after_training(hf_dir, family):
+    from conftest import load_reference
+
+    d = hf_dir(family)
+    s = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=1e-2)
+    try:
+        batches = make_batches(s.arch.embed.weight.shape[0], 3)
+        for b in batches:
+            s.step(b)
+        ids = batches[0]["input_ids"]
+        got, policy = _logits(s, ids, ref=True), _logits(s, ids, ref=False)
+        hf = load_reference(d, s.arch.model.config._attn_implementation).eval()
+        with torch.no_grad():
+            want = hf(input_ids=ids).logits.float()
+        assert (got - want).abs().max() < 1e-5
+        assert (policy - want).abs().max() > 1e-3  # training did move the policy
+        # no model copy: one layer buffer and the head buffer, nothing else
+        lay = max(s.store.units[i].layout.numel for i in range(s.arch.num_layers))
+        assert s.reference.host_bytes() == 4 * (lay + s.engine.head_layout.numel)
+        assert s.reference.host_bytes() < 4 * s.store.num_params()  # less than one fp32 copy of the model
+    finally:
+        s.close()
+
+
+def test_freeze_reference_snapshots_bf16(tiny_config, tmp_path):
+    s = Session.from_config(tiny_config("llama"), device="cpu", dtype=torch.float32, lr=1e-2)
+    try:
+        assert s.reference is None
+        batches = make_batches(s.arch.embed.weight.shape[0], 3)
+        s.step(batches[0])
+        ref = s.freeze_reference(tmp_path / "ref")
+        assert s.reference is ref and (tmp_path / "ref" / "model.safetensors").exists()
+        ids = batches[1]["input_ids"]
+        before = _logits(s, ids, ref=False)
+        for b in batches[1:]:
+            s.step(b)
+        got = _logits(s, ids, ref=True)
+        assert (got - before).abs().max() < 0.05  # bf16 weights of the frozen policy
+        assert (_logits(s, ids, ref=False) - before).abs().max() > 0.05
+        tmp_ref = s.freeze_reference()  # a temporary directory, deleted with the object
+        where = tmp_ref.path
+        assert where.exists()
+        s.reference = tmp_ref = None
+        import gc
+        gc.collect()
+        assert not where.exists()
+    finally:
+        s.close()
+
+
+def test_reference_refuses_another_models_files(hf_dir, tmp_path):
+    from megatrain_nb.post.reference import Reference
+
+    s = Session.from_pretrained(hf_dir("llama"), device="cpu")
+    try:
+        with pytest.raises(ValueError, match="does not have"):
+            Reference(hf_dir("qwen3"), s.store)
+        with pytest.raises(FileNotFoundError):
+            Reference(tmp_path, s.store)
+    finally:
+        s.close()
