@@ -117,7 +117,7 @@ class Session:
         return cls(config, _init=lambda store: store.init_random(seed), **settings)
 
     # ---- training ----------------------------------------------------------------------
-    def step(self, batch: dict, loss=None, *, group_size: int | None = None) -> StepResult:
+    def step(self, batch: dict, loss=None, *, group_size: int | None = None, temperature: float = 1.0) -> StepResult:
         """Train on one batch: forward, loss, backward, AdamW on every parameter.
 
         With ``loss=fn`` the step's loss is ``fn(logp, batch, ctx)`` (``post.losses``: sft, dpo, grpo,
@@ -140,6 +140,8 @@ class Session:
             group_size: rows that must share a micro-batch (a DPO pair: 2, a GRPO group: the
                 completions per prompt); default: 2 when the batch has "pair", the run length of
                 "group", else 1.
+            temperature: with ``loss``, the logits are divided by it before the log-probs (as the
+                sampling that made the rows saw them, e.g. GRPO's rollouts).
         Returns:
             StepResult; ``loss`` is HF's (labels shifted inside, mean over supervised tokens), or
             the hook's; ``metrics`` what the hook's loss logged (``ctx.log``), summed, or None.
@@ -162,7 +164,9 @@ class Session:
             from .step.hook import LossHook
 
             mbs, n_valid, tokens = self._prepare(batch, fields=True, group_size=group_size)
-            hook = LossHook(loss, [mb.pop("batch") for mb in mbs])
+            if not (isinstance(temperature, (int, float)) and temperature > 0):
+                raise ValueError(f"temperature={temperature!r}: must be a number > 0 (the logits are divided by it)")
+            hook = LossHook(loss, [mb.pop("batch") for mb in mbs], temperature=float(temperature))
         else:
             mbs, n_valid, tokens = self._prepare(batch)
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import pandas as pd
 
 def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dashboard: bool | None = None,
           refresh_s: float = 1.0, eval_data=None, eval_every: int | None = None, loss=None,
-          group_size: int | None = None) -> pd.DataFrame:
+          group_size: int | None = None, temperature: float = 1.0) -> pd.DataFrame:
     """Train `steps` steps, one batch of `data` each, with a progress bar (and a dashboard in Jupyter).
 
     Jupyter's Stop (a KeyboardInterrupt) ends the loop after the step in flight: `Session.step`
@@ -43,6 +43,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
         loss: a loss hook for every step, `fn(logp, batch, ctx)` (`Session.step`'s `loss`); None:
             cross-entropy.
         group_size: rows of a pair or group that share a micro-batch (`Session.step`'s).
+        temperature: the hook's logits are divided by it (`Session.step`'s).
     Returns:
         `session.history_dataframe()`: one row per step of the session (not only of this call).
     Raises:
@@ -83,7 +84,8 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
                               "(synthetic_batches and jsonl_batches never run out)", stacklevel=2)
                 break
             n, stepping = len(session.history), True
-            r = session.step(batch) if loss is None else session.step(batch, loss, group_size=group_size)
+            r = session.step(batch) if loss is None else session.step(batch, loss, group_size=group_size,
+                                                                              temperature=temperature)
             stepping = False
             if has_state:
                 session.data_state = data.state_dict()  # the position after this step's batch

@@ -77,13 +77,15 @@ def fields(kind: str, batch: dict, model) -> dict:
     noise = lambda s: torch.where(on, lp + s * torch.randn(lp.shape, generator=g), 0.0)  # noqa: E731
     if kind.startswith("dpo"):
         out = {"pair": torch.arange(B // 2).repeat_interleave(2)}
-        return {**out, "ref_logp": noise(0.3)} if kind == "dpo_tok" else {**out, "ref_logps": lp.sum(1) + torch.randn(B, generator=g)}
+        if kind == "dpo_tok":
+            return {**out, "ref_logp": noise(0.3)}
+        return {**out, "ref_logps": lp.sum(1) + torch.randn(B, generator=g)}
     if kind == "grpo":
         return {"group": torch.arange(B // 2).repeat_interleave(2), "advantages": torch.randn(B, generator=g),
                 "old_logp": noise(0.2), "ref_logp": noise(0.3), "max_completion_length": 8}
     if kind == "kto":
-        return {"desirable": torch.tensor([True, False, True, False]), "ref_logps": lp.sum(1) + torch.randn(B, generator=g),
-                "kl": 0.3}
+        return {"desirable": torch.tensor([True, False, True, False]),
+                "ref_logps": lp.sum(1) + torch.randn(B, generator=g), "kl": 0.3}
     return {}
 
 
@@ -105,11 +107,11 @@ LOSSES = {  # name -> (fields kind, fn)
 }
 
 
-def reference_step(d: Path, attn: str, batch: dict, fn, grad_clip: float | None = None):
+def reference_step(d: Path, attn: str, batch: dict, fn, grad_clip: float | None = None, temperature: float = 1.0):
     """One step of the plain HF model + torch.optim.AdamW on ``fn``: (loss, metrics, state_dict after)."""
     model = load_reference(d, attn)
     opt = torch.optim.AdamW(model.parameters(), lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"], weight_decay=0.0)
-    lp, H = hf_logprobs(model, batch)
+    lp, H = hf_logprobs(model, batch, temperature)
     ctx = LossContext.from_batches([batch], max_completion_length=batch.get("max_completion_length"))
     kw = {"entropy": H} if losses.needs_entropy(fn) else {}
     loss = fn(lp, batch, ctx, **kw)
@@ -120,10 +122,11 @@ def reference_step(d: Path, attn: str, batch: dict, fn, grad_clip: float | None 
     return float(loss.detach()), {k: float(v) for k, v in ctx.metrics.items()}, model.state_dict()
 
 
-def assert_step_equal(d: Path, tmp_path: Path, name: str, batch: dict, r, s, fn, *, tol: float = TOL):
+def assert_step_equal(d: Path, tmp_path: Path, name: str, batch: dict, r, s, fn, *, tol: float = TOL,
+                      temperature: float = 1.0):
     """The session's loss, metrics and updated weights (after ``r``) against one reference step from ``d``."""
     attn = s.arch.model.config._attn_implementation
-    want_loss, want_metrics, after = reference_step(d, attn, batch, fn, s.optim_cfg.grad_clip)
+    want_loss, want_metrics, after = reference_step(d, attn, batch, fn, s.optim_cfg.grad_clip, temperature)
     before = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()
     s.save_pretrained(tmp_path / "s")
     got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "s"), dtype=torch.float32).state_dict()
@@ -185,7 +188,7 @@ def test_logprobs_packed_rows_equal_their_examples(hf_dir, family):
         with torch.no_grad():
             for r, row in enumerate(spans):
                 for a, n in row:  # each example alone, as a row of its own
-                    one = {"input_ids": batch["input_ids"][r:r + 1, a:a + n], "labels": batch["labels"][r:r + 1, a:a + n]}
+                    one = {k: batch[k][r:r + 1, a:a + n] for k in ("input_ids", "labels")}
                     want_lp[r, a:a + n], want_H[r, a:a + n] = (x[0] for x in hf_logprobs(ref, one, 1.3))
         assert (lp[0, 10:] == 0).all() and lp[0, 5] == 0  # padding and the second example's first token
         torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
@@ -272,6 +275,20 @@ def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path
         batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
         r = s.step(batch, loss=fn)
         assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("name", ["grpo_dapo_kl", "entropy"])
+def test_hook_temperature(hf_dir, name, tmp_path):
+    d = hf_dir("llama")
+    kind, fn = LOSSES[name]
+    s = Session.from_pretrained(d, **OPT, placement="host")
+    try:
+        batch = make_batch()
+        batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
+        r = s.step(batch, loss=fn, temperature=0.7)
+        assert_step_equal(d, tmp_path, name, batch, r, s, fn, temperature=0.7)
     finally:
         s.close()
 
