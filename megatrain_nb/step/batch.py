@@ -1,0 +1,92 @@
+"""A training batch checked and cut into the engine's micro-batches, before anything of a step runs.
+
+Owns: the batch's validation (ids, labels, attention mask and packed positions: dtypes, shapes, the vocabulary;
+each error names the field, the value and the fix), HF's label shift, the count of supervised tokens, and the
+micro-batches (``micro_batch_size``, or "auto"'s choice; whole pairs and groups with a loss hook, whose per-row and
+per-token fields each micro-batch carries). Does not own: the step, devices, or the hook's arithmetic (hook.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | None], fields: bool = False,
+            group_size: int | None = None, micro_batch_size: int | None = None,
+            need_labels: bool = True) -> tuple[list[dict], int, int]:
+    """(micro-batches, supervised tokens, tokens) of ``batch``; raises before anything is touched.
+
+    Args:
+        batch: {"input_ids" (B, T), "labels"?, "attention_mask"?, "position_ids"?, ...}.
+        vocab: the model's vocabulary size.
+        micro_batch: (B, T) -> rows per micro-batch, or None for the whole batch (the engine's setting or choice).
+        fields: a loss hook's step: each micro-batch also gets ``"batch"`` (what the hook's loss reads), in
+            micro-batches of whole groups (``group_size``, ``micro_batch_size`` the user's setting).
+        need_labels: refuse a batch without a supervised token.
+    Raises:
+        TypeError / ValueError: a malformed batch, naming the field and the fix.
+    """
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise TypeError("batch must be a dict with 'input_ids' (and optionally 'labels', 'attention_mask')")
+    ids = _as_long(batch["input_ids"], "input_ids")
+    labels = _as_long(batch.get("labels", ids), "labels")
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}; expected [batch, seq]")
+    if ids.numel() == 0:
+        raise ValueError(f"input_ids has shape {tuple(ids.shape)}: the batch is empty")
+    if labels.shape != ids.shape:
+        raise ValueError(f"labels has shape {tuple(labels.shape)} but input_ids has {tuple(ids.shape)}; "
+                         "they must match (use -100 where no loss applies)")
+    V = vocab  # the ids and labels must index it
+    if ids.min() < 0 or ids.max() >= V:
+        bad = ids[(ids < 0) | (ids >= V)][0].item()
+        raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {V}); check the tokenizer")
+    lab_ok = (labels == -100) | ((labels >= 0) & (labels < V))
+    if not bool(lab_ok.all()):
+        bad = labels[~lab_ok][0].item()
+        raise ValueError(f"labels holds {bad}: each label must be in [0, {V}) or -100 (ignored)")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(ids.shape)}")
+        bad = mask[(mask != 0) & (mask != 1)]
+        if bad.numel():
+            raise ValueError(f"attention_mask holds {bad[0].item()}; it must hold only 0 (padding) and 1")
+        mask = mask.to(torch.long)
+    pos = batch.get("position_ids")
+    if pos is not None:  # packed rows: positions restart at each example (packing.py)
+        pos = _as_long(pos, "position_ids")
+        if pos.shape != ids.shape or pos.min() < 0:
+            raise ValueError(f"position_ids has shape {tuple(pos.shape)}, min {int(pos.min())}; it must match "
+                             f"input_ids {tuple(ids.shape)} and be >= 0 (0 where an example starts)")
+    shift = torch.full_like(labels, -100)
+    shift[:, :-1] = labels[:, 1:]  # HF shifts inside: position t predicts token t+1
+    n_valid = int((shift != -100).sum())
+    if n_valid == 0 and need_labels:
+        raise ValueError("no supervised tokens: every label after shifting is -100, so the loss is undefined")
+    B = ids.shape[0]
+    mb = micro_batch(B, ids.shape[1]) or B  # set, or "auto"'s (Note: [Micro-batch choice])
+    if fields:
+        from . import hook
+
+        extra = hook.loss_fields(batch, B, ids.shape[1])
+        mb = hook.micro_batch_for(mb, B, hook.group_size_of(batch, group_size, B), micro_batch_size)
+    mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
+            "attention_mask": None if mask is None else mask[a:a + mb],
+            "position_ids": None if pos is None else pos[a:a + mb]} for a in range(0, B, mb)]
+    if fields:  # what the hook's loss reads: per-row and per-token tensors sliced, the rest as it is
+        full = {"input_ids": ids, "labels": labels, **({} if mask is None else {"attention_mask": mask}),
+                **({} if pos is None else {"position_ids": pos}), **extra}
+        for a, m in zip(range(0, B, mb), mbs):
+            m["batch"] = {k: v[a:a + mb] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in full.items()}
+    return mbs, n_valid, ids.numel()
+
+
+def _as_long(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} has dtype {t.dtype}; token ids must be integers (torch.long)")
+    return t.to(device="cpu", dtype=torch.long)  # the host gathers embedding rows and checks ids
+
