@@ -263,7 +263,8 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
                                                                 completions)], dtype=torch.float32)
             if rewards.shape != (len(completions),):
                 raise ValueError(f"reward_fn returned {rewards.numel()} rewards for {len(completions)} completions")
-            batch = r.batch(advantages=losses.group_advantages(rewards, group_size, scale=scale_rewards))
+            batch = r.batch(advantages=losses.group_advantages(rewards, group_size, scale=scale_rewards),
+                            max_completion_length=max_new_tokens)  # dr_grpo's constant normaliser (ctx)
             if beta != 0:
                 batch["ref_logp"] = session.logprobs(batch, ref=True)
             res = session.step(batch, loss=loss, group_size=group_size)
