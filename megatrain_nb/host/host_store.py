@@ -273,9 +273,20 @@ class HostStore:
             FileNotFoundError: no safetensors in ``path`` or a shard the index names is missing.
             ValueError: a corrupt file, a shape mismatch, or missing weights (names them).
         """
+        path = Path(path)
+        for f, fh, key, target in self.checkpoint_tensors(path):
+            self._put(target, fh.get_tensor(key), key, f)
+
+    def checkpoint_tensors(self, path: Path):
+        """(file, open safetensors handle, checkpoint name, (unit, place)) of every tensor of the HF directory
+        ``path`` that this model has, file by file, the handle open while its names are yielded.
+
+        Raises:
+            FileNotFoundError: no safetensors in ``path`` or a shard the index names is missing.
+            ValueError: a corrupt file, a tensor this model does not have, or missing weights (names them).
+        """
         from safetensors import SafetensorError, safe_open
 
-        path = Path(path)
         files = self._files(path)
         targets = self._targets()
         done: set[str] = set()
@@ -288,7 +299,7 @@ class HostStore:
                                 continue  # some tied checkpoints store lm_head too
                             raise ValueError(f"{f.name} holds {key!r}, which {type(self.arch.model).__name__} "
                                              "does not have: is this directory's config.json the right one?")
-                        self._put(targets[key], fh.get_tensor(key), key, f)
+                        yield f, fh, key, targets[key]
                         done.add(key)
             except SafetensorError as e:
                 raise ValueError(f"{f} is not a readable safetensors file ({e}); re-save or re-download it") from e

@@ -48,28 +48,13 @@ class Reference:
     """
 
     def __init__(self, path: str | os.PathLike, store: HostStore, *, owned: str | None = None):
-        from safetensors import safe_open
-
         self.path = Path(path)
         self.files = HostStore._files(self.path)
         self.arch, self.L = store.arch, store.num_layers
-        targets = store._targets()  # checkpoint name -> (unit, place): host_store's own mapping
         self.by_unit: dict[int, list] = {u: [] for u in store.order}  # unit -> [(file index, name, place)]
-        seen = set()
-        for k, f in enumerate(self.files):
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    if name not in targets:
-                        if name == self.arch.head_name and self.arch.tied:
-                            continue  # some tied checkpoints store lm_head too
-                        raise ValueError(f"{f} holds {name!r}, which the policy's architecture does not have; "
-                                         "pass the directory the policy was loaded from")
-                    u, where = targets[name]
-                    self.by_unit[u].append((k, name, where))
-                    seen.add(name)
-        missing = sorted(set(targets) - seen)
-        if missing:
-            raise ValueError(f"{self.path} lacks {len(missing)} weights, e.g. {missing[:3]}; it does not match the policy")
+        index = {f: k for k, f in enumerate(self.files)}
+        for f, _, name, (u, where) in store.checkpoint_tensors(self.path):  # host_store's own mapping and checks
+            self.by_unit[u].append((index[f], name, where))
         self.layouts = {u: store.units[u].layout for u in range(self.L)}
         self._bufs: dict = {}  # (device, dtype, "layer" | "head") -> flat buffer, reused pass after pass
         if owned is not None:
