@@ -277,7 +277,8 @@ class Session:
         return df
 
     def plot_history(self):
-        """Plotly figure of the run so far: loss, tokens/s and TFLOPS per step."""
+        """Plotly figure of the run so far: loss, tokens/s and TFLOPS per step, and a panel per group of metric
+        columns (a loss hook's, train_grpo's reward_mean; ``viz.run_history``)."""
         from .view import viz
 
         return viz.run_history(self.history_dataframe())
