@@ -277,7 +277,8 @@ class Session:
         return df
 
     def plot_history(self):
-        """Plotly figure of the run so far: loss, tokens/s and TFLOPS per step."""
+        """Plotly figure of the run so far: loss, tokens/s and TFLOPS per step, and a panel per group of metric
+        columns (a loss hook's, train_grpo's reward_mean; ``viz.run_history``)."""
         from .view import viz
 
         return viz.run_history(self.history_dataframe())
@@ -403,7 +404,7 @@ class Session:
                    max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
                    epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
                    scale_rewards: bool = True, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
-                   progress: bool = True):
+                   progress: bool = True, dashboard: bool | None = None, refresh_s: float = 1.0):
         """GRPO on-policy (one update per batch of rollouts), with a progress bar. Each step samples
         ``prompts_per_step`` prompts (a seeded permutation per epoch), rolls out ``group_size`` completions
         of each, scores them with ``reward_fn``, forms ``losses.group_advantages``, adds the reference's
@@ -420,10 +421,13 @@ class Session:
             epsilon, epsilon_high, beta, loss_type: ``losses.grpo``'s. ``beta > 0`` needs ``reference``.
             scale_rewards: divide advantages by the group's std (False: Dr. GRPO).
             tokenizer, cache_weights, seed: as ``generate``; step k samples with seed ``seed * 1_000_003 + k``.
-            progress: show a tqdm bar.
+            progress: show a tqdm bar (its postfix: reward mean, KL, clip fraction).
+            dashboard, refresh_s: as ``train``'s: the dashboard (None: in Jupyter only) draws the steps'
+                reward_mean, kl and clip_ratio/* next to the loss.
         Returns:
             DataFrame, one row per step: step, reward_mean, reward_std, loss, kl, clip_ratio,
-            completion_len, seconds. ``old_logp`` is the sampling log-prob at ``temperature == 1``;
+            completion_len, seconds. Each step's reward_mean is also in its ``StepResult.metrics``, so in
+            ``history_dataframe()``. ``old_logp`` is the sampling log-prob at ``temperature == 1``;
             at another temperature it is left out, and the loss takes the policy's own (ratio 1).
         Raises:
             ValueError: bad arguments, ``beta > 0`` without a reference, a reward list of the wrong length.
@@ -437,7 +441,7 @@ class Session:
                           prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
                           scale_rewards=scale_rewards, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
-                          progress=progress)
+                          progress=progress, dashboard=dashboard, refresh_s=refresh_s)
 
     def freeze_reference(self, path: str | os.PathLike | None = None):
         """Freeze the current weights as the reference model (``self.reference``) of DPO / GRPO's KL.

@@ -1,7 +1,8 @@
 """The notebook training loop: `train(session, data, steps=...)` with a progress bar and a live dashboard.
 
 Owns: pulling batches from an iterable, calling `Session.step` once per batch, the tqdm progress bar,
-throttled dashboard refreshes inside Jupyter, stopping cleanly on Jupyter's Stop (KeyboardInterrupt)
+throttled dashboard refreshes inside Jupyter (`open_dashboard` / `draw_dashboard`, which train_grpo
+shares), stopping cleanly on Jupyter's Stop (KeyboardInterrupt)
 or when the data runs out, and noting the data position (`session.data_state`) for checkpoints.
 Does not own: what a step does (session / engine), the figures (viz / dashboard) or checkpoint files
 (checkpoint). Bound as `Session.train`.
@@ -71,7 +72,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
                         "pass sft_batches(...) (one pass each time) or a list of batches")
     batches = iter(data)
     has_state = callable(getattr(data, "state_dict", None))
-    dash = _open_dashboard(session, dashboard)
+    dash = open_dashboard(session, dashboard)
     h0 = len(session.history)
     bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
     last_draw, interrupted, stepping, n = time.monotonic(), False, False, h0
@@ -98,7 +99,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
                     post["eval"] = f"{session.eval_history[-1]['eval_loss']:.4f}"
                 bar.set_postfix(post, refresh=False)
             if dash is not None and time.monotonic() - last_draw >= refresh_s:
-                dash = _draw(dash)
+                dash = draw_dashboard(dash)
                 last_draw = time.monotonic()
     except KeyboardInterrupt:  # Jupyter's Stop: Session.step already finished the step in flight
         interrupted = True
@@ -108,7 +109,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
     finally:
         bar.close()
     if dash is not None:
-        _draw(dash)
+        draw_dashboard(dash)
     if interrupted:
         done = len(session.history) - h0
         last = session.history[-1].step if session.history else 0
@@ -127,8 +128,10 @@ def in_jupyter() -> bool:
     return ip is not None and hasattr(ip, "kernel")
 
 
-def _open_dashboard(session, want: bool | None):
-    """A displayed Dashboard, or None (not wanted, not in Jupyter, or it failed to build)."""
+def open_dashboard(session, want: bool | None):
+    """Show a `dashboard.Dashboard` of `session` and return it, or return None (not wanted, not in
+    Jupyter, or it failed to build). `want`: None: only in a Jupyter kernel; True: the same, with a
+    warning outside one; False: never. Shared by `train` and `post.rollout.train_grpo`."""
     if want is False:
         return None
     if not in_jupyter():
@@ -147,7 +150,7 @@ def _open_dashboard(session, want: bool | None):
         return None
 
 
-def _draw(dash):
+def draw_dashboard(dash):
     """Refresh the dashboard; on failure warn once and return None so training goes on without it."""
     try:
         dash.update()

@@ -84,6 +84,20 @@ def test_figures_have_the_structure_of_the_viz_functions(session, backend):
     assert mem.data[0].yaxis == "y2"
 
 
+def test_history_figure_draws_the_steps_metrics(session, backend):
+    """Metrics in StepResult.metrics (a loss hook's, train_grpo's reward_mean) get panels in the history figure."""
+    d = Dashboard(session)
+    run(session, 2)
+    for r, v in zip(session.history, (0.25, 0.5)):
+        r.metrics = {"reward_mean": v, "clip_ratio/region_mean": v / 10}
+    d.update()
+    hist = d.figures["history"]
+    assert [t.name for t in hist.data] == ["loss", "tokens/s", "model TFLOP/s", "reward_mean",
+                                           "clip_ratio/region_mean"]
+    assert list(hist.data[3].x) == [1, 2] and list(hist.data[3].y) == [0.25, 0.5]
+    assert [a.text for a in hist.layout.annotations][-2:] == ["reward_mean", "clip_ratio"]
+
+
 def test_update_replaces_rather_than_appends(session, backend):
     d = Dashboard(session)
     run(session, 1)

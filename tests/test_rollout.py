@@ -146,3 +146,54 @@ def test_train_grpo_runs_and_logs(model_dir, tok):
             s.train_grpo(prompts, reward, steps=1, prompts_per_step=5, tokenizer=tok)
     finally:
         s.close()
+
+
+@HOOK
+def test_train_grpo_records_reward_shows_the_bar_and_refreshes_the_dashboard(model_dir, tok, monkeypatch):
+    """Each step's reward mean is in the session's history (so its dashboard); the bar's postfix carries
+    reward, KL and clip fraction; the dashboard opens and refreshes as train's does."""
+    import tqdm.auto
+
+    from megatrain_nb import training
+    import megatrain_nb.view.dashboard as dashboard_mod
+
+    postfixes, draws = [], []
+
+    class Bar(tqdm.auto.tqdm):
+        def set_postfix(self, *a, **kw):
+            postfixes.append(dict(*a, **{k: v for k, v in kw.items() if k != "refresh"}))
+            super().set_postfix(*a, **kw)
+
+    class FakeDashboard:
+        def __init__(self, s):
+            self.s = s
+
+        def display(self):
+            pass
+
+        def update(self):
+            draws.append(len(self.s.history))
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(training, "in_jupyter", lambda: True)
+    monkeypatch.setattr(dashboard_mod, "Dashboard", FakeDashboard)
+    s = Session.from_pretrained(model_dir, device="cpu", dtype=torch.float32, lr=1e-3)
+    try:
+        prompts = [torch.tensor(tok(p)["input_ids"]) for p in ["What is 7 plus", "Hello", "The capital of"]]
+        reward = lambda ps, cs: [float(i % 3 == 0) for i in range(len(cs))]  # noqa: E731
+        df = s.train_grpo(prompts, reward, steps=2, group_size=2, prompts_per_step=2, max_new_tokens=3,
+                          beta=0.1, refresh_s=0.0)
+        hist = s.history_dataframe()
+        assert hist.reward_mean.tolist() == pytest.approx(df.reward_mean.tolist())
+        assert {"kl", "clip_ratio/region_mean"} <= set(hist.columns)
+        assert [set(p) for p in postfixes] == [{"reward", "kl", "clip"}] * 2
+        assert postfixes[-1] == {"reward": f"{df.reward_mean.iloc[-1]:.3f}", "kl": f"{df.kl.iloc[-1]:.4f}",
+                                 "clip": f"{df.clip_ratio.iloc[-1]:.3f}"}
+        assert draws == [1, 2, 2]  # every step (refresh_s=0), then the final state
+        fig = s.plot_history()
+        assert {"reward_mean", "kl", "clip_ratio/region_mean"} <= {t.name for t in fig.data}
+        draws.clear()
+        s.train_grpo(prompts, reward, steps=1, group_size=2, max_new_tokens=2, dashboard=False, progress=False)
+        assert draws == [] and len(s.history) == 3
+    finally:
+        s.close()

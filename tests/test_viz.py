@@ -114,6 +114,36 @@ def test_run_history_skips_missing_columns():
     assert fig.layout.xaxis3.title.text == "step"
 
 
+def test_run_history_draws_metric_columns_one_trace_each_against_step():
+    """A loss hook's metrics and train_grpo's reward_mean (Session.history_dataframe's metric columns) get
+    panels below the step's own ones, grouped by the name before "/"; StepResult's other fields do not."""
+    hist = pd.DataFrame({"step": [1, 2, 3], "loss": [0.5, 0.4, 0.3], "tokens": [64] * 3, "seconds": [1.0] * 3,
+                         "lr": [1e-3] * 3, "grad_norm": [1.0] * 3, "skipped": [False] * 3,
+                         "recomputed_layers": [0] * 3, "reward_mean": [0.1, 0.5, 0.75], "kl": [0.0, 0.01, 0.02],
+                         "clip_ratio/low_mean": [0.0, 0.1, 0.0], "clip_ratio/region_mean": [0.0, 0.2, 0.1]})
+    assert viz.metric_columns(hist) == ["reward_mean", "kl", "clip_ratio/low_mean", "clip_ratio/region_mean"]
+    fig = viz.run_history(hist)
+    assert [a.text for a in fig.layout.annotations] == ["loss", "reward_mean", "kl", "clip_ratio"]
+    assert [t.name for t in fig.data] == ["loss", "reward_mean", "kl", "clip_ratio/low_mean", "clip_ratio/region_mean"]
+    assert [t.yaxis for t in fig.data] == ["y", "y2", "y3", "y4", "y4"]
+    assert all(list(t.x) == [1, 2, 3] for t in fig.data)
+    assert list(fig.data[1].y) == [0.1, 0.5, 0.75]
+    assert [fig.layout[f"yaxis{i}"].title.text for i in (2, 3, 4)] == ["reward_mean", "kl", "clip_ratio"]
+    assert fig.layout.xaxis4.title.text == "step" and not fig.layout.xaxis.title.text
+
+
+def test_run_history_metric_panels_of_dpo_and_none_without_metrics():
+    dpo = pd.DataFrame({"step": [1, 2], "loss": [0.7, 0.6], "rewards/chosen": [0.1, 0.2],
+                        "rewards/margins": [0.0, 0.3], "logps/chosen": [-5.0, -4.0], "all_nan": [None, None]})
+    fig = viz.run_history(dpo)
+    assert [a.text for a in fig.layout.annotations] == ["loss", "rewards", "logps"]
+    assert [t.name for t in fig.data] == ["loss", "rewards/chosen", "rewards/margins", "logps/chosen"]
+    plain = viz.run_history(pd.DataFrame({"step": [1, 2], "loss": [0.7, 0.6], "lr": [1e-3, 1e-3]}))
+    assert [t.name for t in plain.data] == ["loss"] and len(plain.layout.annotations) == 1
+    only = viz.run_history(pd.DataFrame({"step": [1, 2], "reward_mean": [0.0, 1.0]}))  # no loss column: still drawn
+    assert [t.name for t in only.data] == ["reward_mean"] and only.layout.xaxis.title.text == "step"
+
+
 def test_run_history_errors_name_the_column():
     with pytest.raises(ValueError, match="'step'"):
         viz.run_history(pd.DataFrame({"loss": [1.0]}))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import inspect
 
 import torch
@@ -228,11 +229,19 @@ def _decode_batch(engine, ids: torch.Tensor, mask: torch.Tensor, max_new: int, p
 def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int = 4, prompts_per_step: int = 2,
                max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
                epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo", scale_rewards: bool = True,
-               tokenizer=None, cache_weights: bool | None = None, seed: int = 0, progress: bool = True):
-    """GRPO, on-policy: per step, roll out, score, and take one ``losses.grpo`` step (see ``Session.train_grpo``)."""
+               tokenizer=None, cache_weights: bool | None = None, seed: int = 0, progress: bool = True,
+               dashboard: bool | None = None, refresh_s: float = 1.0):
+    """GRPO, on-policy: per step, roll out, score, and take one ``losses.grpo`` step (see ``Session.train_grpo``).
+
+    Each step's reward mean goes into its ``StepResult.metrics["reward_mean"]`` (so into
+    ``Session.history_dataframe`` and the dashboard's history figure, next to the hook's kl and
+    clip_ratio); the bar shows reward, KL and clip fraction; the dashboard opens and refreshes as
+    ``training.train``'s does.
+    """
     import pandas as pd
     from tqdm.auto import tqdm
 
+    from ..training import draw_dashboard, open_dashboard
     from . import losses
 
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -241,6 +250,8 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
         raise ValueError("prompts must be a non-empty list of prompts (strings, chats or LongTensors of ids)")
     if not isinstance(prompts_per_step, int) or not 1 <= prompts_per_step <= len(prompts):
         raise ValueError(f"prompts_per_step={prompts_per_step!r}: an int in [1, {len(prompts)}] (the prompts given)")
+    if not refresh_s >= 0:
+        raise ValueError(f"refresh_s={refresh_s!r}: must be >= 0 seconds")
     if beta != 0 and session.reference is None:
         raise ValueError(f"beta={beta} needs a reference model: Session.from_pretrained has one; after from_config "
                          "call s.freeze_reference() first, or pass beta=0.0")
@@ -248,6 +259,8 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
     g = torch.Generator().manual_seed(seed)
     order: list[int] = []
     rows = []
+    dash = open_dashboard(session, dashboard)
+    last_draw = time.monotonic()
     bar = tqdm(total=steps, desc="grpo", unit="step", dynamic_ncols=True, disable=not progress)
     try:
         for k in range(steps):
@@ -269,12 +282,20 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
                 batch["ref_logp"] = session.logprobs(batch, ref=True)
             res = session.step(batch, loss=loss, group_size=group_size)
             m = {name: float(v) for name, v in (getattr(res, "metrics", None) or {}).items()}
+            # res is the row session.history holds: its metrics are the history's metric columns
+            res.metrics = {"reward_mean": float(rewards.mean()), **(res.metrics or {})}
             rows.append({"step": res.step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
                          "loss": res.loss, "kl": m.get("kl", float("nan") if beta else 0.0),
                          "clip_ratio": m.get("clip_ratio/region_mean", float("nan")),
                          "completion_len": float(r.completion_lengths.float().mean()), "seconds": res.seconds})
             bar.update(1)
-            bar.set_postfix(reward=f"{rows[-1]['reward_mean']:.3f}", kl=f"{rows[-1]['kl']:.4f}")
+            bar.set_postfix(reward=f"{rows[-1]['reward_mean']:.3f}", kl=f"{rows[-1]['kl']:.4f}",
+                            clip=f"{rows[-1]['clip_ratio']:.3f}")
+            if dash is not None and time.monotonic() - last_draw >= refresh_s:
+                dash = draw_dashboard(dash)
+                last_draw = time.monotonic()
     finally:
         bar.close()
+        if dash is not None:
+            draw_dashboard(dash)
     return pd.DataFrame(rows)

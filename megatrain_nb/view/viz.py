@@ -10,12 +10,15 @@ figure has a title saying what it shows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .palette import (LANE_LABELS, MEMORY_LABELS, METRIC_LABELS, OTHER_COLOR, PHASE_COLORS, PHASE_LABELS,
                       STALL_COLOR, STATE_COLORS, label, slot_label)
+from .results import StepResult
 from .trace import PHASES, lane_order, slot_segments
 
 _GIB = float(1 << 30)
@@ -177,18 +180,55 @@ _HISTORY_PANELS = (("loss", ("loss", "eval_loss"), "loss", 1.0), ("tokens/s", ("
                    ("memory", ("peak_device_bytes", "host_rss_bytes"), "GiB", 1 / _GIB))
 
 
+# the columns of a run history that are not a loss hook's (or a trainer's) metrics: StepResult's fields,
+# the ones Session.history_dataframe derives, and run_history's own panels
+_STEP_COLUMNS = frozenset({f.name for f in dataclasses.fields(StepResult)} - {"metrics"}
+                          | {c for _, cols, _, _ in _HISTORY_PANELS for c in cols})
+
+
+def metric_columns(history: pd.DataFrame) -> list[str]:
+    """The metric columns of a run history, in column order: the numeric columns that are not a step's
+    own numbers (`StepResult`'s fields, tokens_per_s, eval_loss, memory), that is what a loss hook logged
+    (`StepResult.metrics`: kl, clip_ratio/region_mean, rewards/margins...) and what a trainer recorded
+    (train_grpo's reward_mean); columns with no value at all are left out.
+
+    Example:
+        >>> metric_columns(pd.DataFrame({"step": [1], "loss": [2.0], "kl": [0.1], "rewards/margins": [0.3]}))
+        ['kl', 'rewards/margins']
+    """
+    return [c for c in history.columns if c not in _STEP_COLUMNS and pd.api.types.is_numeric_dtype(history[c])
+            and not pd.api.types.is_bool_dtype(history[c]) and history[c].notna().any()]
+
+
+def metric_panels(columns: list[str]) -> list[tuple[str, list[str]]]:
+    """Metric columns grouped into panels by the part of their name before the first "/" (TRL's
+    naming: "rewards/chosen" and "rewards/margins" share the "rewards" panel), in order of first appearance.
+
+    Example:
+        >>> metric_panels(["reward_mean", "clip_ratio/low_mean", "clip_ratio/region_mean"])
+        [('reward_mean', ['reward_mean']), ('clip_ratio', ['clip_ratio/low_mean', 'clip_ratio/region_mean'])]
+    """
+    panels: dict[str, list[str]] = {}
+    for c in columns:
+        panels.setdefault(c.split("/", 1)[0], []).append(c)
+    return list(panels.items())
+
+
 def run_history(history: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Per-step metrics over a run, one subplot per metric present.
 
     Args:
         history: one row per step; column "step" plus any of loss, eval_loss (drawn with loss,
-            at the steps that have one), tokens_per_s, tflops, peak_device_bytes, host_rss_bytes (missing ones are skipped; the two byte columns
-            share the "memory" subplot, in GiB).
+            at the steps that have one), tokens_per_s, tflops, peak_device_bytes, host_rss_bytes (missing
+            ones are skipped; the two byte columns share the "memory" subplot, in GiB), and any metric
+            columns (`metric_columns`: a loss hook's metrics, train_grpo's reward_mean), drawn below
+            those, one subplot per `metric_panels` group with the group's name as title and y-axis title.
         title: figure title (default: "run history, one point per step").
 
     Returns:
-        A Figure with one subplot per present panel (loss, tokens/s, TFLOPS, memory), x = step;
-        one Scatter per column, named in words (`palette.METRIC_LABELS`).
+        A Figure with one subplot per present panel (loss, tokens/s, TFLOPS, memory, then the metric
+        panels), x = step; one Scatter per column, named in words (`palette.METRIC_LABELS`; a metric
+        by its column name).
 
     Raises:
         ValueError: "step" is missing, or none of the metric columns is present.
@@ -196,9 +236,10 @@ def run_history(history: pd.DataFrame, *, title: str | None = None) -> go.Figure
     if "step" not in history.columns:
         raise ValueError(f"history needs a 'step' column; it has {list(history.columns)}.")
     panels = [(t, [c for c in cols if c in history.columns], unit, k) for t, cols, unit, k in _HISTORY_PANELS]
-    panels = [p for p in panels if p[1]]
+    panels = [p for p in panels if p[1]] + [(t, cols, t, 1.0) for t, cols in metric_panels(metric_columns(history))]
     if not panels:
-        raise ValueError("history has none of loss, tokens_per_s, tflops, peak_device_bytes, host_rss_bytes.")
+        raise ValueError("history has none of loss, tokens_per_s, tflops, peak_device_bytes, host_rss_bytes "
+                         "and no metric column.")
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=[p[0] for p in panels])
     for i, (_, cols, unit, scale) in enumerate(panels, start=1):
