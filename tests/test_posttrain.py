@@ -236,16 +236,16 @@ def test_logprobs_ref_uses_the_reference_weights(hf_dir):
 
 
 # ---- the loss hook ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_hook_equals_autograd_on_hf(hf_dir, name, tmp_path):
+@pytest.mark.parametrize("name,temperature", [(n, 1.0) for n in LOSSES] + [("grpo_dapo_kl", 0.7), ("entropy", 0.7)])
+def test_hook_equals_autograd_on_hf(hf_dir, name, temperature, tmp_path):
     d = hf_dir("llama")
     kind, fn = LOSSES[name]
     s = Session.from_pretrained(d, **OPT, placement="host")
     try:
         batch = make_batch()
         batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
-        r = s.step(batch, loss=fn)
-        assert_step_equal(d, tmp_path, name, batch, r, s, fn)
+        r = s.step(batch, loss=fn, temperature=temperature)  # the logits divided first, as the reference's
+        assert_step_equal(d, tmp_path, name, batch, r, s, fn, temperature=temperature)
     finally:
         s.close()
 
@@ -275,20 +275,6 @@ def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path
         batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
         r = s.step(batch, loss=fn)
         assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn)
-    finally:
-        s.close()
-
-
-@pytest.mark.parametrize("name", ["grpo_dapo_kl", "entropy"])
-def test_hook_temperature(hf_dir, name, tmp_path):
-    d = hf_dir("llama")
-    kind, fn = LOSSES[name]
-    s = Session.from_pretrained(d, **OPT, placement="host")
-    try:
-        batch = make_batch()
-        batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
-        r = s.step(batch, loss=fn, temperature=0.7)
-        assert_step_equal(d, tmp_path, name, batch, r, s, fn, temperature=0.7)
     finally:
         s.close()
 
