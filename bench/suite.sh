@@ -17,6 +17,8 @@
 #   depth      depth (3B width, 36 / 72 / 84 layers) and width (18 layers, hidden x1 / 1.5 / 2) sweeps (~20)
 #                                                                                      -> <tag>-peers.jsonl
 #   sft        packing's cost and evaluation's speed, 3B x 4 x 4096 (~3)               -> <tag>-fine-tuning.jsonl
+#   posttrain  post-training speed, 7B shape: hook step vs CE, logprobs, reference pass, generation vs HF generate
+#              (~6)                                                                    -> <tag>-post-training.jsonl
 #   dp         data parallel, 7B, batch 8 per GPU, 1..N GPUs (several GPUs; not yet run) -> <tag>-data-parallel.jsonl
 #   host       the host's AdamW alone, beside DMA, and beside a busy thread (~3)      -> <tag>-host-contention.jsonl
 #   compact14  the Qwen2.5-14B shape with optimizer_state="int4" (default settings otherwise), x 8 then x 2 (~7)
@@ -104,6 +106,9 @@ suite() {
         $P --sweep width --sweep-systems megatrain-auto ;;
     sft)
         $PY bench/sft_speed.py --shape 3b --batch 4 --seq 4096 --steps 2 --out "$R-fine-tuning.jsonl" 2>&1 | cut -c1-250 ;;
+    posttrain)
+        memlog posttrain
+        $PY bench/posttrain.py --shape 7b --out "$R-post-training.jsonl" 2>&1 | cut -c1-300 ;;
     dp)
         $PY bench/data_parallel.py --device cuda --worlds $(seq -s ' ' 1 "${n:-1}") --shape 7b --seq 4096 --batch 8 \
             --out "$R-data-parallel.jsonl" --trace-dir "$OUT/traces/dp" 2>&1 | cut -c1-300 ;;
