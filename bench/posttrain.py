@@ -17,7 +17,7 @@ download), B rows x T tokens of random ids (--batch, --seq), the first --prompt 
                through the page cache (from the disk where the page cache cannot hold it: the row keeps
                /proc/meminfo from before the passes);
   generate     ``Session.generate`` of the same prompts, batched, the layers copied to the device
-               (``cache_weights=True``).
+               (``cache_weights=True``; streamed, and the row's ``cache_weights`` false, where they do not fit).
 Both generators make exactly --gen-new tokens a row: the config has no EOS (``eos_token_id=None``, so
 neither ``inference._eos_ids`` nor HF's stopping criteria find one) and HF gets ``min_new_tokens``; the tool
 raises if a row came out shorter. Steps are timed by ``StepResult.seconds`` (median of --steps after at least
@@ -259,15 +259,23 @@ def main(argv=None) -> list[dict]:
         if "generate" in run:
             log(f"generate: {a.gen_prompts} prompts x {N} new tokens")
             plist = list(prompts)  # (P,) long each: the batched path
-            s.generate(plist, max_new_tokens=min(4, N), do_sample=True, cache_weights=True, seed=1)  # warm-up
+            cache = True  # every layer copied to the device beside what placement "auto" keeps resident there
+            try:
+                s.generate(plist, max_new_tokens=min(4, N), do_sample=True, cache_weights=cache, seed=1)  # warm-up
+            except torch.OutOfMemoryError as e:
+                cache = False  # the layers stream through the weight slots instead; the row says so
+                log(f"generate: the layers' copies did not fit ({str(e).splitlines()[0]}); streaming them instead")
+                gc.collect()
+                torch.cuda.empty_cache()
+                s.generate(plist, max_new_tokens=min(4, N), do_sample=True, cache_weights=cache, seed=1)
             t0 = time.perf_counter()
-            r = s.generate(plist, max_new_tokens=N, do_sample=True, cache_weights=True, seed=0)
+            r = s.generate(plist, max_new_tokens=N, do_sample=True, cache_weights=cache, seed=0)
             dt = time.perf_counter() - t0  # Rollouts hold host tensors: the call has waited for the device
             check_new(r.sequences[:, r.prompt_width:], N, "generate")
             if not bool((r.completion_lengths == N).all()):
                 raise RuntimeError(f"generate: completion lengths {r.completion_lengths.tolist()}, not all {N}")
             res["generate"] = a.gen_prompts * N / dt
-            out("generate", **gen, seconds=round(dt, 3), tokens_per_s=round(res["generate"], 1), cache_weights=True)
+            out("generate", **gen, seconds=round(dt, 3), tokens_per_s=round(res["generate"], 1), cache_weights=cache)
     finally:
         s.close()
 
