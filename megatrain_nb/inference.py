@@ -225,18 +225,23 @@ def _eos_ids(config, tok) -> set[int]:
 
 
 def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
-    """logits (N, V) fp32 -> (N,) next token ids on the host; greedy, or sampled with transformers' own warpers."""
+    """logits (N, V) fp32 -> (N,) next token ids on the host; greedy, or sampled with transformers' own warpers
+    and drawn on the logits' device (seeded per device: CPU and CUDA draw different samples for one seed)."""
     if not do_sample:
         return lambda logits: logits.argmax(-1).cpu()  # host sync: the next input depends on it
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
-    g = torch.Generator().manual_seed(seed)
+    gens: dict = {}  # one seeded generator per device: the draw happens where the logits are
 
     def pick(logits):
         for w in warpers:
             logits = w(None, logits)
-        return torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g).view(-1)
+        g = gens.get(logits.device)
+        if g is None:
+            g = gens[logits.device] = torch.Generator(device=logits.device).manual_seed(seed)
+        # on the device: moving (N, V) probabilities to the host and drawing there cost more than the layers
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=g).view(-1).cpu()
     return pick
 
 

@@ -53,9 +53,13 @@ def test_reference_equals_the_loaded_model_after_training(hf_dir, family):
             want = hf(input_ids=ids).logits.float()
         assert (got - want).abs().max() < 1e-5
         assert (policy - want).abs().max() > 1e-3  # training did move the policy
-        # no model copy: one layer buffer and the head buffer, nothing else
+        # no model copy: one layer buffer, the head buffer and the staging ring: 2 slots, each the largest
+        # tensor of the files (at most CHUNK bytes)
+        from megatrain_nb.post.reference import CHUNK, header
+
         lay = max(s.store.units[i].layout.numel for i in range(s.arch.num_layers))
-        assert s.reference.host_bytes() == 4 * (lay + s.engine.head_layout.numel)
+        largest = max(b - a for f in s.reference.files for *_, a, b in header(f)[1].values())
+        assert s.reference.host_bytes() == 4 * (lay + s.engine.head_layout.numel) + 2 * min(largest, CHUNK)
         assert s.reference.host_bytes() < 4 * s.store.num_params()  # less than one fp32 copy of the model
     finally:
         s.close()
@@ -96,5 +100,26 @@ def test_reference_refuses_another_models_files(hf_dir, tmp_path):
             Reference(hf_dir("qwen3"), s.store)
         with pytest.raises(FileNotFoundError):
             Reference(tmp_path, s.store)
+    finally:
+        s.close()
+
+
+def test_reference_read_through_small_staging_chunks_equals_the_model(hf_dir, monkeypatch):
+    """Tensors cut into many reads through a 2-slot ring of 512 bytes (Note: [Reference reads]) land where
+    one read of each would put them: the logits equal the HF model's, twice in a row (the ring is reused)."""
+    from conftest import load_reference
+    from megatrain_nb.post import reference
+
+    monkeypatch.setattr(reference, "CHUNK", 512)
+    d = hf_dir("llama_tied")
+    s = Session.from_pretrained(d, device="cpu", dtype=torch.float32)
+    try:
+        ids = make_batches(s.arch.embed.weight.shape[0], 1)[0]["input_ids"]
+        hf = load_reference(d, s.arch.model.config._attn_implementation).eval()
+        with torch.no_grad():
+            want = hf(input_ids=ids).logits.float()
+        for _ in range(2):
+            assert (_logits(s, ids, ref=True) - want).abs().max() < 1e-5
+        assert s.reference._bufs[("ring", False)].shape == (2, 512)
     finally:
         s.close()
