@@ -481,10 +481,12 @@ class Session:
 
         return resume(path, make=cls, **overrides)
 
-    def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
-        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates)."""
+    def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                        max_shard_bytes: int = 5 << 30) -> None:
+        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates);
+        shards of at most ``max_shard_bytes``, each written once full (host memory holds one at a time)."""
         self.engine.drain()
-        self.store.save_pretrained(out_dir, dtype=dtype)
+        self.store.save_pretrained(out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
     def memory_report(self) -> dict:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device

@@ -149,6 +149,7 @@ def test_save_sharded(hf_dir, family, tmp_path):
     shards = set(index["weight_map"].values())
     assert len(shards) >= 3 and all((tmp_path / "many" / f).exists() for f in shards)
     assert not (tmp_path / "many" / "model.safetensors").exists()
+    assert not list((tmp_path / "many").glob("model-partial-*")) and not list((tmp_path / "one").glob("model-partial-*"))
     one = AutoModelForCausalLM.from_pretrained(str(tmp_path / "one"), dtype=torch.float32).state_dict()
     many = AutoModelForCausalLM.from_pretrained(str(tmp_path / "many"), dtype=torch.float32).state_dict()
     assert set(one) == set(many)

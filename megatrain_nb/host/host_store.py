@@ -375,33 +375,44 @@ class HostStore:
     # ---- saving --------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         max_shard_bytes: int = 5 << 30) -> None:
-        """Write config.json + safetensors (sharded above ``max_shard_bytes``) that transformers loads."""
+        """Write config.json + safetensors (sharded above ``max_shard_bytes``) that transformers loads.
+
+        Each shard is written once full: host memory holds at most one shard's tensors in ``dtype`` (plus
+        one unit's), never the whole model.
+        """
         from safetensors.torch import save_file
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        shards, current, size = [], {}, 0
+        for old in list(out.glob("model*.safetensors")) + list(out.glob(INDEX)):
+            old.unlink()  # a stale shard or index would be loaded beside the new ones
+        written, current, size = [], {}, 0  # written: (temporary file, {name: bytes})
+
+        def flush():
+            tmp = out / f"model-partial-{len(written):05d}.safetensors"
+            save_file(current, str(tmp), metadata={"format": "pt"})
+            written.append((tmp, {n: t.numel() * t.element_size() for n, t in current.items()}))
+
         for u in self.order:
             tensors = {n: v.to(dtype).clone() for n, v in self.views(u).items()}
             for name, t in convert_to_checkpoint(self.arch, tensors).items():
                 nbytes = t.numel() * t.element_size()
                 if current and size + nbytes > max_shard_bytes:
-                    shards.append(current)
+                    flush()
                     current, size = {}, 0
                 current[name] = t.contiguous()
                 size += nbytes
-        shards.append(current)
-        for old in list(out.glob("model*.safetensors")) + list(out.glob(INDEX)):
-            old.unlink()  # a stale shard or index would be loaded beside the new ones
-        if len(shards) == 1:
-            save_file(shards[0], str(out / SINGLE), metadata={"format": "pt"})
+        flush()
+        current = {}
+        if len(written) == 1:
+            written[0][0].rename(out / SINGLE)
         else:
             weight_map, total = {}, 0
-            for k, shard in enumerate(shards):
-                name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(out / name), metadata={"format": "pt"})
-                weight_map.update({n: name for n in shard})
-                total += sum(t.numel() * t.element_size() for t in shard.values())
+            for k, (tmp, sizes) in enumerate(written):
+                name = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+                tmp.rename(out / name)
+                weight_map.update({n: name for n in sizes})
+                total += sum(sizes.values())
             (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         cfg = self.arch.config
         cfg.dtype = dtype

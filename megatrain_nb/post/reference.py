@@ -266,5 +266,6 @@ def snapshot(session, path: str | os.PathLike | None = None) -> Reference:
     owned = None
     if path is None:
         path = owned = tempfile.mkdtemp(prefix="megatrain-reference-")
-    session.save_pretrained(path, dtype=torch.bfloat16)  # waits for pending updates
+    session.save_pretrained(path, dtype=torch.bfloat16, max_shard_bytes=1 << 30)  # waits for pending updates;
+    # shards of 1 GiB: what host memory holds while writing
     return Reference(path, session.store, owned=owned)
