@@ -70,6 +70,18 @@ def meminfo() -> dict:
     return out
 
 
+def host_memory() -> dict:
+    """This process's host memory now, GiB: VmRSS, VmHWM (the peak so far), RssAnon and RssFile (mapped files)."""
+    want = {"VmRSS": "rss_gib", "VmHWM": "peak_rss_gib", "RssAnon": "rss_anon_gib", "RssFile": "rss_file_gib"}
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in want:
+                out[want[key]] = round(int(line.split()[1]) / 2**20, 2)  # kB -> GiB
+    return out
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident host memory (VmHWM in /proc/self/status)."""
     with open("/proc/self/status") as f:
@@ -190,8 +202,8 @@ def main(argv=None) -> list[dict]:
                 gpu=torch.cuda.get_device_name() if cuda else None)
     rows, res = [], {}
 
-    def out(mode: str, **numbers) -> None:
-        rows.append(emit({**base, "mode": mode, **numbers}, a.out))
+    def out(mode: str, **numbers) -> None:  # each row says the host memory so far: where it grew
+        rows.append(emit({**base, "mode": mode, **numbers, **host_memory()}, a.out))
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)

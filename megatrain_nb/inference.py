@@ -231,7 +231,8 @@ def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
         return lambda logits: logits.argmax(-1).cpu()  # host sync: the next input depends on it
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-    warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+    warpers = (([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])  # 1.0: HF skips it too
+               + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
     gens: dict = {}  # one seeded generator per device: the draw happens where the logits are
 
     def pick(logits):
