@@ -287,8 +287,10 @@ def _params_close(a: torch.Tensor, b: torch.Tensor, k: int, lr: float) -> None:
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_compact_update_on_cuda_equals_the_host_kernel(kind):
-    """The device's torch-op update and the host's C kernel: params within 1e-6, moments within one
-    quantization step (the kernels round the same arithmetic in different orders)."""
+    """The device's torch-op update and the host's C kernel: params within 1e-6 after the first step, moments
+    within one quantization step after it and k + 1 after k + 1 steps (the kernels round the same arithmetic in
+    different orders, FMA on the device, and a moment one code apart stays apart); the kept (fp32) span within
+    fp32 rounding of its terms."""
     from megatrain_nb.host import compact_host, compact_state as cs
 
     torch.manual_seed(0)
@@ -303,11 +305,15 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
         compact_host.update_host(lay, p, g, m, v, step=torch.tensor(k + 1.0), **hp)
         cs.update_torch(lay, pd, g.cuda(), md, vd, step=torch.tensor(k + 1.0, device="cuda"), **hp)
         _params_close(pd.cpu(), p, k, hp["lr"])
-    for which, (a, b) in enumerate(((m, md), (v, vd))):
-        x, y = cs.dequantize(a, lay, which), cs.dequantize(b.cpu(), lay, which)
-        scale = cs.parts(a, lay)[1].repeat_interleave(cs.BLOCK[kind])[:n]
-        step = (cs.qmaps(kind)[which].diff().max() * scale).clamp(min=1e-12)
-        assert ((x - y).abs() <= step + 1e-5 * x.abs() + 1e-12).all()  # kept spans: fp32 rounding on both sides
+        for which, (a, b) in enumerate(((m, md), (v, vd))):
+            b = b.cpu()
+            x, y = cs.dequantize(a, lay, which), cs.dequantize(b, lay, which)
+            scale = torch.maximum(cs.parts(a, lay)[1], cs.parts(b, lay)[1]).repeat_interleave(cs.BLOCK[kind])[:n]
+            step = (k + 1) * cs.qmaps(kind)[which].diff().max() * scale
+            tol = step + 1e-5 * x.abs() + 1e-7 * x.abs().max()  # the fp32 span: rounding of its terms
+            bad = (x - y).abs() > tol
+            assert not bad.any(), (k, which, int(bad.sum()), bad.nonzero()[:5].flatten().tolist(),
+                                   ((x - y).abs() / tol)[bad][:5].tolist())
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
