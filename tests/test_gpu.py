@@ -290,7 +290,7 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
     """The device's torch-op update and the host's C kernel: params within 1e-6 after the first step, moments
     within one quantization step after it and k + 1 after k + 1 steps (the kernels round the same arithmetic in
     different orders, FMA on the device, and a moment one code apart stays apart); the kept (fp32) span within
-    fp32 rounding of its terms."""
+    2e-5 (torch's fused AdamW on CUDA and on the CPU: below)."""
     from megatrain_nb.host import compact_host, compact_state as cs
 
     torch.manual_seed(0)
@@ -310,7 +310,9 @@ def test_compact_update_on_cuda_equals_the_host_kernel(kind):
             x, y = cs.dequantize(a, lay, which), cs.dequantize(b, lay, which)
             scale = torch.maximum(cs.parts(a, lay)[1], cs.parts(b, lay)[1]).repeat_interleave(cs.BLOCK[kind])[:n]
             step = (k + 1) * cs.qmaps(kind)[which].diff().max() * scale
-            tol = step + 1e-5 * x.abs() + 1e-7 * x.abs().max()  # the fp32 span: rounding of its terms
+            # the kept (fp32) span: torch's fused AdamW on both sides, whose CUDA kernel takes 1 - beta2 in fp32
+            # (0.999f: 1.3e-5 off 0.001) where the CPU's takes it in double; so 2e-5 of v, plus rounding
+            tol = step + 2e-5 * x.abs() + 1e-7 * x.abs().max()
             bad = (x - y).abs() > tol
             assert not bad.any(), (k, which, int(bad.sum()), bad.nonzero()[:5].flatten().tolist(),
                                    ((x - y).abs() / tol)[bad][:5].tolist())

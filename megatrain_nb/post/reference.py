@@ -49,8 +49,8 @@ from ..host.host_store import HostStore, put
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
-CHUNK = 64 << 20  # bytes of one staging slot: large enough for full-speed reads and copies
-SLOTS = {True: 8, False: 2}  # staging slots on CUDA (reads in flight) and on "cpu" (copies are synchronous)
+CHUNK = 32 << 20  # bytes of one staging slot: large enough for full-speed reads and copies
+SLOTS = {True: 16, False: 2}  # staging slots on CUDA (reads in flight: 512 MiB) and on "cpu" (copies are synchronous)
 
 
 def header(path: Path) -> tuple[int, dict]:
@@ -194,7 +194,8 @@ class Reference:
 
         dev, dtype = engine.dev, engine.dtype
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=SLOTS[dev.cuda], thread_name_prefix="reference-read")
+            self._pool = ThreadPoolExecutor(max_workers=min(SLOTS[dev.cuda], os.cpu_count() or 1),
+                                            thread_name_prefix="reference-read")  # a read a core at most
             weakref.finalize(self, self._pool.shutdown, wait=False)
         ring, free = self._ring(dev), self._free  # free: slot -> event of the h2d copy out of it, kept across passes
         with contextlib.ExitStack() as stack:
