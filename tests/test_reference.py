@@ -123,3 +123,28 @@ def test_reference_read_through_small_staging_chunks_equals_the_model(hf_dir, mo
         assert s.reference._bufs[("ring", False)].shape == (2, 512)
     finally:
         s.close()
+
+
+def test_a_reference_file_cut_short_names_the_problem(tiny_config, tmp_path):
+    """A snapshot rewritten or cut while in use: the pass raises an OSError that says so, and the policy trains on."""
+    s = Session.from_config(tiny_config("llama"), device="cpu", dtype=torch.float32, lr=1e-2)
+    try:
+        b = make_batches(s.arch.embed.weight.shape[0], 2)
+        ref = s.freeze_reference(tmp_path / "ref")
+        f = ref.files[0]
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # the same inode: the open descriptor sees it
+        with pytest.raises(OSError, match="rewritten or cut after the reference was made"):
+            s.logprobs(b[0], ref=True)  # bf16 files, fp32 compute: read through the map (cast)
+        import os
+
+        from megatrain_nb.post.reference import read_into
+
+        fd = os.open(f, os.O_RDONLY)  # the plain reads (compute-dtype files) likewise
+        try:
+            with pytest.raises(OSError, match="ended .* bytes early"):
+                read_into(fd, torch.empty(f.stat().st_size + 8, dtype=torch.uint8), 0)
+        finally:
+            os.close(fd)
+        assert s.step(b[1]).loss > 0  # nothing of the policy was touched
+    finally:
+        s.close()

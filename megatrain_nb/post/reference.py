@@ -68,7 +68,8 @@ def read_into(fd: int, dst: torch.Tensor, offset: int) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)  # releases the GIL; at most ~2 GiB a call
         if got <= 0:
-            raise OSError(f"the reference file ended {len(view) - done} bytes early: was it rewritten while in use?")
+            raise OSError(f"the reference file ended {len(view) - done} bytes early: it was rewritten or cut after the "
+                          "reference was made; call s.freeze_reference() again or reload")
         done += got
 
 
@@ -113,10 +114,17 @@ class Reference:
 
     @contextlib.contextmanager
     def _open(self):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(safe_open(str(f), framework="pt")) for f in self.files]
+            handles = []
+            for f in self.files:
+                try:
+                    handles.append(stack.enter_context(safe_open(str(f), framework="pt")))
+                except SafetensorError as e:
+                    raise OSError(f"the reference file {f} can no longer be read ({e}): it was rewritten or cut after "
+                                  "the reference was made; call s.freeze_reference() again or reload") from e
+            yield handles
 
     def _buffer(self, kind: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         key = (str(device), dtype, kind)
