@@ -84,15 +84,6 @@ def host_memory() -> dict:
     return out
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident host memory (VmHWM in /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def dir_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
@@ -304,7 +295,7 @@ def main(argv=None) -> list[dict]:
            "generate_vs_hf": ratio(res.get("generate"), res.get("hf_generate"))}
     meets = {k: None if v is None else (v <= TARGETS[k][1] if TARGETS[k][0] == "<=" else v >= TARGETS[k][1])
              for k, v in got.items()}
-    peak, bound = peak_rss_bytes(), HOST_BYTES_PER_PARAM * params + HOST_SLACK
+    peak, bound = host_memory()["peak_rss_gib"] * 2**30, HOST_BYTES_PER_PARAM * params + HOST_SLACK
     out("summary", **{k: None if v is None or not math.isfinite(v) else round(v, 3) for k, v in got.items()},
         targets={k: f"{op} {x}" for k, (op, x) in TARGETS.items()}, meets=meets, skipped=list(a.skip),
         peak_rss_gib=round(peak / 2**30, 2), rss_bound_gib=round(bound / 2**30, 2), rss_within_bound=peak <= bound,
