@@ -150,9 +150,9 @@ class Reference:
         return reads, others
 
     def _fill(self, flat: torch.Tensor, parts: list, dev, ring: list, free: list, handles) -> None:
-        """Driver: enqueue on ``dev``'s h2d stream the copies of ``parts`` (``_pieces`` of one or more units,
-        each (reads, others, shift-free)) into ``flat`` (the caller has ordered the stream after the buffer's
-        last use); reads go through the ring's slots, read by the pool (Note: [Reference reads])."""
+        """Driver: enqueue on ``dev``'s h2d stream the copies of ``parts`` (``_pieces``' (reads, others) of one or
+        more units) into ``flat`` (the caller has ordered the stream after the buffer's last use); reads go
+        through the ring's slots, read by the pool (Note: [Reference reads]); a read that fails raises here."""
         out = flat.view(torch.uint8)
         reads = [r for rs, _ in parts for r in rs]
         slots, n = len(ring), len(reads)
