@@ -403,7 +403,7 @@ class HostStore:
                 current[name] = t.contiguous()
                 size += nbytes
         flush()
-        current = {}
+        current = {}  # the last shard is on disk: its tensors go before the renames
         if len(written) == 1:
             written[0][0].rename(out / SINGLE)
         else:

@@ -102,6 +102,8 @@ class Reference:
         self._bufs: dict = {}  # (device, dtype, kind) -> flat buffer, reused pass after pass
         self._fds = [os.open(f, os.O_RDONLY) for f in self.files]  # open for the object's life: no re-opening
         self._pool = None  # reader threads, made at the first pass
+        self._free: list = []  # staging slot -> event of the h2d copy out of it, kept across passes (``_ring``)
+        self._head_used = None  # event: the compute stream is done with the head buffer (the next pass rewrites it)
         self._finalize = weakref.finalize(self, Reference._release, self._fds, owned)
 
     @staticmethod
@@ -205,7 +207,7 @@ class Reference:
             self._pool = ThreadPoolExecutor(max_workers=min(SLOTS[dev.cuda], os.cpu_count() or 1),
                                             thread_name_prefix="reference-read")  # a read a core at most
             weakref.finalize(self, self._pool.shutdown, wait=False)
-        ring, free = self._ring(dev), self._free  # free: slot -> event of the h2d copy out of it, kept across passes
+        ring = self._ring(dev)
         with contextlib.ExitStack() as stack:
             opened = []
 
@@ -218,7 +220,7 @@ class Reference:
                 """Copies of ``units`` ([(unit, shift)]) into ``flat`` after event ``after``; the compute stream
                 waits for them."""
                 dev.wait(dev.h2d, after)  # the stream waits for the buffer's last reader, not the CPU
-                self._fill(flat, [self._pieces(u, dtype, sh) for u, sh in units], dev, ring, free, handles)
+                self._fill(flat, [self._pieces(u, dtype, sh) for u, sh in units], dev, ring, self._free, handles)
                 dev.wait(torch.cuda.current_stream(dev.device) if dev.cuda else None, dev.record(dev.h2d))
 
             name = self.arch.embed_name
@@ -241,8 +243,6 @@ class Reference:
                 load(flat, units, self._head_used)
                 yield self.L, lay.views(flat)
                 self._head_used = dev.record(torch.cuda.current_stream(dev.device)) if dev.cuda else None
-
-    _head_used = None  # event: the compute stream is done with the head buffer (the next pass rewrites it)
 
     def _ring(self, dev) -> list[torch.Tensor]:
         """The staging slots (uint8 host tensors; pinned on CUDA), made once and kept."""
