@@ -377,43 +377,17 @@ class HostStore:
                         max_shard_bytes: int = 5 << 30) -> None:
         """Write config.json + safetensors (sharded above ``max_shard_bytes``) that transformers loads.
 
-        Each shard is written once full: host memory holds at most one shard's tensors in ``dtype`` (plus
-        one unit's), never the whole model.
+        Tensor by tensor, cast a chunk at a time (``shard_writer.py``): host memory holds one chunk in
+        ``dtype`` (and what a unit's checkpoint conversion copies), never a shard or the whole model.
         """
-        from safetensors.torch import save_file
+        from . import shard_writer
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         for old in list(out.glob("model*.safetensors")) + list(out.glob(INDEX)):
             old.unlink()  # a stale shard or index would be loaded beside the new ones
-        written, current, size = [], {}, 0  # written: (temporary file, {name: bytes})
-
-        def flush():
-            tmp = out / f"model-partial-{len(written):05d}.safetensors"
-            save_file(current, str(tmp), metadata={"format": "pt"})
-            written.append((tmp, {n: t.numel() * t.element_size() for n, t in current.items()}))
-
-        for u in self.order:
-            tensors = {n: v.to(dtype).clone() for n, v in self.views(u).items()}
-            for name, t in convert_to_checkpoint(self.arch, tensors).items():
-                nbytes = t.numel() * t.element_size()
-                if current and size + nbytes > max_shard_bytes:
-                    flush()
-                    current, size = {}, 0
-                current[name] = t.contiguous()
-                size += nbytes
-        flush()
-        current = {}  # the last shard is on disk: its tensors go before the renames
-        if len(written) == 1:
-            written[0][0].rename(out / SINGLE)
-        else:
-            weight_map, total = {}, 0
-            for k, (tmp, sizes) in enumerate(written):
-                name = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
-                tmp.rename(out / name)
-                weight_map.update({n: name for n in sizes})
-                total += sum(sizes.values())
-            (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        shard_writer.write(out, lambda: (convert_to_checkpoint(self.arch, self.views(u)) for u in self.order),
+                           dtype=dtype, max_shard_bytes=max_shard_bytes, single=SINGLE, index=INDEX)
         cfg = self.arch.config
         cfg.dtype = dtype
         cfg.save_pretrained(str(out))
