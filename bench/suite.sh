@@ -17,6 +17,8 @@
 #   depth      depth (3B width, 36 / 72 / 84 layers) and width (18 layers, hidden x1 / 1.5 / 2) sweeps (~20)
 #                                                                                      -> <tag>-peers.jsonl
 #   sft        packing's cost and evaluation's speed, 3B x 4 x 4096 (~3)               -> <tag>-fine-tuning.jsonl
+#   passes     `auto` choosing passes: 3B x 8 beside 3B x 16 (two passes of 8), default settings, traced (~4)
+#                                                                                      -> <tag>-passes.jsonl
 #   posttrain  post-training speed, 7B shape: hook step vs CE, logprobs, reference pass, generation vs HF generate
 #              (~6)                                                                    -> <tag>-post-training.jsonl
 #   dp         data parallel, 7B, batch 8 per GPU, 1..N GPUs (several GPUs; not yet run) -> <tag>-data-parallel.jsonl
@@ -72,6 +74,8 @@ suite() {
         throughput auto-7b --shape 7b --batch 2 8 --steps 3 --placement auto ;;
     stream)
         throughput stream-3b --shape 3b --batch 1 4 --steps 6 --placement stream ;;
+    passes)
+        SUBJECT=passes throughput passes-3b --shape 3b --batch 8 16 --steps 3 --placement auto ;;
     compact14)
         memlog compact14
         SUBJECT=compact-state throughput compact-14b --shape 14b --batch 8 2 --steps 3 --warmup 3 --optimizer-state int4 ;;

@@ -71,6 +71,7 @@ def main(argv=None) -> None:
                     help="OptimConfig.optimizer_state: the Adam moments' form (default: %(default)s)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--pass-batch", type=int, default=None, help="pass_batch_size (default: one pass, or auto's choice)")
     ap.add_argument("--slots", type=int, default=None, help="weight_slots (default: the engine's choice)")
     ap.add_argument("--pinned-gb", type=float, default=None, help="staging pool, GiB (default: the engine's, config.pinned_budget)")
     ap.add_argument("--no-overlap", action="store_true")
@@ -128,7 +129,7 @@ def main(argv=None) -> None:
     cfg = qwen_config(a.shape, layers=a.layers, seq=a.seq)
     t0 = time.perf_counter()
     s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, checkpoint_every=a.checkpoint_every,
-                            micro_batch_size=a.micro_batch, weight_slots=a.slots,
+                            micro_batch_size=a.micro_batch, pass_batch_size=a.pass_batch, weight_slots=a.slots,
                             pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
                             offload_checkpoints=a.offload_checkpoints, placement=a.placement,
@@ -217,6 +218,8 @@ def main(argv=None) -> None:
                        split_master=bool(s.store.split),  # Note: [Split master]
                        mapped_reads=s.engine.io.norm_mapped is not None,  # Note: [Mapped reads]
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
+                       pass_rows=a.pass_batch or du.passes.get((B, a.seq), (B,))[0],  # Note: [Pass choice]
+                       pass_reason=du.pass_reason, micro_reason=du.micro_reason,
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:
                 sm = summaries[-1]

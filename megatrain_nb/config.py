@@ -112,6 +112,12 @@ class EngineConfig:
     micro_batch_size: int | None = None
     """Split the batch into micro-batches of this many sequences inside each layer (its weights are
     loaded once for all of them). None: the whole batch at once."""
+    pass_batch_size: int | None = None
+    """Run a larger batch as passes of this many sequences, one after another, each a whole forward and
+    backward: only one pass's activations wait for the backward, and the gradients add up over the passes
+    before the batch's one update (gradient accumulation; Note: [Passes] in step/passes.py). None: the
+    whole batch in one pass; under placement="auto" on CUDA the planner's choice where it predicts more
+    tokens a second (``Session.placement`` says which). Not with placement="stream" or data parallel."""
     loss_chunk_tokens: int | None = None
     """Sequence positions per chunk of final norm + lm_head + cross-entropy: the full logits never exist.
     None: 1024 tokens a chunk across the micro-batch's rows (1024 positions at batch 1, 128 at batch 8), so
@@ -217,6 +223,9 @@ class EngineConfig:
             raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: an int >= 1, 0 (keep all) or None (auto)")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: must be >= 1 or None")
+        if self.pass_batch_size is not None and (not isinstance(self.pass_batch_size, int)
+                                                 or isinstance(self.pass_batch_size, bool) or self.pass_batch_size < 1):
+            raise ValueError(f"pass_batch_size={self.pass_batch_size!r}: an int >= 1 (sequences a pass) or None")
         if self.loss_chunk_tokens is not None and (not isinstance(self.loss_chunk_tokens, int)
                                                    or self.loss_chunk_tokens < 1):
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r}: an int >= 1 (positions) or None (auto)")

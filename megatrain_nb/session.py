@@ -165,12 +165,12 @@ class Session:
                                 "e.g. megatrain_nb.post.losses.dpo")
             from .step.hook import LossHook
 
-            mbs, n_valid, tokens = self._prepare(batch, fields=True, group_size=group_size)
+            mbs, n_valid, tokens = self._prepare(batch, fields=True, group_size=group_size, passes=True)
             if not (isinstance(temperature, (int, float)) and temperature > 0):
                 raise ValueError(f"temperature={temperature!r}: must be a number > 0 (the logits are divided by it)")
             hook = LossHook(loss, [mb.pop("batch") for mb in mbs], temperature=float(temperature))
         else:
-            mbs, n_valid, tokens = self._prepare(batch)
+            mbs, n_valid, tokens = self._prepare(batch, passes=True)
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
         try:
@@ -201,13 +201,16 @@ class Session:
         return r
 
     def _prepare(self, batch: dict, *, fields: bool = False, group_size: int | None = None,
-                 need_labels: bool = True) -> tuple[list[dict], int, int]:
-        """``step.batch.prepare`` for this model and engine: validated micro-batches; raises before anything runs."""
+                 need_labels: bool = True, passes: bool = False) -> tuple[list[dict], int, int]:
+        """``step.batch.prepare`` for this model and engine: validated micro-batches (of passes, for a step:
+        ``passes``); raises before anything runs."""
         from .step.batch import prepare
 
-        return prepare(batch, vocab=self.arch.embed.weight.shape[0], micro_batch=self.engine.device_updates.micro_batch,
+        du = self.engine.device_updates
+        return prepare(batch, vocab=self.arch.embed.weight.shape[0], micro_batch=du.micro_batch,
                        fields=fields, group_size=group_size, micro_batch_size=self.engine_cfg.micro_batch_size,
-                       need_labels=need_labels)
+                       need_labels=need_labels, pass_rows=du.pass_rows if passes else None,
+                       pass_batch_size=self.engine_cfg.pass_batch_size if passes else None)
 
     # ---- results -----------------------------------------------------------------------
     @property

@@ -3,7 +3,8 @@
 Owns: a ``planner.Hardware`` profile calibrated with what this machine measured (its device memory, the
 host's AdamW rate inside the first step), the planner's steady step for an "auto" candidate's budget
 (``candidate_step``, ``predictor``: what ``placement.Search.planned`` decides from), and the micro-batch
-choice (``choose_micro_batch``, pure, and ``micro_batch_step``, its prediction).
+choice (``choose_micro_batch``, pure, and ``micro_batch_step``, its prediction), and the rows per pass
+(``choose_pass_rows``, pure, and ``pass_rows``, Note: [Pass choice]).
 Does not own: the rules the choices follow (placement.py's ``Search`` and ``pick``), measuring
 (device_updates.py calls in with the numbers, at ``after_step`` and ``micro_batch``), the model of a
 step (planner.py). No torch.
@@ -119,6 +120,62 @@ def choose_micro_batch(batch: int, seq: int, predict) -> int:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = m, rate
     return best
+
+
+PASS_MARGIN = 0.08  # what a split must be predicted to gain, and what a larger pass may give up (Note: [Pass choice])
+
+
+def choose_pass_rows(batch: int, seq: int, predict, margin: float = PASS_MARGIN) -> int:
+    """Rows per pass (a divisor of ``batch``): the largest predicted within ``margin`` of the most tokens a
+    second, where that beats the whole batch in one pass by ``margin`` (Note: [Pass choice]).
+
+    Args:
+        predict: rows -> predicted seconds of one step of that many rows (one pass).
+
+    Example:
+        >>> choose_pass_rows(16, 4096, {16: 3.58, 8: 1.58, 4: 0.74, 2: 0.37, 1: 0.25}.get)
+        8
+        >>> choose_pass_rows(8, 4096, {8: 1.58, 4: 0.74, 2: 0.37, 1: 0.25}.get)
+        8
+    """
+    rate = {r: r * seq / predict(r) for r in range(batch, 0, -1) if batch % r == 0}
+    best = max(rate.values())
+    near = [r for r in rate if r < batch and rate[r] * (1 + margin) >= best]
+    rows = max(near, default=batch)
+    return rows if rate[rows] > rate[batch] * (1 + margin) else batch
+
+
+def pass_rows(config, *, batch: int, seq: int, hardware: planner.Hardware, dtype_bytes: int,
+              settings: dict) -> tuple[int, str]:
+    """Placement "auto"'s rows per pass for ``batch`` x ``seq`` and why (``choose_pass_rows`` on the planner's
+    steady step under "auto"); the whole batch where the planner cannot read the model.
+
+    Note: [Pass choice] a pass of ``r`` rows is a whole step's forward and backward (Note: [Passes] in
+    step/passes.py), so a step of ``batch`` rows in passes of ``r`` is predicted as ``batch / r`` of the
+    planner's steady steps of ``r`` rows. That counts the host's AdamW once a pass where it runs once a step,
+    and the weights' loads once a pass as they are: it leans to fewer passes. Where a batch's activations
+    do not fit, the planner recomputes layers and keeps fewer: 3B x 16 at seq 4096 is predicted 12%
+    slower a token than x 8 (measured 20% on the H200), so it runs as two passes of 8. A split must be
+    predicted ``PASS_MARGIN`` faster, and the largest pass within ``PASS_MARGIN`` of the fastest is taken:
+    the planner predicted the step within 10% on 24 of 25 rows, each pass loads the streamed layers again,
+    and 3B x 4, predicted 7% faster a token than x 8, measured as fast (375 and 370 TFLOPS, README). Made once per batch shape, before its measuring step, and named
+    in ``Session.placement``; the user's ``pass_batch_size`` or ``micro_batch_size`` wins.
+    """
+    try:
+        seconds = {}
+
+        def predict(r):
+            p = _plan(config, batch=r, seq=seq, hardware=hardware, dtype_bytes=dtype_bytes, placement="auto",
+                      **settings)
+            seconds[r] = p.steady_step_ms / 1e3
+            return seconds[r]
+
+        r = choose_pass_rows(batch, seq, predict)
+    except (ValueError, KeyError, TypeError) as e:
+        return batch, f"one pass of {batch} rows: the planner cannot predict this model ({e})"
+    pred = ", ".join(f"{k}: {k * seq / s:,.0f}" for k, s in sorted(seconds.items(), reverse=True))
+    what = f"{batch // r} passes of {r} rows" if r < batch else f"one pass of {batch} rows"
+    return r, f"{what}, the planner's most tokens a second (rows a pass: tokens/s {pred})"
 
 
 def micro_batch(config, *, batch: int, seq: int, hardware: planner.Hardware, dtype_bytes: int,

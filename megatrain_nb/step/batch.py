@@ -11,10 +11,13 @@ from typing import Callable
 
 import torch
 
+from . import passes
+
 
 def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | None], fields: bool = False,
             group_size: int | None = None, micro_batch_size: int | None = None,
-            need_labels: bool = True) -> tuple[list[dict], int, int]:
+            need_labels: bool = True, pass_rows: Callable[[int, int], int | None] | None = None,
+            pass_batch_size: int | None = None) -> tuple[list[dict], int, int]:
     """(micro-batches, supervised tokens, tokens) of ``batch``; raises before anything is touched.
 
     Args:
@@ -24,6 +27,9 @@ def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | 
         fields: a loss hook's step: each micro-batch also gets ``"batch"`` (what the hook's loss reads), in
             micro-batches of whole groups (``group_size``, ``micro_batch_size`` the user's setting).
         need_labels: refuse a batch without a supervised token.
+        pass_rows: (B, T) -> "auto"'s rows per pass, or None; ``pass_batch_size`` (the user's) wins. Each
+            micro-batch carries its pass's index as ``"pass"`` (Note: [Passes] in passes.py); micro-batches
+            split each pass, never span two.
     Raises:
         TypeError / ValueError: a malformed batch, naming the field and the fix.
     """
@@ -66,21 +72,26 @@ def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | 
     n_valid = int((shift != -100).sum())
     if n_valid == 0 and need_labels:
         raise ValueError("no supervised tokens: every label after shifting is -100, so the loss is undefined")
-    B = ids.shape[0]
-    mb = micro_batch(B, ids.shape[1]) or B  # set, or "auto"'s (Note: [Micro-batch choice])
+    B, T = ids.shape
+    group = 1
     if fields:
         from . import hook
 
-        extra = hook.loss_fields(batch, B, ids.shape[1])
-        mb = hook.micro_batch_for(mb, B, hook.group_size_of(batch, group_size, B), micro_batch_size)
-    mbs = [{"input_ids": ids[a:a + mb], "shift_labels": shift[a:a + mb],
-            "attention_mask": None if mask is None else mask[a:a + mb],
-            "position_ids": None if pos is None else pos[a:a + mb]} for a in range(0, B, mb)]
+        extra = hook.loss_fields(batch, B, T)
+        group = hook.group_size_of(batch, group_size, B)
+    rows = passes.rows_per_pass(pass_batch_size, None if pass_rows is None else pass_rows(B, T), B, group)
+    mb = min(micro_batch(rows, T) or rows, rows)  # set, or "auto"'s (Note: [Micro-batch choice])
+    if fields:
+        mb = hook.micro_batch_for(mb, rows, group, micro_batch_size)
+    cuts = [(p, a, min(a + mb, s + rows)) for p, s in enumerate(range(0, B, rows)) for a in range(s, min(s + rows, B), mb)]
+    mbs = [{"input_ids": ids[a:b], "shift_labels": shift[a:b], "pass": p,
+            "attention_mask": None if mask is None else mask[a:b],
+            "position_ids": None if pos is None else pos[a:b]} for p, a, b in cuts]
     if fields:  # what the hook's loss reads: per-row and per-token tensors sliced, the rest as it is
         full = {"input_ids": ids, "labels": labels, **({} if mask is None else {"attention_mask": mask}),
                 **({} if pos is None else {"position_ids": pos}), **extra}
-        for a, m in zip(range(0, B, mb), mbs):
-            m["batch"] = {k: v[a:a + mb] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in full.items()}
+        for (_, a, b), m in zip(cuts, mbs):
+            m["batch"] = {k: v[a:b] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in full.items()}
     return mbs, n_valid, ids.numel()
 
 

@@ -42,6 +42,8 @@ class DeviceUpdates:
         self.search = placing.Search()  # "auto": a measuring step, then the planner's pick (Note: [Auto search])
         self.micro: dict[tuple[int, int], tuple[int, str]] = {}  # "auto": (rows, seq) -> (micro-batch, why)
         self.micro_reason = ""  # the last micro-batch choice's (Note: [Micro-batch choice] in autoplan.py)
+        self.passes: dict[tuple[int, int], tuple[int, str]] = {}  # "auto": (rows, seq) -> (rows a pass, why)
+        self.pass_reason = ""  # the last pass choice's (Note: [Pass choice] in autoplan.py)
         self.share = 0.0  # "stream": share of the layers placed "device", from the host's AdamW rate (stream_rate)
         self.rated = 0  # "stream": times the share was set from a host AdamW rate (Note: [Stream rate])
         self.adam_rate = (0, 0.0)  # host AdamW since the share was last set: (params, seconds)
@@ -294,6 +296,24 @@ class DeviceUpdates:
                 settings=autoplan.plan_settings(self.ecfg, self.ocfg.grad_clip))
         m, self.micro_reason = self.micro[(batch, seq)]
         return m
+
+    def pass_rows(self, batch: int, seq: int) -> int | None:
+        """Rows per pass for a batch of ``batch`` x ``seq`` under "auto" on CUDA, where neither
+        ``pass_batch_size`` nor ``micro_batch_size`` is set: the planner's choice, made once per shape
+        (Note: [Pass choice] in autoplan.py; ``pass_reason`` says why); else None (the setting, or one pass)."""
+        if (self.ecfg.pass_batch_size is not None or self.ecfg.micro_batch_size is not None
+                or not (self.dev.cuda and self.mode == "auto") or self.dp is not None):
+            return None
+        if (batch, seq) not in self.passes:
+            from ..machine import autoplan
+
+            total = torch.cuda.get_device_properties(self.dev.device).total_memory
+            self.passes[(batch, seq)] = autoplan.pass_rows(
+                self.arch.config, batch=batch, seq=seq, hardware=autoplan.calibrated(device_bytes=total),
+                dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
+                settings=autoplan.plan_settings(self.ecfg, self.ocfg.grad_clip))
+        r, self.pass_reason = self.passes[(batch, seq)]
+        return r
 
     # ---- within a step (driver thread, compute stream) --------------------------------------------
     def begin(self, gate: bool) -> None:
@@ -587,7 +607,7 @@ class DeviceUpdates:
 
         cand = self.search.candidate
         choice = self.choice or self.choose(None if cand is None else self.search.free[cand])
-        tried = "; ".join(x for x in (self.search.summary(), self.micro_reason) if x)
+        tried = "; ".join(x for x in (self.search.summary(), self.pass_reason, self.micro_reason) if x)
         size = torch.tensor([], dtype=self.dtype).element_size()
         rows = []
         for u in self.store.order:

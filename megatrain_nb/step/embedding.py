@@ -60,6 +60,11 @@ def backward(eng: Engine, mbs, st: dict, gs: list) -> Box:
         dE.append(st["E"][m].grad.flatten())
     dE = torch.cat(dE) if len(dE) > 1 else dE[0]  # compute dtype: the host casts rows as it adds them
     ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
+    if not eng.pass_.final:  # Note: [Passes] in passes.py: they wait on the device for the final pass
+        eng.carry.keep_rows(dE, ids)
+        rec.cuda_end(tok, dev.compute)
+        return Box(ready=True)
+    dE, ids = eng.carry.all_rows(dE, ids)  # every pass's, in order, as one pass's micro-batches
     if eng.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
         dE, ids = eng.dp.rows(dE), eng.dp.ids
     du = eng.device_updates
@@ -73,7 +78,7 @@ def backward(eng: Engine, mbs, st: dict, gs: list) -> Box:
         return landed
     if du.head_streamed and eng.arch.tied:  # Note: [Streamed head]: the rows' gradients stay here
         if eng.dp is None:
-            ids = torch.cat([x.flatten() for x in st["ids"]])  # on the device already (_small_inputs)
+            ids = torch.cat([x.flatten() for x in st["ids"]])  # on the device already (_small_inputs; one pass)
         du.embed_grads(ids, dE.float(), eng.head_gslot)
         rec.cuda_end(tok, dev.compute)
         done = dev.record(dev.compute)

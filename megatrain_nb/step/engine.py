@@ -52,7 +52,7 @@ from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from ..machine.longcontext import Checkpoints
 from .tiling import SequenceTiling
 from ..view.trace import add_occupancy
-from . import embedding, head, lean, memory
+from . import embedding, head, lean, memory, passes
 from .transfers import Offload, Streams, Transfers
 from .workers import AdamWorker, Box
 
@@ -116,6 +116,8 @@ class Engine:
         self._dE_need = 0  # host bytes of the pinned embedding-grad buffer this batch needs
         self.steps_done = 0
         self._gated = False  # this step's updates wait for every gradient (see _step)
+        self.pass_ = passes.ONE  # the pass running (Note: [Passes] in passes.py)
+        self.carry = passes.Carry()  # what waits on the device from one pass to the next
         self.keep: list[bool] | None = None  # activation policy, chosen at the first step (again if tokens grow)
         self._keep_tokens = 0  # micro-batch tokens the policy was chosen for
         self.closed = False
@@ -224,6 +226,7 @@ class Engine:
         self.device_updates.recover()
         self.offload.reset()
         self.attn_cache.clear()  # the failed step's backward will not come for them
+        self.pass_, self.carry = passes.ONE, passes.Carry()  # the failed step's passes are dropped whole
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int, hook) -> dict:
@@ -233,6 +236,7 @@ class Engine:
         if self.dp is not None:
             n_valid = self.dp.begin(mbs, n_valid)  # CPU waits for every rank: the loss divides by the global count
         self.tiler.prepare(mbs)  # refuses a T x T mask before anything is touched; rows per tile; attention kernel
+        groups = passes.split(mbs)  # Note: [Passes] in passes.py
         tokens = max(mb["input_ids"].numel() for mb in mbs)  # per micro-batch: what activations scale with
         if self.keep is not None and not self._keep_tokens:
             self._keep_tokens = tokens  # a policy restored by resume: it stands for this batch size
@@ -240,9 +244,11 @@ class Engine:
             self.keep = None  # more tokens than the policy was chosen for: choose again from free memory
         if self.keep is None:
             self._keep_tokens = tokens
-            self._place_checkpoints(mbs)  # Note: [Long-context memory] (longcontext.py)
+            self._place_checkpoints(groups[0])  # Note: [Long-context memory] (longcontext.py)
             du.search = placing.Search()  # the activation policy is chosen again: so is the placement
         self.keep = du.place(self.steps_done, self.keep)  # Note: [Placement] in device_updates.py
+        if len(groups) > 1:
+            passes.check(du, self.dp, self.store.shared is not None)  # before any update of this step begins
         loss_box = Box(self.abort)
         # grad_clip, overlap off or nonfinite="raise": every update waits for every gradient; so does a trial's
         # first step (Note: [Auto search]): until its backward has run, an out-of-memory error in it leaves
@@ -255,34 +261,16 @@ class Engine:
         if not gate:
             du.early_state(self.steps_done, self.abort)  # Note: [Early state]: before any load of this step
         self._occ = []  # (kind, index, layer, span key, state at its start, state at its end)
+        self.carry = passes.Carry()
         with dev.on(dev.compute), self.tiler.attention():
             rec.begin_step(self.steps_done)
             memory.count(self)
-            with rec.span("driver", "prepare", -1, "fwd"):  # the driver's own time before the first layer
-                small = self._small_inputs(mbs)  # before any load of this step is queued
-                if hook is not None:
-                    hook.begin(self.dp, dev.device)  # hook.py: global counts (a host sync under data parallel)
-                head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
-                if du.head_streamed:
-                    head_box = Box(ready=True) if self.head_current else self._load_head()
-                embeds = [self._gather(mb, head_box, sm["ids"]) for mb, sm in zip(mbs, small)]
-                fops = forward_ops(L)
-                fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
-                if head_box is None:
-                    head_box = self._load_head()
-                else:
-                    du.head_state_in(self.steps_done, self.abort)  # its state comes in where its weights would
-            state = self._forward(embeds, fops, fboxes, small)
-            hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small, hook)
-            blocks = make_blocks(L, self.keep, self.ckpts.block)
-            bops = backward_ops(blocks)
-            bboxes = self._plan(bops, list(self.slot_layer))
-            last = self._backward(mbs, bops, bboxes, state, hL_grads)
-            self.slot_current = [s in bboxes["cast"] for s in range(len(self.slots))]  # the rest: updated since loaded
-            self.head_current = du.head_streamed  # its update refilled the head slot
-            self._committed = True  # gated: no update starts before every gradient has landed, after this
-            du.end_backward()  # the next step's compute follows this step's device updates
-            memory.count(self)
+            offset = 0
+            for p, pmbs in enumerate(groups):  # Note: [Passes] in passes.py: one update after the last
+                self.pass_ = passes.Pass(p, len(groups), offset)
+                last = self._pass(pmbs, n_valid, hook, loss_box)
+                offset += len(pmbs)
+            self.pass_ = passes.ONE
         last.get()  # driver waits: the embedding's gradients landed, so every unit's have that the unpacker took
         du.wait_writes(every=self._gated)  # Note: [Late write-backs]: a gated step's worker needs every landing
         loss = float(loss_box.get())
@@ -293,13 +281,48 @@ class Engine:
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
             du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
-        du.after_step(keep=self.keep, act_bytes=self._act_bytes, mbs=mbs)  # the "auto" search's measurements
+        du.after_step(keep=self.keep, act_bytes=self._act_bytes, mbs=groups[0])  # the "auto" search's measurements
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
                 "grad_norm": math.sqrt(sum(n * n for n in norms.values())),
                 "metrics": None if hook is None else hook.metrics()}  # host sync, beside the loss's
+
+    def _pass(self, mbs: list[dict], n_valid: int, hook, loss_box: Box) -> Box:
+        """Compute stream: one pass's forward, loss and backward (``self.pass_``, Note: [Passes]); the Box of
+        its embedding's landing (ready at once in a pass that is not the last)."""
+        L, dev, rec, du, ps = self.L, self.dev, self.rec, self.device_updates, self.pass_
+        with rec.span("driver", "prepare", -1, "fwd"):  # the driver's own time before the first layer
+            small = self._small_inputs(mbs)  # before any load of this pass is queued
+            if hook is not None and ps.first:
+                hook.begin(self.dp, dev.device)  # hook.py: global counts (a host sync under data parallel)
+            head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
+            if du.head_streamed:
+                head_box = Box(ready=True) if self.head_current else self._load_head()
+            embeds = [self._gather(mb, head_box, sm["ids"]) for mb, sm in zip(mbs, small)]
+            fops = forward_ops(L)
+            fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])
+            if head_box is None:  # after a pass, the slot still holds the head's weights: no update came between
+                head_box = self._load_head() if ps.first else Box(ready=True)
+            else:
+                du.head_state_in(self.steps_done, self.abort)  # its state comes in where its weights would
+        state = self._forward(embeds, fops, fboxes, small)
+        hL_grads = self._loss(state.pop("hL"), n_valid, head_box, loss_box, small, hook)
+        blocks = make_blocks(L, self.keep, self.ckpts.block)
+        bops = backward_ops(blocks)
+        bboxes = self._plan(bops, list(self.slot_layer))
+        last = self._backward(mbs, bops, bboxes, state, hL_grads)
+        if not ps.final:  # nothing was updated: every slot still holds its layer's current weights
+            self.slot_current = [l is not None for l in self.slot_layer]
+            memory.count(self)
+            return last
+        self.slot_current = [s in bboxes["cast"] for s in range(len(self.slots))]  # the rest: updated since loaded
+        self.head_current = du.head_streamed  # its update refilled the head slot
+        self._committed = True  # gated: no update starts before every gradient has landed, after this
+        du.end_backward()  # the next step's compute follows this step's device updates
+        memory.count(self)
+        return last
 
     def _reduced(self, unit: int, g: torch.Tensor, n: int, done):
         """Compute stream: ``unit``'s gradient ``g`` is written (``done``); its first ``n`` elements' norm
@@ -550,14 +573,21 @@ class Engine:
                     g = gbuf = res.grad  # resident: gradients stay on the device for its AdamW
                 self.io.delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
-                g.zero_()
+                if res is None or self.pass_.first:
+                    g.zero_()  # a resident unit's gradients add up over the passes (Note: [Passes])
                 grads_into(params, gbuf, layout)  # the buffer itself: its views are made once (binding.py)
                 for m in range(len(outs)):
                     torch.autograd.backward(outs[m], gs[m])
                     gs[m] = xs[m].grad
                 rec.cuda_end(tok, dev.compute)
+                if res is not None and not self.pass_.final:  # they wait in its buffer for the final pass
+                    memory.count(self)
+                    self._done(plan, k)
+                    del params, xs, outs
+                    continue
                 done = self._reduced(i, g, g.numel(), dev.record(dev.compute))  # summed over ranks, its norm
-                self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done), done)
+                if self.pass_.final:
+                    self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done), done)
                 memory.count(self)
                 held = None  # the weight slot a "device" unit's update refills (Note: [Held weights])
                 if res is not None:
@@ -574,7 +604,8 @@ class Engine:
                     gi ^= 1
                 else:
                     segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
-                    self.gslot_box[gi], _ = self.io.grads(i, g, segs, done, "bwd")
+                    self.gslot_box[gi], _ = self.io.grads(i, g, segs, done, "bwd", add=not self.pass_.first,
+                                                          land=self.pass_.final)  # Note: [Passes]
                     gi ^= 1
                 if held is None:
                     self._done(plan, k)

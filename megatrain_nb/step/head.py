@@ -50,16 +50,18 @@ def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small, hoo
     res = eng.dev_opt.of.get(L)
     w, gslot = (eng.head_slot, eng.head_gslot) if res is None else (res.w, res.grad)
     tok = eng.rec.cuda_begin("compute", "loss", L, "loss", 0, dev.compute)
-    gslot.zero_()
+    ps = eng.pass_  # Note: [Passes] in passes.py: the head's gradients and the loss add up until the final pass
+    if ps.first:
+        gslot.zero_()
     params = lay.views(w, requires_grad=True)
     grads_into(params, gslot, lay)
-    total = torch.zeros((), dtype=torch.float32, device=dev.device)
+    total = eng.carry.start_loss(dev.device)
     grads = []
     for m, (inputs, h) in enumerate(zip(small, hs)):
         labels = inputs["labels"]
         if hook is not None:  # Note: [Loss hook]: two passes over the chunks, the loss the user's
             positions = loss_positions(eng.cfg.loss_chunk_tokens, h.shape[0])
-            g, part = hook.micro_batch(m, arch, params, h, labels, positions)
+            g, part = hook.micro_batch(ps.offset + m, arch, params, h, labels, positions)
             grads.append(g)
             total += part
             continue
@@ -74,6 +76,11 @@ def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small, hoo
             g[:, a:b] = x.grad
             total += loss.detach()
         grads.append(g)
+    if not ps.final:
+        eng.carry.loss = total
+        eng.rec.cuda_end(tok, dev.compute)
+        eng.head_box = Box(ready=True, value=dev.record(dev.compute))  # the next load of the slot follows this
+        return grads
     if eng.dp is not None:
         eng.dp.sum_(total, "the loss all-reduce")  # every rank reports the global loss, and skips alike
     if hook is not None:
