@@ -533,8 +533,22 @@ class Engine:
 
     def _backward(self, mbs, bops, plan, st, gs) -> Box:
         dev, rec, kept, gi = self.dev, self.rec, st["kept"], 0
+        pre = {}  # host unit -> event of its earlier passes' gradients copied into its grad slot (Note: [Passes])
+
+        def host_bwd(k: int) -> bool:
+            return k < len(bops) and bops[k].kind == "bwd" and bops[k].layer not in self.dev_opt.of
+
+        def grads_in(k: int, slot: int) -> None:  # a host unit's backward at op k: its grad slot gets the earlier
+            if self.pass_.first or not host_bwd(k):  # passes' sum on the h2d stream, while op k - 1 computes
+                return
+            j = bops[k].layer
+            pre[j] = passes.preload(self, j, self.gslots[slot][:self.store.units[j].layout.numel],
+                                    self.gslot_box[slot].get())
+
+        grads_in(0, gi)
         for k, op in enumerate(bops):
             i = op.layer
+            grads_in(k + 1, gi ^ host_bwd(k))  # the slot op k + 1 takes: the other one after a host unit's backward
             if op.kind == "recompute":
                 slot = self._use(plan, k, op)
                 if i not in st["ckpt"]:
@@ -573,8 +587,10 @@ class Engine:
                     g = gbuf = res.grad  # resident: gradients stay on the device for its AdamW
                 self.io.delay("compute")
                 tok = rec.cuda_begin("compute", "bwd", i, "bwd", 0, dev.compute)
-                if res is None or self.pass_.first:
-                    g.zero_()  # a resident unit's gradients add up over the passes (Note: [Passes])
+                if i in pre:  # Note: [Passes]: the earlier passes' sum, in from the host grad slab
+                    dev.wait(dev.compute, pre.pop(i))
+                elif res is None or self.pass_.first:
+                    g.zero_()  # a resident unit's gradients add up in its buffer over the passes
                 grads_into(params, gbuf, layout)  # the buffer itself: its views are made once (binding.py)
                 for m in range(len(outs)):
                     torch.autograd.backward(outs[m], gs[m])
@@ -604,8 +620,9 @@ class Engine:
                     gi ^= 1
                 else:
                     segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
-                    self.gslot_box[gi], _ = self.io.grads(i, g, segs, done, "bwd", add=not self.pass_.first,
-                                                          land=self.pass_.final)  # Note: [Passes]
+                    self.gslot_box[gi], landed = self.io.grads(i, g, segs, done, "bwd", land=self.pass_.final)
+                    if not self.pass_.final:  # Note: [Passes]: the next pass takes it back in (passes.preload)
+                        self.carry.out[i] = (self.gslot_box[gi], landed)
                     gi ^= 1
                 if held is None:
                     self._done(plan, k)

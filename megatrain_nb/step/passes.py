@@ -18,10 +18,12 @@ micro-batches summed first:
   - a resident unit's gradients stay in its device buffer, which only the first pass zeroes;
   - the head group's stay in the head's grad slot (the layers do not share it), zeroed by the first pass
     and copied out by the last;
-  - a "host" layer's go out every pass, since the layers share two grad slots: the first pass copies them
-    into the host's grad slab, later ones add into it (``Transfers.grads(add=True)``: through the pinned
-    staging, in the slab's dtype, as the device adds a micro-batch's into its buffer); the final pass's
-    landing takes the slab's norm on the host;
+  - a "host" layer's go out every pass into the host's grad slab (the layers share two grad slots), and
+    the next pass's backward of the layer starts from them instead of a zeroed slot (``preload``: on the
+    h2d stream while the op before computes, 2 bytes a parameter in); only the final pass's copy-out lands
+    for the Adam worker, its norm the device's, as in one pass. The H200's first run of passes added into
+    the slab on the host instead: the copy-outs then went through the staging and the host's adds, and
+    the compute waited 238 ms a step for grad slots (3B x 16, two passes of 8: 0.935 x the tokens/s of x 8);
   - the embedding rows' gradients (tokens x hidden, compute dtype) and their ids wait on the device
     (``Carry.rows``); the final pass's embedding backward takes them all at once, as one pass takes all
     its micro-batches';
@@ -112,6 +114,24 @@ def check(du, dp, shared: bool) -> None:
                          "of pass_batch_size rows, or use micro_batch_size")
 
 
+def preload(eng, unit: int, dst: torch.Tensor, after):
+    """h2d stream: ``unit``'s gradients summed by the earlier passes, from its host grad slab into ``dst`` (its
+    grad slot), after event ``after`` (the slot's last copy-out) and the last pass's copy-out of the unit.
+    Returns the event the backward's compute waits for instead of zeroing the slot (Note: [Passes])."""
+    enqueued, landed = eng.carry.out.pop(unit)
+    slab = eng.store.units[unit].grad[:dst.numel()]
+    dev = eng.dev
+    if not (slab.is_pinned() and slab.dtype == dst.dtype):
+        landed.get()  # host wait: a copy through the staging reaches the slab on the unpacker (the CPU's too)
+    with dev.on(dev.h2d):
+        dev.wait(dev.h2d, after)
+        dev.wait(dev.h2d, enqueued.get())  # a DMA into the pinned slab: ordered on the device
+        tok = eng.rec.cuda_begin("h2d", "grad-in", unit, "bwd", slab.numel() * slab.element_size(), dev.h2d)
+        dst.copy_(slab, non_blocking=True)
+        eng.rec.cuda_end(tok, dev.h2d)
+        return dev.record(dev.h2d)
+
+
 class Carry:
     """What waits on the device from one pass to the next (Note: [Passes]): the loss and the embedding rows."""
 
@@ -119,6 +139,7 @@ class Carry:
         self.loss: torch.Tensor | None = None  # 0-d fp32: the earlier passes' loss
         self.rows: list[torch.Tensor] = []  # each earlier pass's embedding-row gradients (tokens * hidden,)
         self.ids: list[torch.Tensor] = []  # and their token ids (host), in micro-batch order
+        self.out: dict = {}  # host unit -> (enqueued, landed) boxes of the last pass's copy-out of its gradients
 
     def start_loss(self, device) -> torch.Tensor:
         """Compute stream: the loss accumulator a pass adds its micro-batches' into."""

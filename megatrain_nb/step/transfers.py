@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
 import time
 import weakref
@@ -25,7 +24,6 @@ import torch
 from ..config import EngineConfig, pinned_budget
 from ..machine.longcontext import PARK_CHUNK
 from ..host.host_store import HostStore
-from ..host.optim import grad_norm
 from .workers import AdamWorker, Box, Worker
 
 
@@ -322,14 +320,12 @@ class Transfers:
     # ---- grads out (unpacker thread) -----------------------------------------------------
     def grads(self, unit: int, src: torch.Tensor, segments, done_event, phase: str,
               host_fn=None, op: str = "d2h", enqueued: Box | None = None, step: int | None = None,
-              add: bool = False, land: bool = True) -> tuple[Box, Box]:
+              land: bool = True) -> tuple[Box, Box]:
         """segments: [(src_offset, numel, host dst flat tensor)]; then the Adam worker hears of ``unit``.
 
         Returns (enqueued, landed): boxes of the copy-out event (the grad slot may be reused after it)
         and of the unit's arrival in host memory, for step ``step`` (None: the newest).
-        ``add``: add into the host tensors instead of copying (a later pass's gradients, Note: [Passes]
-        in passes.py): through the pinned staging, in the host tensor's dtype; the norm is then the host
-        sum's. ``land``: tell the Adam worker (False: an earlier pass's, which no update reads).
+        ``land``: tell the Adam worker (False: an earlier pass's, Note: [Passes] in passes.py).
 
         Note: [State write-backs] a "device" unit's master and moments (``op="state-out"``, 12 bytes a
         parameter into pinned slabs) go out on a stream and a host thread of their own, lane "d2h-state":
@@ -364,7 +360,7 @@ class Transfers:
                 tok = self.rec.cuda_begin(lane, op, unit, phase, nbytes, stream)
                 pending: list = []
                 for off, n, host in segments:
-                    if not add and (state or (host.dtype == src.dtype and host.is_pinned())):  # DMA: a pinned grad
+                    if state or (host.dtype == src.dtype and host.is_pinned()):  # DMA, no unpacking: a pinned grad
                         piece = STATE_OUT_CHUNK_BYTES // src.element_size() if state and STATE_OUT_CHUNK_BYTES else n
                         for a, b in chunks(n, max(1, piece)):  # slab; fp32 state (pinned on CUDA), whole or in pieces
                             host[a:b].copy_(src[off + a:off + b], non_blocking=True)
@@ -375,7 +371,7 @@ class Transfers:
                         buf = self.gstaging[self._gnext][:b - a]
                         self._gnext = (self._gnext + 1) % len(self.gstaging)
                         buf.copy_(src[off + a:off + b], non_blocking=True)
-                        pending.append((self.dev.record(self.dev.d2h), buf, host[a:b], add))
+                        pending.append((self.dev.record(self.dev.d2h), buf, host[a:b]))
                 if host_fn is None:
                     self.norm_host[unit + 1:unit + 2].copy_(self.norm_dev[unit + 1:unit + 2], non_blocking=True)
                 self.rec.cuda_end(tok, stream)
@@ -387,26 +383,18 @@ class Transfers:
                 done.synchronize()  # host wait (unpacker): this unit's gradients are in host memory
             if not land:
                 return done
-            if host_fn is not None:
-                norm = host_fn()
-            elif add:  # the passes' sum is on the host only
-                norm = math.sqrt(sum(float(grad_norm(host[:n])) ** 2 for _, n, host in segments))
-            else:
-                norm = float(self.norm_host[unit + 1])
+            norm = host_fn() if host_fn is not None else float(self.norm_host[unit + 1])
             self.adam.land(unit, norm, step)
             return done
 
         return enqueued, (self.writer if state else self.unpacker).submit(job)
 
     def _flush(self, item, unit, phase) -> None:
-        ev, buf, host, add = item
+        ev, buf, host = item
         if ev is not None:
             ev.synchronize()  # host wait (unpacker): the chunk arrived in pinned memory
         with self.rec.span("host-unpack", "unpack", unit, phase, buf.numel() * buf.element_size()):
-            if add:
-                host.add_(buf)  # in the host tensor's dtype, as the device adds a micro-batch's (Note: [Passes])
-            else:
-                host.copy_(buf)
+            host.copy_(buf)
 
     def read_norm(self, unit: int, done) -> Box:
         """Unpacker: ``unit``'s grad norm to the host once ``done`` passed (after every earlier copy-out's landing)."""
