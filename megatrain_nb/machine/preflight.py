@@ -399,6 +399,10 @@ def _device_advice_settings(st: dict) -> list[str]:
     if st.get("lean_activations") is False:
         out.append("lean_activations=True (norms and MLP keep about half: 8*hidden + 2*d*intermediate fewer "
                    "bytes per token and layer)")
+    passes = st.get("pass_batch_size")
+    if B is not None and (passes or B) > 1:
+        out.append(f"pass_batch_size={max(1, (passes or B) // 2)} (now {passes}: gradient accumulation, one pass's "
+                   "activations at a time)")
     if B is not None and (mbs or B) > 1:
         out.append(f"micro_batch_size={max(1, (mbs or B) // 2)} (now {mbs}: smaller logits and per-layer temporaries)")
     if st["checkpoint_every"] != 1:
@@ -416,7 +420,7 @@ def _device_advice(cfg, batch, seq, dev: dict | None) -> list[str]:
     """Settings that lower device memory, most effective first; ``cfg``: EngineConfig or est['settings']."""
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     dtype = str(get("dtype")).removeprefix("torch.")
-    st = dict(batch=batch, seq=seq, micro_batch_size=get("micro_batch_size"),
+    st = dict(batch=batch, seq=seq, micro_batch_size=get("micro_batch_size"), pass_batch_size=get("pass_batch_size"),
               checkpoint_every=get("checkpoint_every"), loss_chunk_tokens=get("loss_chunk_tokens"),
               lean_activations=get("lean_activations"))
     out = _device_advice_settings(st)
