@@ -190,8 +190,10 @@ class DeviceAdamW:
         self.streamed: dict[int, torch.Tensor] = {}  # unit placed "device" -> its step count on the device
         self.nbytes = 0  # device bytes of every resident group's buffers (kept as groups come and go)
 
-    def add(self, units: tuple[int, ...]) -> Resident:
-        """Move a group's state from the host store to the device (the host's last update must be applied)."""
+    def add(self, units: tuple[int, ...], upload=None) -> Resident:
+        """Move a group's state from the host store to the device (the host's last update must be applied).
+        ``upload(dst, src)``: how a host tensor goes in (``Transfers.upload``; default a plain copy)."""
+        put = upload or (lambda dst, src: dst.copy_(src))
         segs, off = [], 0
         for u in units:
             n = self.store.units[u].layout.numel
@@ -205,10 +207,10 @@ class DeviceAdamW:
                      steps={})
         for u, a, b in segs:
             unit = self.store.units[u]
-            r.master[a:b].copy_(unit.master)
+            put(r.master[a:b], unit.master)
             if unit.compact is None:
-                r.exp_avg[a:b].copy_(unit.exp_avg)
-                r.exp_avg_sq[a:b].copy_(unit.exp_avg_sq)
+                put(r.exp_avg[a:b], unit.exp_avg)
+                put(r.exp_avg_sq[a:b], unit.exp_avg_sq)
             else:  # Note: [Resident compact] fp32 moments on the device, as the host's compact ones read
                 for k, (slab, out) in enumerate(((unit.exp_avg, r.exp_avg), (unit.exp_avg_sq, r.exp_avg_sq))):
                     compact_state.dequantize(slab.to(self.device), unit.compact, k, out=out[a:b])

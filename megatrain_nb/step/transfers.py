@@ -265,6 +265,28 @@ class Transfers:
             self.rec.cuda_end(tok, self.dev.h2d)
             return self.dev.record(self.dev.h2d)
 
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Driver, between steps (the packer idle): ``src`` (host) into ``dst`` (device, same dtype) on the
+        current stream. An unpinned ``src`` goes through the weight staging a buffer at a time, its bytes
+        copied by the CPU while the last buffer's DMA runs: a pageable copy runs ~7 GB/s on the H200
+        against 43 GB/s for the CPU's copy into pinned memory and 55 for the DMA (``../shared/LIMITS.md``).
+        What a unit made resident brings in (its moments are not pinned under "auto"); no host memory more.
+        """
+        if not self.dev.cuda or src.is_pinned():
+            dst.copy_(src, non_blocking=True)
+            return
+        out, inp = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        stream = torch.cuda.current_stream(self.dev.device)
+        for a, b in chunks(inp.numel(), self.staging[0].numel() * self.staging[0].element_size()):
+            k = self.staging_next
+            self.staging_next = (k + 1) % len(self.staging)
+            if self.staging_free[k] is not None:
+                self.staging_free[k].synchronize()  # host wait: buffer k's last copy is done
+            buf = self.staging[k].view(torch.uint8)[:b - a]
+            buf.copy_(inp[a:b])
+            out[a:b].copy_(buf, non_blocking=True)
+            self.staging_free[k] = self.dev.record(stream)  # the packer's next use of it waits for this copy
+
     def allow_early(self, p: PendingLoad) -> None:
         """Driver: the packer may start ``p`` while it waits for a host update (Note: [Early state]);
         ``queue(p)`` still gives it its place in order."""
