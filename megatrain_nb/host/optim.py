@@ -213,7 +213,9 @@ class DeviceAdamW:
                 put(r.exp_avg_sq[a:b], unit.exp_avg_sq)
             else:  # Note: [Resident compact] fp32 moments on the device, as the host's compact ones read
                 for k, (slab, out) in enumerate(((unit.exp_avg, r.exp_avg), (unit.exp_avg_sq, r.exp_avg_sq))):
-                    compact_state.dequantize(slab.to(self.device), unit.compact, k, out=out[a:b])
+                    words = torch.empty_like(slab, device=self.device)
+                    put(words, slab)
+                    compact_state.dequantize(words, unit.compact, k, out=out[a:b])
             r.steps[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
         r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
         self.groups[units] = r
