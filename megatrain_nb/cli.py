@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=_int_at_least(1), default=8, help="sequences per step (default: %(default)s)")
     t.add_argument("--seq", type=_int_at_least(2), default=512, help="tokens per row; a longer example is an error "
                    "(default: %(default)s)")
+    t.add_argument("--pass-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="gradient accumulation: run each batch as passes of N sequences, one update (default: one "
+                        "pass, or on a GPU the planner's choice)")
     t.add_argument("--lr", type=_positive_float, default=2e-5, help="AdamW learning rate (default: %(default)s)")
     t.add_argument("--out", metavar="DIR", default=None, help="output directory (default: out/<model dir name>)")
     t.add_argument("--checkpoint-every", type=_int_at_least(0), default=None, metavar="K",
@@ -213,6 +216,7 @@ def _train_ranks(args, device: str) -> int:
                 if args.eval_data else None)
     schedule = {} if args.lr_schedule == "constant" else {"total_steps": args.steps}
     s = Session.from_pretrained(model, device=device, lr=args.lr, checkpoint_every=args.checkpoint_every,
+                                pass_batch_size=args.pass_batch,
                                 lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                                 optimizer_state=args.optimizer_state, **schedule)
     try:

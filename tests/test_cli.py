@@ -159,3 +159,22 @@ def test_eval_every_needs_eval_data(tiny_model, jsonl, tmp_path, capsys):
     assert main(["train", "--model", str(tiny_model), "--data", str(jsonl), "--eval-every", "2",
                  "--out", str(tmp_path / "o"), "--device", "cpu"]) == 2
     assert "--eval-data" in _error(capsys)
+
+
+def test_train_pass_batch_accumulates_to_the_same_losses(tiny_model, jsonl, tmp_path, capsys, monkeypatch):
+    """--pass-batch 1 runs each batch of 2 as two passes, one update: the losses are one pass's, within fp32 noise."""
+    from megatrain_nb.step import passes
+
+    seen, split = [], passes.split
+    monkeypatch.setattr(passes, "split", lambda mbs: seen.append(len(split(mbs))) or split(mbs))
+    losses = {}
+    for name, extra in (("one", []), ("passes", ["--pass-batch", "1"])):
+        seen.clear()
+        out = tmp_path / name
+        with pytest.warns(UserWarning, match="UTF-8 bytes"):
+            rc = main(["train", "--model", str(tiny_model), "--data", str(jsonl), "--steps", "3", "--batch", "2",
+                       "--seq", "32", "--lr", "1e-3", "--out", str(out), "--device", "cpu", *extra])
+        assert rc == 0, capsys.readouterr().err
+        losses[name] = json.loads((out / "megatrain_state.json").read_text())["losses"]
+        assert set(seen) == {1 if name == "one" else 2}, seen  # passes a step
+    assert losses["passes"] == pytest.approx(losses["one"], rel=1e-5)
