@@ -142,3 +142,18 @@ def test_split_and_rows_per_pass():
 
 def test_uneven_last_pass_trains_equal_to_the_reference(hf_dir, tmp_path):
     compare(hf_dir("llama"), "llama", tmp_path, batch=3, pass_batch_size=2)
+
+
+def test_a_step_of_passes_is_traced_pass_by_pass(hf_dir):
+    """The trace holds each pass's forward of every layer and the earlier passes' gradients coming back in."""
+    pytest.importorskip("plotly")
+    s = Session.from_pretrained(hf_dir("llama"), device="cpu", dtype=torch.float32, lr=LR, pass_batch_size=2,
+                                placement="host")
+    try:
+        s.step(make_batches(VOCAB, 1, batch=BATCH)[0])
+        df = s.trace.to_dataframe()
+        assert len(df[(df.op == "fwd") & (df.layer == 0)]) == 2
+        assert set(df[df.op == "grad-in"].layer) == {0, 1}  # the host layers' gradients of the first pass
+        s.plot_timeline(), s.plot_buffers()
+    finally:
+        s.close()
