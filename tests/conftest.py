@@ -234,6 +234,19 @@ def hf_dir(tmp_path_factory):
     return build
 
 
+def _rank_main(fn, *args) -> None:
+    """A spawned rank: ``fn(*args)``, then its process group left, so that gloo's threads end before the
+    interpreter does (a rank that exited with the group alive once aborted: "terminate called without an
+    active exception")."""
+    try:
+        fn(*args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def spawn_ranks(fn, world: int, tmp, *args, timeout_s: float = 300) -> list[int]:
     """Start ``world`` processes of fn(rank, world, tmp, *args) (spawn: a fresh interpreter each); join
     them by a shared deadline, ending any still alive after it; returns their exit codes."""
@@ -241,7 +254,7 @@ def spawn_ranks(fn, world: int, tmp, *args, timeout_s: float = 300) -> list[int]
     import time
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=fn, args=(r, world, tmp, *args)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tmp, *args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
