@@ -16,6 +16,7 @@ offset order; the files are read back with ``safetensors`` itself in the tests.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Callable, Iterable
@@ -73,10 +74,7 @@ def write(out: Path, units: Callable[[], Iterable[dict[str, torch.Tensor]]], *, 
 
 
 def _nbytes(dt: torch.dtype, shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dt.itemsize
+    return math.prod(shape) * dt.itemsize
 
 
 def _header(shard: list) -> bytes:

@@ -158,8 +158,9 @@ def pass_rows(config, *, batch: int, seq: int, hardware: planner.Hardware, dtype
     slower a token than x 8 (measured 20% on the H200), so it runs as two passes of 8. A split must be
     predicted ``PASS_MARGIN`` faster, and the largest pass within ``PASS_MARGIN`` of the fastest is taken:
     the planner predicted the step within 10% on 24 of 25 rows, each pass loads the streamed layers again,
-    and 3B x 4, predicted 7% faster a token than x 8, measured as fast (375 and 370 TFLOPS, README). Made once per batch shape, before its measuring step, and named
-    in ``Session.placement``; the user's ``pass_batch_size`` or ``micro_batch_size`` wins.
+    and 3B x 4, predicted 7% faster a token than x 8, measured as fast (375 and 370 TFLOPS, README). Made
+    once per batch shape, before its measuring step, and named in ``Session.placement``; the user's
+    ``pass_batch_size`` or ``micro_batch_size`` wins.
     """
     try:
         seconds = {}

@@ -302,15 +302,7 @@ class DeviceUpdates:
         [Micro-batch choice] in autoplan.py; ``micro_reason`` says why); else None (the whole batch)."""
         if self.ecfg.micro_batch_size is not None or not (self.dev.cuda and self.mode == "auto"):
             return self.ecfg.micro_batch_size
-        if (batch, seq) not in self.micro:
-            from ..machine import autoplan
-
-            total = torch.cuda.get_device_properties(self.dev.device).total_memory
-            self.micro[(batch, seq)] = autoplan.micro_batch(
-                self.arch.config, batch=batch, seq=seq, hardware=autoplan.calibrated(device_bytes=total),
-                dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
-                settings=autoplan.plan_settings(self.ecfg, self.ocfg.grad_clip))
-        m, self.micro_reason = self.micro[(batch, seq)]
+        m, self.micro_reason = self._planned(self.micro, "micro_batch", batch, seq)
         return m
 
     def pass_rows(self, batch: int, seq: int) -> int | None:
@@ -320,16 +312,20 @@ class DeviceUpdates:
         if (self.ecfg.pass_batch_size is not None or self.ecfg.micro_batch_size is not None
                 or not (self.dev.cuda and self.mode == "auto") or self.dp is not None):
             return None
-        if (batch, seq) not in self.passes:
+        r, self.pass_reason = self._planned(self.passes, "pass_rows", batch, seq)
+        return r
+
+    def _planned(self, cache: dict, choice: str, batch: int, seq: int) -> tuple[int, str]:
+        """``autoplan``'s ``choice`` ("micro_batch" or "pass_rows") for this shape on this device, made once."""
+        if (batch, seq) not in cache:
             from ..machine import autoplan
 
             total = torch.cuda.get_device_properties(self.dev.device).total_memory
-            self.passes[(batch, seq)] = autoplan.pass_rows(
+            cache[(batch, seq)] = getattr(autoplan, choice)(
                 self.arch.config, batch=batch, seq=seq, hardware=autoplan.calibrated(device_bytes=total),
                 dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),
                 settings=autoplan.plan_settings(self.ecfg, self.ocfg.grad_clip))
-        r, self.pass_reason = self.passes[(batch, seq)]
-        return r
+        return cache[(batch, seq)]
 
     # ---- within a step (driver thread, compute stream) --------------------------------------------
     def begin(self, gate: bool) -> None:

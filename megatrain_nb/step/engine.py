@@ -601,9 +601,11 @@ class Engine:
                     self._done(plan, k)
                     del params, xs, outs
                     continue
-                done = self._reduced(i, g, g.numel(), dev.record(dev.compute))  # summed over ranks, its norm
                 if self.pass_.final:
+                    done = self._reduced(i, g, g.numel(), dev.record(dev.compute))  # summed over ranks, its norm
                     self.device_updates.landed(i, self.ocfg.lr_at(self.steps_done), done)
+                else:  # Note: [Passes]: an earlier pass's copy-out lands nothing, so it needs no norm
+                    done = dev.record(dev.compute)
                 memory.count(self)
                 held = None  # the weight slot a "device" unit's update refills (Note: [Held weights])
                 if res is not None:

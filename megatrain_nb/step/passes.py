@@ -5,7 +5,8 @@ hook), the record each op of a step reads (``Pass``: first, final, the hook's mi
 may run with passes (``check``), and what waits on the device from one pass to the next: the embedding
 rows' gradients and the loss (``Carry``). Where each unit's gradients wait is Note: [Passes].
 Does not own: the step (``engine.py`` runs ``Pass`` after ``Pass`` at one named point, ``Engine._step``),
-the copies (``transfers.Transfers.grads``' ``add``), the choice of the pass size under "auto"
+the copies (``transfers.Transfers.grads``, whose ``land`` an earlier pass turns off), the choice of the pass
+size under "auto"
 (``machine/autoplan.py``, Note: [Pass choice]).
 
 Note: [Passes] ``micro_batch_size`` splits a batch inside each layer, so every micro-batch's

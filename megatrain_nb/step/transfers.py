@@ -253,11 +253,8 @@ class Transfers:
                         dst[off + a:off + b].copy_(stage)
                     continue
                 for a, b in chunks(src.numel(), self.chunk):
-                    k = self.staging_next
-                    self.staging_next = (k + 1) % len(self.staging)
-                    if self.staging_free[k] is not None:
-                        self.staging_free[k].synchronize()  # host wait (packer): buffer k's copy done
-                    buf = self.staging[k][:b - a]
+                    k, buf = self._staging()
+                    buf = buf[:b - a]
                     with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
                         buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
                     dst[off + a:off + b].copy_(buf, non_blocking=True)
@@ -278,14 +275,20 @@ class Transfers:
         out, inp = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
         stream = torch.cuda.current_stream(self.dev.device)
         for a, b in chunks(inp.numel(), self.staging[0].numel() * self.staging[0].element_size()):
-            k = self.staging_next
-            self.staging_next = (k + 1) % len(self.staging)
-            if self.staging_free[k] is not None:
-                self.staging_free[k].synchronize()  # host wait: buffer k's last copy is done
-            buf = self.staging[k].view(torch.uint8)[:b - a]
+            k, buf = self._staging()
+            buf = buf.view(torch.uint8)[:b - a]
             buf.copy_(inp[a:b])
             out[a:b].copy_(buf, non_blocking=True)
             self.staging_free[k] = self.dev.record(stream)  # the packer's next use of it waits for this copy
+
+    def _staging(self) -> tuple[int, torch.Tensor]:
+        """The next weight staging buffer, once its last copy is done (a host wait), and its index: the
+        caller records its own copy's event in ``staging_free``."""
+        k = self.staging_next
+        self.staging_next = (k + 1) % len(self.staging)
+        if self.staging_free[k] is not None:
+            self.staging_free[k].synchronize()  # host wait (packer, or the driver between steps)
+        return k, self.staging[k]
 
     def allow_early(self, p: PendingLoad) -> None:
         """Driver: the packer may start ``p`` while it waits for a host update (Note: [Early state]);
