@@ -5,8 +5,10 @@ plain on the CPU, where the same code runs and copies complete at once), the pac
 fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy), the unpacker
 thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then tells the Adam
 worker) and the writer thread (a "device" unit's state back, Note: [State write-backs]). Every host
-wait here happens in a worker thread; the driver only waits on the boxes these methods return.
-About 540 lines: the three workers share the staging pools, the chunking and the delay hooks, the
+wait here happens in a worker thread, but ``upload``'s: between steps the driver brings state made
+resident in through the idle weight staging (Note: [Arrivals] in device_updates.py); otherwise the
+driver only waits on the boxes these methods return.
+About 570 lines: the three workers share the staging pools, the chunking and the delay hooks, the
 packer's early loads (Note: [Early state] in device_updates.py) are its own waits filled, and the
 scalar reads share the unpacker (Note: [Mapped reads]).
 Does not own: what to load when (schedule.py, engine.py), compute, or the optimizer's arithmetic.
