@@ -86,6 +86,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-lean", action="store_true", help="same as --lean off")
     ap.add_argument("--cast-on-device", action="store_true", help="same as --pinning cast")
     ap.add_argument("--save-trace", default=None, help="directory: save the last step's trace per batch")
+    ap.add_argument("--trace-steps", action="store_true",
+                    help="with --save-trace: also save every step's trace (untimed ones too), and print each step's "
+                         "placement moves (the driver's arrive spans); reading a trace waits for the GPU")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s")
@@ -177,6 +180,8 @@ def main(argv=None) -> None:
                 du = s.engine.device_updates
                 print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
                       f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
+                if a.trace_steps and a.save_trace and s.trace is not None:
+                    _save_step_trace(s.trace, a.save_trace, f"trace_{a.shape}_b{B}{suffix}_step{k}.json.gz")
                 k += 1
                 if a.sync_debug and k == a.warmup and cuda:
                     _sync_debug(a.sync_debug, B)
@@ -237,6 +242,20 @@ def main(argv=None) -> None:
                 s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))
                 s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_b{B}{suffix}.json.gz"))
     s.close()
+
+
+def _save_step_trace(trace, folder: str, name: str) -> None:
+    """Save one step's trace and print what its placement moves took (Note: [Arrivals] in device_updates.py)."""
+    os.makedirs(folder, exist_ok=True)
+    trace.save(os.path.join(folder, name))
+    df = trace.to_dataframe()
+    moves = df[(df.lane == "driver") & df.op.str.startswith("arrive")]
+    if len(moves):
+        g = moves.groupby("op").agg(n=("dur_ms", "count"), ms=("dur_ms", "sum"), gb=("bytes", "sum"))
+        span = moves.end_ms.max() - moves.start_ms.min()
+        print(f"    moves: {span:.0f} ms from the first to the last, " + ", ".join(
+            f"{op} {r.n} x {r.ms:.0f} ms" + (f" {r.gb / 1e9:.1f} GB" if r.gb else "") for op, r in g.iterrows()),
+            file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -178,9 +178,11 @@ class DeviceUpdates:
                     if g in opt.groups:
                         opt.remove(g)
                         continue
-                    for u in g:
-                        self.adam.wait_version(u, steps_done)  # host wait: the rest of the host's AdamW runs on
-                    opt.add(g, upload=self.io.upload)
+                    with self.rec.span("driver", "arrive-wait", g[0], "io"):  # traced before the step's origin
+                        for u in g:
+                            self.adam.wait_version(u, steps_done)  # host wait: the rest of the host's AdamW runs on
+                    with self.rec.span("driver", "arrive", g[0], "io", sum(self._state_bytes(u) for u in g)):
+                        opt.add(g, upload=self.io.upload)
                 for u in set(opt.streamed) - streaming:
                     opt.stream_remove(u)
                 for u in streaming - set(opt.streamed):
@@ -199,11 +201,17 @@ class DeviceUpdates:
                         self.hgrad = torch.empty(self.store.units[-1].layout.numel, device=self.dev.device)
                 self.hstate_box, self.hload = Box(ready=True), None
             if self.dev.cuda:
-                torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
+                with self.rec.span("driver", "arrive-sync", -1, "io"):
+                    torch.cuda.synchronize(self.dev.device)  # named sync: the moved state is in place before use
                 torch.cuda.empty_cache()  # the blocks of what moved go back: fewer fragments for the next layout
         self.store.split_units(split)  # after a drain, or newly "device" (quiesced above)
         self.choice = want
         return keep
+
+    def _state_bytes(self, u: int) -> int:
+        """Bytes of unit ``u``'s host state that a move to the device reads: master and moments."""
+        unit = self.store.units[u]
+        return sum(t.numel() * t.element_size() for t in (unit.master, unit.exp_avg, unit.exp_avg_sq))
 
     def splittable(self, streaming) -> set[int]:
         """The "device" layers whose masters the host holds split (Note: [Split master]); not the head group."""
