@@ -55,14 +55,21 @@ def test_stream_extras_count_the_head_groups_state_when_it_streams():
 
 
 def test_stream_share_balances_pcie_against_host_adam():
+    """Note: [Host window]: the host's side is its updates and the forward's loads of its layers (4 bytes a
+    parameter), which wait for them; PCIe's, every byte in."""
     a, b = 3.5e9, 55e9
     f = placing.stream_share(a, b)
-    assert (8 + 12 * f) / b == pytest.approx((1 - f) / a)  # Note: [Streamed updates]
+    assert (8 + 12 * f) / b == pytest.approx((1 - f) / a + 4 * (1 - f) / b)  # Note: [Streamed updates]
     held = placing.stream_share(a, b, cached=True)  # weights in once; a "device" unit's not at all (Note: [Held weights])
-    assert (4 * (1 - held) + 12 * held) / b == pytest.approx((1 - held) / a)
+    assert (4 * (1 - held) + 12 * held) / b == pytest.approx((1 - held) / a + 4 * (1 - held) / b)
     assert placing.stream_share(1e15, b) == 0.0 and placing.stream_share(1.0, b) == pytest.approx(1.0)
-    w = placing.stream_share(a, b, cached=True, window=0.75)  # Note: [Host window]: its updates fit 3/4 of the step
-    assert (4 * (1 - w) + 12 * w) / b == pytest.approx((1 - w) / (0.75 * a)) and w > held
+    w = placing.stream_share(a, b, cached=True, window=0.75)  # its side fits 3/4 of the step
+    assert 0.75 * (4 * (1 - w) + 12 * w) / b == pytest.approx((1 - w) / a + 4 * (1 - w) / b) and w > held
+    compact = placing.stream_share(a, b, cached=True, window=0.75, state_bytes=6.03)  # int8 moments cross in fewer
+    assert compact > w  # bytes: more layers stream
+    extra = placing.stream_share(a, b, cached=True, window=0.75, host_extra=0.1, in_extra=1.0)
+    g = 1 - extra
+    assert 0.75 * (1.0 + 4 * g + 12 * extra) / b == pytest.approx((0.1 + g) / a + 4 * g / b)
 
 
 def test_auto_waits_for_a_measuring_step_and_never_places_on_cpu():
@@ -725,6 +732,31 @@ def test_stream_rate_balances_the_host_rate_with_the_head_groups_state_and_start
         assert du.share == pytest.approx(want) and du.rated == 1
     finally:
         s.close()
+
+
+def test_stream_rate_counts_compact_state_in_the_bytes_a_streamed_layer_brings(hf_dir):
+    """With optimizer_state="int8" a "device" layer's state crosses in ~6 bytes a parameter, not 12: the share
+    streamed counts the bytes the store holds (its master and compact moments), so more layers stream."""
+    d = hf_dir("llama_tied", hidden_size=128, intermediate_size=320)  # tensors of 4096 values and more: compact
+    shares = {}
+    for state in ("fp32", "int8"):
+        s = Session.from_pretrained(d, lr=LR, placement="stream", optimizer_state=state)
+        try:
+            du, L, units = s.engine.device_updates, s.engine.L, s.engine.store.units
+            numel = {u: unit.layout.numel for u, unit in units.items()}
+            held = sum(u.master.nbytes + u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in (units[0],)) / numel[0]
+            head = sum(units[u].master.nbytes + units[u].exp_avg.nbytes + units[u].exp_avg_sq.nbytes for u in (L, -1))
+            du.adam_rate = (2_000_000, 1e-3)
+            du.stream_rate()
+            want = placing.stream_share(2e9, placing.PCIE_IN_STEP_BYTES_PER_S, cached=s.engine.cfg.weight_slots >= L,
+                                        window=placing.HOST_WINDOW, state_bytes=held, host_extra=0.0,
+                                        in_extra=head / sum(numel[i] for i in range(L)))
+            assert du.share == pytest.approx(want)
+            shares[state] = (du.share, held)
+        finally:
+            s.close()
+    assert shares["fp32"][1] == 12 and shares["int8"][1] < 7
+    assert shares["int8"][0] > shares["fp32"][0]
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied"])

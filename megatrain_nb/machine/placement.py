@@ -140,33 +140,37 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
                  host_extra: float = 0.0, in_extra: float = 0.0, window: float = 1.0, split: bool = False,
                  state_bytes: float = 12.0) -> float:
     """The share of the layers' parameters placed "device" that balances PCIe against host AdamW
-    (Note: [Streamed updates]).
+    (Note: [Streamed updates], [Host window]).
 
     ``cached``: every layer has its own weight slot (``weight_slots``): the weights come in once a step
     (4 bytes per parameter, fp32 for the device cast), not twice, and a "device" unit's not at all
     (its update refills its slot, Note: [Held weights]): per parameter 4 (1 - f) + 12 f bytes in,
     else 8 + 12 f. ``host_extra``: parameters the host updates whatever the share (the embedding and
     head), and ``in_extra``: bytes in a step whatever the share (the head's load), both per parameter
-    of the layers: the host's time is then (host_extra + 1 - f) / A, PCIe's (in_extra + ...) / B.
-    ``window``: the share of the step the host's updates can use (``HOST_WINDOW``, Note: [Host window]);
-    they must then fit in it: (host_extra + 1 - f) / (window A). ``split``: "device" layers' masters are
-    held as [R | D] (Note: [Split master] in split_master.py): 10 bytes in, not 12, where the weights are
-    held; else both planes and two 2-byte weight loads (16, not 20). ``state_bytes``: a "device" parameter's
-    state in bytes, master and moments (12 with fp32 moments; 4 + ~2.03 with ``optimizer_state="int8"``,
-    ``compact_state.bytes_per_param``, where the split is off).
+    of the layers. PCIe's time is then (in_extra + ...) / B. The host's side is its updates, (host_extra
+    + 1 - f) / A, and the forward's loads of the host layers, 4 (1 - f) / B, which wait for those
+    updates (Note: [Host window]); together they must fit in ``window`` of the step. ``split``:
+    "device" layers' masters are held as [R | D] (Note: [Split master] in split_master.py): 10 bytes in,
+    not 12, where the weights are held; else both planes and two 2-byte weight loads (16, not 20).
+    ``state_bytes``: a "device" parameter's state in bytes, master and moments (12 with fp32 moments;
+    4 + ~2.03 with ``optimizer_state="int8"``, ``compact_state.bytes_per_param``, where the split is off).
 
     Example:
         >>> round(stream_share(3.5e9, 55e9), 2), round(stream_share(3.5e9, 55e9, cached=True), 2)
-        (0.28, 0.49)
-        >>> round(stream_share(1.8e9, 40.2e9, cached=True, host_extra=0.112, in_extra=0.447), 2)  # 3B: 24 of 36
-        0.67
+        (0.37, 0.57)
+        >>> extras = dict(host_extra=0.0, in_extra=1.345, window=HOST_WINDOW)  # 3B, its tied head group streamed
+        >>> round(36 * stream_share(2.0e9, 40.2e9, cached=True, split=True, **extras))  # fp32 moments: layers streamed
+        25
+        >>> round(36 * stream_share(3.5e9, 40.2e9, cached=True, state_bytes=6.03, **extras))  # int8
+        24
     """
-    a, b = 1 / (window * host_adam_params_per_s), 1 / pcie_bytes_per_s
+    a, b = 1 / host_adam_params_per_s, 1 / pcie_bytes_per_s
     w = 4 if cached else 8  # weights in per "host" parameter
     device_in = state_bytes + (0 if cached else 8)  # all bytes in per "device" one
     device_in -= 2 if cached and split else 4 if split else 0
-    f = (a * (1 + host_extra) - b * (w + in_extra)) / (a + b * (device_in - w))
-    return min(1.0, max(0.0, f))
+    # g = 1 - f, the host layers: a (host_extra + g) + 4 b g = window b (in_extra + device_in - g (device_in - w))
+    g = (window * b * (in_extra + device_in) - a * host_extra) / (a + 4 * b + window * b * (device_in - w))
+    return min(1.0, max(0.0, 1 - g))
 
 
 def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True) -> dict[str, float]:
