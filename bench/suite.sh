@@ -25,9 +25,13 @@
 #   host       the host's AdamW alone, beside DMA, and beside a busy thread (~3)      -> <tag>-host-contention.jsonl
 #   compact14  the Qwen2.5-14B shape with optimizer_state="int4" (default settings otherwise), x 8 then x 2 (~7)
 #                                                                                      -> <tag>-compact-state.jsonl
-#   compact    optimizer_state int8 beside fp32, each its own process: 7B x 8 under auto, 3B x 1 under "stream";
-#              then the host's AdamW rates, fp32 against the compact kernels and the libraries (~9)
+#   compact    optimizer_state int8 beside fp32, each its own process: 7B x 8 under auto, then compact-stream;
+#              then the host's AdamW rates, fp32 against the compact kernels and the libraries (~10)
 #                                                                                      -> <tag>-compact-state.jsonl
+#   compact-stream  3B x 1 under "stream" with fp32, int8 and int4 moments, each its own process (~3)
+#                                                                                      -> <tag>-compact-state.jsonl
+#   settle     `auto`'s first steps, every step traced with its placement moves: 3B x 8, then 14B x 2 int4 (~5)
+#                                                                                      -> <tag>-placement.jsonl
 #   planner    the planner against this kind of machine's rows (the H200's on a CPU machine; CPU only, ~1)
 #   tests      the GPU tests: python -m pytest -m gpu over tests/ (~5)
 #   all        tests defaults placement stream long layers sft host planner (~55; not peers, depth, dp)
@@ -83,11 +87,17 @@ suite() {
         for st in int8 fp32; do
             SUBJECT=compact-state throughput compact-7b-$st --shape 7b --batch 8 --steps 3 --warmup 3 --optimizer-state $st
         done
-        for st in int8 fp32; do
-            SUBJECT=compact-state throughput compact-stream-$st --shape 3b --batch 1 --steps 4 --warmup 4 \
-                --placement stream --optimizer-state $st
-        done
+        suite compact-stream
         $PY bench/host_adam.py --out "$R-compact-state.jsonl" 2>&1 | tail -12 | cut -c1-300 ;;
+    compact-stream)  # the share streamed is set three times from the host's rate (Note [Stream rate]): 6 warm-up steps
+        for st in int8 fp32 int4; do
+            SUBJECT=compact-state throughput compact-stream-$st --shape 3b --batch 1 --steps 4 --warmup 6 \
+                --placement stream --optimizer-state $st
+        done ;;
+    settle)
+        SUBJECT=placement throughput settle-3b --shape 3b --batch 8 --steps 3 --warmup 3 --placement auto --trace-steps
+        SUBJECT=placement throughput settle-14b --shape 14b --batch 2 --steps 3 --warmup 3 --placement auto \
+            --optimizer-state int4 --trace-steps ;;
     long)
         memlog long
         $PY bench/long_context.py --seq 32k 128k 256k --steps 2 1 1 --out "$R-long-context.jsonl" \

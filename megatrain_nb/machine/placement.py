@@ -195,12 +195,15 @@ def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True)
 
 STREAM_RATE_STEPS = 3  # "stream" sets its share from the host's AdamW rate this many times (Note: [Stream rate])
 # Note: [Host window] a host layer's update can start only once its gradients land, early in the backward
-# (the host layers are the last ones), and must end before the next forward loads it: the host's AdamW
-# cannot fill the whole step. The planner's simulation of 3B stream steps (seq 4096, host AdamW 2.05 G
-# params/s, the head group streamed; ``bench/stream_plan.py --sweep``) is fastest at 22 of 36 layers
-# streamed at x 1 (696 ms) and 20 at x 4 (858 ms), with the host's AdamW busy 76% and 70% of those
-# steps, where balancing it against the whole step picks 19 (762 / 853 ms). Balanced against 3/4 of
-# the step the rule picks 22 (696 / 869 ms).
+# (the host layers are the last ones), and must end before the next forward loads it; the forward's loads
+# of the host layers wait for those updates, so the host's AdamW and those loads follow one another while
+# the host idles through the forward of the host layers and the loss. The rule balances the two together
+# against 3/4 of PCIe's time. Traced on the H200 (2026-12-03, 3B x 1, ``bench/throughput.py --host-window``,
+# logs/h200-2026-12-03-stream-share-steps.log), int8 moments: 10 host layers ran a 397 ms step bound by
+# PCIe in, 16 a 488 ms step where the host sat idle 122 ms from its last update to the first gradient;
+# the rule that counted the updates alone left 20 on the host (543 ms). Counting the loads it left 11
+# (int8, 387 ms) and 10 with fp32 moments (655 ms, bound by PCIe in), where the fp32 sweep was flat between
+# 9 and 12 host layers (the planner's simulation, ``bench/stream_plan.py --sweep``: fastest at 14).
 HOST_WINDOW = 0.75
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share
 STATE_SLOT_SHARE = 0.05  # "device" units' state slots: as many as this share of device memory holds (>= 2)
