@@ -173,6 +173,12 @@ def _nbytes(r: Resident) -> int:
                if t is not None)
 
 
+def _count(n: int, device) -> torch.Tensor:
+    """A 0-dim fp32 step count on ``device``, filled there: ``torch.tensor(n, device=...)`` copies from pageable
+    memory and waits for the stream, which held each arriving group's uploads behind the last (Note: [Arrivals])."""
+    return torch.full((), float(n), device=device)
+
+
 class DeviceAdamW:
     """AdamW on the device for the units placed "resident": their state stays there between steps.
 
@@ -216,7 +222,7 @@ class DeviceAdamW:
                     words = torch.empty_like(slab, device=self.device)
                     put(words, slab)
                     compact_state.dequantize(words, unit.compact, k, out=out[a:b])
-            r.steps[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
+            r.steps[u] = _count(self.host.steps_done(u), self.device)
         r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
         self.groups[units] = r
         self.of.update(dict.fromkeys(units, r))
@@ -225,7 +231,7 @@ class DeviceAdamW:
 
     def stream_add(self, u: int) -> None:
         """Unit ``u`` is placed "device": its state streams through, its step count lives here."""
-        self.streamed[u] = torch.tensor(float(self.host.steps_done(u)), device=self.device)
+        self.streamed[u] = _count(self.host.steps_done(u), self.device)
 
     def stream_remove(self, u: int) -> None:
         n = int(self.streamed.pop(u).item())  # .item(): host sync (placement change)
