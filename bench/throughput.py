@@ -91,7 +91,8 @@ def main(argv=None) -> None:
                          "placement moves (the driver's arrive spans); reading a trace waits for the GPU")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s")
+    ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s (faulthandler; a 14B run "
+                    "with N=0.3 ended in a segmentation fault after its init: use seconds, not fractions)")
     ap.add_argument("--state-chunk-mb", type=int, default=None, help="transfers.STATE_OUT_CHUNK_BYTES in MiB "
                     "(0: one copy per slab, the default)")
     ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
