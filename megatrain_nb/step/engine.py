@@ -52,7 +52,7 @@ from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
 from ..machine.longcontext import Checkpoints
 from .tiling import SequenceTiling
 from ..view.trace import add_occupancy
-from . import embedding, head, lean, memory, passes
+from . import embedding, head, lean, memory, passes, warmup
 from .transfers import Offload, Streams, Transfers
 from .workers import AdamWorker, Box
 
@@ -493,6 +493,7 @@ class Engine:
             before = torch.cuda.memory_allocated(dev.device) if dev.cuda else 0
             kept = self._keep_now(i)
             keep.append(kept)
+            x0 = hs[0]  # the op's input, for the warm-up below
             self.io.delay("compute")
             tok = rec.cuda_begin("compute", "fwd", i, "fwd", 0, dev.compute)
             if kept:
@@ -521,6 +522,8 @@ class Engine:
                         with self.attn_cache.capture(i, m) if cached else contextlib.nullcontext():
                             hs[m] = call(self._template(i), params, hs[m], *calls[i][0], **calls[i][1])
             rec.cuda_end(tok, dev.compute)
+            if warmup.due(self, k, kept):  # Note: [Warm recompute] in warmup.py
+                warmup.recompute(self, i, layout.views(slot), x0, st["calls"][0][i])
             self._done(plan, k)
             memory.count(self)
         if deciding:
