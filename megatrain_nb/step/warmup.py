@@ -26,8 +26,9 @@ from ..model.binding import call
 
 def due(eng, k: int, kept: bool) -> bool:
     """Whether the forward's ``k``-th layer op warms the no-grad path: the first layer of a measuring step
-    (Note: [Placement] in device_updates.py), kept, so that the no-grad forward has not run yet."""
-    return k == 0 and kept and eng.device_updates.measuring
+    (Note: [Placement] in device_updates.py), kept, so that the no-grad forward has not run yet; in its
+    first pass only (Note: [Passes] in passes.py)."""
+    return k == 0 and kept and eng.pass_.index == 0 and eng.device_updates.measuring
 
 
 def recompute(eng, layer: int, params: list, x: torch.Tensor, args: tuple) -> float:
