@@ -9,11 +9,12 @@ Note: [Warm recompute] under "auto" the measuring step keeps every layer it can,
 without autograd (what a recomputed layer's forward runs) first runs in a later step. On the H200
 (2026-12-03, 14B x 2, int4 moments) the residency-first trial step stopped the driver for 742 ms inside
 the forward of layer 2, its first recomputed layer, where the steady steps take 9 ms; the measuring step
-before it had recomputed nothing. A first call of a kernel path (cuDNN's attention builds a graph per
-shape and mode; torch has picked it on Hopper) costs that once. The measuring step is the run's first
-and is not held to the settling bound, so the same layer runs there once more without autograd. The
-random state is forked (a dropout would draw otherwise), and the seconds leave the measured step's time
-(``DeviceUpdates.t_start``), which ``host_bound`` compares with the host's AdamW. Not yet measured on a GPU.
+before it had recomputed nothing. A first call of a kernel path can cost that once (cuDNN's attention,
+for one, builds a graph per shape and mode on its first call); the cause is not yet confirmed on the GPU.
+The measuring step is the run's first and is not held to the settling bound, so the same layer runs there
+once more without autograd. The random state is forked (a dropout would draw otherwise), and the seconds
+leave the measured step's time (``DeviceUpdates.t_start``), which ``host_bound`` compares with the host's
+AdamW. Not yet measured on a GPU.
 """
 from __future__ import annotations
 
