@@ -173,11 +173,13 @@ def stream_share(host_adam_params_per_s: float, pcie_bytes_per_s: float, cached:
     return min(1.0, max(0.0, 1 - g))
 
 
-def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True) -> dict[str, float]:
+def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True,
+                  head_state_bytes: float | None = None) -> dict[str, float]:
     """``stream_share``'s fixed terms for a model (unit -> elements, units -1..L), both per parameter of the
     layers: what the host updates whatever the share (an untied embedding; the head group when it is not
-    streamed), and the bytes in each step whatever the share: the head group's state (12 bytes a parameter,
-    Note: [Streamed head]), or its fp32 weights when the host updates it (a tied head holds the embedding).
+    streamed), and the bytes in each step whatever the share: the head group's state (``head_state_bytes``,
+    by default 12 bytes a parameter, fp32 moments; Note: [Streamed head]), or its fp32 weights when the host
+    updates it (a tied head holds the embedding).
 
     Example:
         >>> {k: round(v, 3) for k, v in stream_extras({-1: 311e6, 0: 1387.5e6, 1: 1387.5e6, 2: 2048}, True).items()}
@@ -189,7 +191,8 @@ def stream_extras(numel: dict[int, int], tied: bool, head_streamed: bool = True)
     layers = sum(numel[i] for i in range(L))
     head = numel[L] + (numel[-1] if tied else 0)
     if head_streamed:
-        return {"host_extra": (0 if tied else numel[-1]) / layers, "in_extra": 12 * head / layers}
+        state = 12 * head if head_state_bytes is None else head_state_bytes
+        return {"host_extra": (0 if tied else numel[-1]) / layers, "in_extra": state / layers}
     return {"host_extra": (numel[-1] + numel[L]) / layers, "in_extra": 4 * head / layers}
 
 

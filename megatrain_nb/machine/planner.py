@@ -544,9 +544,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                   logits=batch * min(seq, loss_positions(loss_chunk_tokens, batch)) * V * (d + 8), reserve=DEVICE_RESERVE)
     device["backward_transient"] = max(0, transient - device["logits"])  # the loss's logits are gone by then
     free = keep_frac * hw.device_mem_bytes - (sum(device.values()) - DEVICE_RESERVE)  # step/memory.py free
-    extras = placing.stream_extras(numel, s["tied"])
-    if optimizer_state != "fp32":  # the head group's state in, compact (stream_extras counts 12 bytes a parameter)
-        extras["in_extra"] = head_state / (L * P)
+    extras = placing.stream_extras(numel, s["tied"], head_state_bytes=head_state)  # compact: fewer bytes in
     share = placing.stream_share(hw.host_adam_params_per_s, (hw.h2d_beside_d2h_GBps or hw.h2d_GBps) * 1e9,
                                  cached=weight_slots >= L, window=placing.HOST_WINDOW, split=split,
                                  state_bytes=layer_state / P, **extras)  # as the engine

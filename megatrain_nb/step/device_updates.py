@@ -257,9 +257,8 @@ class DeviceUpdates:
         if not self.agree(seconds > 0, "min"):
             return  # no host update has finished yet
         numel = {u: unit.layout.numel for u, unit in self.store.units.items()}
-        extras = placing.stream_extras(numel, self.arch.tied, self.store.shared is None)
-        if self.store.shared is None:  # the head group's state as the store holds it (compact moments: fewer bytes)
-            extras["in_extra"] = sum(self._state_bytes(u) for u in self.head_units) / sum(numel[i] for i in range(self.L))
+        extras = placing.stream_extras(numel, self.arch.tied, self.store.shared is None,  # the state as the store
+                                       sum(self._state_bytes(u) for u in self.head_units))  # holds it: compact, fewer
         big = max(range(self.L), key=numel.__getitem__)
         self.share = self.agree(placing.stream_share(params / seconds, placing.PCIE_IN_STEP_BYTES_PER_S, cached=self.held,
                                                      window=placing.HOST_WINDOW, split=self.split,
