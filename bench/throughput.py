@@ -9,6 +9,7 @@ host RSS and host bytes/param.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import resource
@@ -89,6 +90,9 @@ def main(argv=None) -> None:
     ap.add_argument("--trace-steps", action="store_true",
                     help="with --save-trace: also save every step's trace (untimed ones too), and print each step's "
                          "placement moves (the driver's arrive spans); reading a trace waits for the GPU")
+    ap.add_argument("--profile-step", type=int, nargs="+", default=None,
+                    help="debug: run these steps (0-based, warm-up ones count) of each batch under torch.profiler; print "
+                         "the ops that took the most host time and, with --save-trace, save its Chrome trace there")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s (faulthandler; a 14B run "
@@ -176,7 +180,8 @@ def main(argv=None) -> None:
             while len(times) < a.steps and k < a.steps + a.warmup + 10:
                 ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
                 done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto": its measuring step and a trial step
-                r = s.step({"input_ids": ids})
+                with _profiled(a.profile_step and k in a.profile_step, a.save_trace, f"{a.shape}_b{B}{suffix}_step{k}"):
+                    r = s.step({"input_ids": ids})
                 losses.append(r.loss)
                 du = s.engine.device_updates
                 print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
@@ -243,6 +248,30 @@ def main(argv=None) -> None:
                 s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))
                 s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_b{B}{suffix}.json.gz"))
     s.close()
+
+
+@contextlib.contextmanager
+def _profiled(on: bool, folder: str | None, name: str):
+    """torch.profiler around one step (``on``): where the driver's time went, op by op, the host's and the device's."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    from torch._C._profiler import _ExperimentalConfig
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:
+        every = _ExperimentalConfig(profile_all_threads=True)  # the step runs on the driver and its workers' threads
+    except TypeError:  # an older torch: the calling thread's ops only
+        every = None
+    with profile(activities=acts, record_shapes=True, experimental_config=every) as prof:
+        yield
+    print(f"    profile of {name}, by host time:\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25),
+          file=sys.stderr, flush=True)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, f"profile_{name}.json"))
 
 
 def _save_step_trace(trace, folder: str, name: str) -> None:
