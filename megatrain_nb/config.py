@@ -8,6 +8,9 @@ import torch
 
 from .machine.longcontext import keep_share
 
+MOMENT_STAGING_BYTES = 64 << 20  # each of the two pinned buffers that resident groups' moments come in
+# through during a step, on CUDA (Note: [Late moments] in step/late_moments.py)
+
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZER_STATES = ("fp32", "int8", "int4")
 PINNED_BUDGET_BYTES = 2 << 30  # the staging pool when the store's slabs are pageable: every load is packed through it

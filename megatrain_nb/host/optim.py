@@ -196,9 +196,11 @@ class DeviceAdamW:
         self.streamed: dict[int, torch.Tensor] = {}  # unit placed "device" -> its step count on the device
         self.nbytes = 0  # device bytes of every resident group's buffers (kept as groups come and go)
 
-    def add(self, units: tuple[int, ...], upload=None) -> Resident:
+    def add(self, units: tuple[int, ...], upload=None, moments: bool = True) -> Resident:
         """Move a group's state from the host store to the device (the host's last update must be applied).
-        ``upload(dst, src)``: how a host tensor goes in (``Transfers.upload``; default a plain copy)."""
+        ``upload(dst, src)``: how a host tensor goes in (``Transfers.upload``; default a plain copy).
+        ``moments=False``: its moment buffers are left unfilled for ``load_moments`` (Note: [Late moments]
+        in late_moments.py); nothing may read them before that."""
         put = upload or (lambda dst, src: dst.copy_(src))
         segs, off = [], 0
         for u in units:
@@ -212,8 +214,21 @@ class DeviceAdamW:
                      egrad=torch.empty(self.store.units[-1].layout.numel, device=self.device) if emb else None,
                      steps={})
         for u, a, b in segs:
+            put(r.master[a:b], self.store.units[u].master)
+            r.steps[u] = _count(self.host.steps_done(u), self.device)
+        if moments:
+            self.load_moments(r, put)
+        r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
+        self.groups[units] = r
+        self.of.update(dict.fromkeys(units, r))
+        self.nbytes += _nbytes(r)
+        return r
+
+    def load_moments(self, r: Resident, put) -> None:
+        """A resident group's moments from the host store into its device buffers, on the current stream;
+        ``put(dst, src)`` as ``add``'s ``upload``."""
+        for u, a, b in r.segs:
             unit = self.store.units[u]
-            put(r.master[a:b], unit.master)
             if unit.compact is None:
                 put(r.exp_avg[a:b], unit.exp_avg)
                 put(r.exp_avg_sq[a:b], unit.exp_avg_sq)
@@ -222,12 +237,6 @@ class DeviceAdamW:
                     words = torch.empty_like(slab, device=self.device)
                     put(words, slab)
                     compact_state.dequantize(words, unit.compact, k, out=out[a:b])
-            r.steps[u] = _count(self.host.steps_done(u), self.device)
-        r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
-        self.groups[units] = r
-        self.of.update(dict.fromkeys(units, r))
-        self.nbytes += _nbytes(r)
-        return r
 
     def stream_add(self, u: int) -> None:
         """Unit ``u`` is placed "device": its state streams through, its step count lives here."""

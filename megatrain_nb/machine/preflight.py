@@ -23,7 +23,7 @@ import torch
 
 from ..host import compact_state
 from ..model.binding import Layout
-from ..config import OPTIMIZER_STATES, EngineConfig, pinned_budget
+from ..config import MOMENT_STAGING_BYTES, OPTIMIZER_STATES, EngineConfig, pinned_budget
 from ..host.host_store import unit_layouts
 from .shape import QWEN25, loss_positions
 
@@ -64,7 +64,8 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
             ``compact_state.moment_words`` fp32 words per unit);
           ``bytes_per_param``: master, grad, moments (both), shadow, store, staging, host (``host``'s
             needed) per parameter;
-          ``host``: store, staging (transfer buffers; pinned on CUDA), device_buffers (on "cpu" the
+          ``host``: store, staging (transfer buffers, pinned on CUDA; with them, where groups may be made
+            resident, those their moments come in through), device_buffers (on "cpu" the
             "device" is host RAM), needed, available;
           ``device``: weight_slots, grad_slots, head_slots, cast_stage (cast_on_device), embedding_rows,
             activations, logits, workspace, needed, available (None on "cpu": everything counts as host);
@@ -97,7 +98,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
 
     # engine buffers, as Engine.__init__ allocates them (Note: [Staging])
     n_layer = max(numel[i] for i in range(arch.num_layers))
-    chunk, budget, staging = _staging(cfg, d, max(numel.values()), pin or cast)
+    chunk, budget, staging = _staging(cfg, d, max(numel.values()), pin or cast, cuda)
     head = Layout.build(arch.head_params() + ([(arch.embed_name, arch.embed.weight.shape)] if arch.tied else []))
     slots = resolve_weight_slots(cfg, arch)
     dev = {"weight_slots": slots * n_layer * d, "grad_slots": 2 * n_layer * d,
@@ -167,6 +168,7 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         configs = {None: configs}
     host_bytes = _host_available() if host_bytes is None else int(host_bytes)
     cfg = engine_cfg or EngineConfig(dtype=torch.bfloat16)
+    cuda = engine_cfg is None or torch.device(cfg.device).type == "cuda"
     d = torch.tensor([], dtype=cfg.dtype).element_size()
     rows = []
     for name, config in configs.items():
@@ -181,7 +183,7 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
             pin, cast = resolve_pinning(cfg, arch, optimizer_state=state) if engine_cfg else (False, True)
             words = unit_moment_words(arch, state, keep_fp32, layouts)
             store = _store(layouts, d, pin, words)
-            staging = _staging(cfg, d, max(numel.values()), pin or cast)[2]
+            staging = _staging(cfg, d, max(numel.values()), pin or cast, cuda)[2]
             need, P = store["total"] + staging, store["params"]
             per_layer = sum((4 + d + (d if pin else 0)) * numel[i] + 8 * words[i] for i in range(L)) / L
             deepest = max(0, L + math.floor((host_bytes - need) / per_layer))
@@ -238,11 +240,14 @@ def _store(layouts: dict, d: int, pin: bool, words: dict[int, int]) -> dict:
     return store
 
 
-def _staging(cfg: EngineConfig, d: int, largest: int, pinned: bool) -> tuple[int, int, int]:
-    """(chunk elements, pinned budget, staging bytes) as Engine.__init__ sizes them (Note: [Staging])."""
+def _staging(cfg: EngineConfig, d: int, largest: int, pinned: bool, cuda: bool) -> tuple[int, int, int]:
+    """(chunk elements, pinned budget, staging bytes) as Engine.__init__ sizes them (Note: [Staging]); on CUDA,
+    where groups may be made resident, with the two buffers their moments come in through (Note: [Late
+    moments] in step/late_moments.py)."""
     chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
     budget = pinned_budget(cfg.pinned_budget_bytes, pinned)
-    return chunk, budget, max(4, budget // cfg.transfer_chunk_bytes) * chunk * d
+    late = 2 * MOMENT_STAGING_BYTES if cuda and cfg.placement not in ("host", "stream") else 0
+    return chunk, budget, max(4, budget // cfg.transfer_chunk_bytes) * chunk * d + late
 
 
 def check(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,

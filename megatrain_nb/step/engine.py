@@ -665,5 +665,5 @@ class Engine:
             self.drain()
         finally:
             self.abort.set()
-            self.io.close(), self.adam.close()
+            self.io.close(), self.adam.close(), self.device_updates.late.close()
 

@@ -5,8 +5,9 @@ plain on the CPU, where the same code runs and copies complete at once), the pac
 fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy), the unpacker
 thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then tells the Adam
 worker) and the writer thread (a "device" unit's state back, Note: [State write-backs]). Every host
-wait here happens in a worker thread, but ``upload``'s: between steps the driver brings state made
-resident in through the idle weight staging (Note: [Arrivals] in device_updates.py); otherwise the
+wait here happens in a worker thread, but ``upload``'s: between steps the driver brings the masters of
+groups made resident in through the idle weight staging (Note: [Arrivals] in device_updates.py; their
+moments come during the step, through a ``Staging`` of their own, late_moments.py); otherwise the
 driver only waits on the boxes these methods return.
 About 570 lines: the three workers share the staging pools, the chunking and the delay hooks, the
 packer's early loads (Note: [Early state] in device_updates.py) are its own waits filled, and the
@@ -140,6 +141,45 @@ def chunks(n: int, size: int):
         yield a, min(n, a + size)
 
 
+class Staging:
+    """Host buffers (pinned on CUDA) that copies in use in turn, each refilled once its last copy is done."""
+
+    def __init__(self, dev: Streams, n: int, numel: int, dtype: torch.dtype):
+        self.dev = dev
+        self.bufs = [dev.host_buffer(numel, dtype) for _ in range(n)]
+        self.free = [None] * n  # event after which each buffer may be refilled
+        self.next = 0
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        """The next buffer, once its last copy is done (a host wait), and its index: the caller hands its own
+        copy's event to ``release``. One thread at a time (the packer; the driver between steps)."""
+        k = self.next
+        self.next = (k + 1) % len(self.bufs)
+        if self.free[k] is not None:
+            self.free[k].synchronize()  # host wait
+        return k, self.bufs[k]
+
+    def release(self, k: int, event) -> None:
+        self.free[k] = event
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """``src`` (host) into ``dst`` (device, same dtype) on ``stream``. An unpinned ``src`` goes a buffer at
+        a time, its bytes copied by the CPU while the last buffer's DMA runs: a pageable copy runs ~7 GB/s on
+        the H200 against 43 GB/s for the CPU's copy into pinned memory and 55 for the DMA
+        (``../shared/LIMITS.md``)."""
+        with self.dev.on(stream):
+            if not self.dev.cuda or src.is_pinned():
+                dst.copy_(src, non_blocking=True)
+                return
+            out, inp = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+            for a, b in chunks(inp.numel(), self.bufs[0].numel() * self.bufs[0].element_size()):
+                k, buf = self.take()
+                buf = buf.view(torch.uint8)[:b - a]
+                buf.copy_(inp[a:b])
+                out[a:b].copy_(buf, non_blocking=True)
+                self.release(k, self.dev.record(stream))
+
+
 @dataclasses.dataclass(eq=False)
 class PendingLoad:
     """A load for the packer (``Transfers.queue``); one registered with ``allow_early`` may start ahead of its
@@ -175,9 +215,7 @@ class Transfers:
         n_out = max(2, n_chunks // 4)
         largest = max(u.layout.numel for u in store.units.values())
         self.chunk = min(chunk, -(-largest // 64) * 64)  # no buffer larger than the largest unit
-        self.staging = [dev.host_buffer(self.chunk, dtype) for _ in range(n_chunks - n_out)]
-        self.staging_free = [None] * len(self.staging)  # event after which each buffer may be refilled
-        self.staging_next = 0
+        self.staging = Staging(dev, n_chunks - n_out, self.chunk, dtype)  # weights in (and ``upload``'s)
         self.gstaging = [dev.host_buffer(self.chunk, dtype) for _ in range(n_out)]
         self._gnext = 0
         self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
@@ -255,42 +293,20 @@ class Transfers:
                         dst[off + a:off + b].copy_(stage)
                     continue
                 for a, b in chunks(src.numel(), self.chunk):
-                    k, buf = self._staging()
+                    k, buf = self.staging.take()
                     buf = buf[:b - a]
                     with self.rec.span("host-pack", "pack", layer, phase, (b - a) * 4):
                         buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
                     dst[off + a:off + b].copy_(buf, non_blocking=True)
-                    self.staging_free[k] = self.dev.record(self.dev.h2d)
+                    self.staging.release(k, self.dev.record(self.dev.h2d))
             self.rec.cuda_end(tok, self.dev.h2d)
             return self.dev.record(self.dev.h2d)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Driver, between steps (the packer idle): ``src`` (host) into ``dst`` (device, same dtype) on the
-        current stream. An unpinned ``src`` goes through the weight staging a buffer at a time, its bytes
-        copied by the CPU while the last buffer's DMA runs: a pageable copy runs ~7 GB/s on the H200
-        against 43 GB/s for the CPU's copy into pinned memory and 55 for the DMA (``../shared/LIMITS.md``).
-        What a unit made resident brings in (its moments are not pinned under "auto"); no host memory more.
-        """
-        if not self.dev.cuda or src.is_pinned():
-            dst.copy_(src, non_blocking=True)
-            return
-        out, inp = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
-        stream = torch.cuda.current_stream(self.dev.device)
-        for a, b in chunks(inp.numel(), self.staging[0].numel() * self.staging[0].element_size()):
-            k, buf = self._staging()
-            buf = buf.view(torch.uint8)[:b - a]
-            buf.copy_(inp[a:b])
-            out[a:b].copy_(buf, non_blocking=True)
-            self.staging_free[k] = self.dev.record(stream)  # the packer's next use of it waits for this copy
-
-    def _staging(self) -> tuple[int, torch.Tensor]:
-        """The next weight staging buffer, once its last copy is done (a host wait), and its index: the
-        caller records its own copy's event in ``staging_free``."""
-        k = self.staging_next
-        self.staging_next = (k + 1) % len(self.staging)
-        if self.staging_free[k] is not None:
-            self.staging_free[k].synchronize()  # host wait (packer, or the driver between steps)
-        return k, self.staging[k]
+        """Driver, between steps (the packer idle): ``src`` (host) into ``dst`` (device) on the current stream,
+        an unpinned ``src`` through the weight staging (``Staging.upload``): what a unit made resident brings
+        in before the step, its master (Note: [Arrivals] in device_updates.py); no host memory more."""
+        self.staging.upload(dst, src, torch.cuda.current_stream(self.dev.device) if self.dev.cuda else None)
 
     def allow_early(self, p: PendingLoad) -> None:
         """Driver: the packer may start ``p`` while it waits for a host update (Note: [Early state]);
