@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     ap.add_argument("--save-trace", default=None, help="directory: save the last step's trace per batch")
     ap.add_argument("--trace-steps", action="store_true",
                     help="with --save-trace: also save every step's trace (untimed ones too), and print each step's "
-                         "placement moves (the arrive spans of the driver and the arrivals' thread); reading a trace waits for the GPU")
+                         "placement moves (the driver's arrive spans); reading a trace waits for the GPU")
     ap.add_argument("--profile-step", type=int, nargs="+", default=None,
                     help="debug: run these steps (0-based, warm-up ones count) of each batch under torch.profiler; print "
                          "the ops that took the most host time and, with --save-trace, save its Chrome trace there")
@@ -275,18 +275,17 @@ def _profiled(on: bool, folder: str | None, name: str):
 
 
 def _save_step_trace(trace, folder: str, name: str) -> None:
-    """Save one step's trace and print what its placement moves took: the driver's part before the step's
-    origin, the arrivals' thread's during it (Note: [Arrivals] in arrivals.py)."""
+    """Save one step's trace and print what its placement moves took (Note: [Arrivals] in device_updates.py)."""
     os.makedirs(folder, exist_ok=True)
     trace.save(os.path.join(folder, name))
     df = trace.to_dataframe()
-    for lane in ("driver", "host-arrive"):
-        moves = df[(df.lane == lane) & (df.op.str.startswith("arrive") | (df.op == "moments-in"))]
-        if len(moves):
-            g = moves.groupby("op").agg(n=("dur_ms", "count"), ms=("dur_ms", "sum"), gb=("bytes", "sum"))
-            print(f"    moves ({lane}): {moves.start_ms.min():.0f} to {moves.end_ms.max():.0f} ms, " + ", ".join(
-                f"{op} {r.n} x {r.ms:.0f} ms" + (f" {r.gb / 1e9:.1f} GB" if r.gb else "") for op, r in g.iterrows()),
-                file=sys.stderr, flush=True)
+    moves = df[(df.lane == "driver") & df.op.str.startswith("arrive")]
+    if len(moves):
+        g = moves.groupby("op").agg(n=("dur_ms", "count"), ms=("dur_ms", "sum"), gb=("bytes", "sum"))
+        span = moves.end_ms.max() - moves.start_ms.min()
+        print(f"    moves: {span:.0f} ms from the first to the last, " + ", ".join(
+            f"{op} {r.n} x {r.ms:.0f} ms" + (f" {r.gb / 1e9:.1f} GB" if r.gb else "") for op, r in g.iterrows()),
+            file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

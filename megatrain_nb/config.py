@@ -8,8 +8,8 @@ import torch
 
 from .machine.longcontext import keep_share
 
-ARRIVAL_STAGING_BYTES = 64 << 20  # each of the two pinned buffers that groups made resident come in
-# through during a step, on CUDA (Note: [Arrivals] in step/arrivals.py)
+MOMENT_STAGING_BYTES = 64 << 20  # each of the two pinned buffers that resident groups' moments come in
+# through during a step, on CUDA (Note: [Late moments] in step/late_moments.py)
 
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZER_STATES = ("fp32", "int8", "int4")

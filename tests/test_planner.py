@@ -95,7 +95,7 @@ def test_simulate_has_trace_columns_and_ends_at_step_ms():
     p = plan(QWEN25_3B, batch=4, seq=4096)
     df = p.simulate()
     assert list(df.columns) == list(Trace(step=0).to_dataframe().columns)
-    assert set(df.lane) == set(LANES) - {"device-adam", "d2h-state", "driver", "h2d-arrive", "host-arrive"}  # nothing
+    assert set(df.lane) == set(LANES) - {"device-adam", "d2h-state", "driver", "h2d-moments", "host-moments"}  # nothing
     # resident or streamed; no driver
     assert df.end_ms.max() == pytest.approx(p.step_ms) and (df.dur_ms >= 0).all()
     comp = df[df.lane == "compute"]

@@ -13,7 +13,7 @@ from conftest import FAMILIES, make_config
 from megatrain_nb import Session
 from megatrain_nb.host import compact_state
 from megatrain_nb.machine import preflight
-from megatrain_nb.config import ARRIVAL_STAGING_BYTES, EngineConfig
+from megatrain_nb.config import MOMENT_STAGING_BYTES, EngineConfig
 from megatrain_nb.model.hf import load_architecture
 from megatrain_nb.host.host_store import HostStore
 from megatrain_nb.machine.preflight import PreflightError, check, estimate, gib, oom_advice
@@ -77,7 +77,7 @@ def test_cast_on_device_pins_the_master_and_adds_device_landing_buffers(monkeypa
     cfg.cast_on_device = True  # after validation (needs CUDA)
     est = estimate(arch, cfg)
     assert est["store"]["shadow"] == 0 and est["store"]["total"] == plain["store"]["total"] - plain["store"]["shadow"]
-    late = 2 * ARRIVAL_STAGING_BYTES  # "auto" on CUDA: arrivals' staging too (Note: [Arrivals])
+    late = 2 * MOMENT_STAGING_BYTES  # "auto" on CUDA: moments' staging too (Note: [Late moments])
     chunk = (est["host"]["staging"] - late) // 8 // 2  # 8 bf16 buffers of one chunk each (Note: [Staging])
     assert est["device"]["cast_stage"] == 2 * chunk * 4 and plain["device"]["cast_stage"] == 0
 

@@ -196,11 +196,12 @@ class DeviceAdamW:
         self.streamed: dict[int, torch.Tensor] = {}  # unit placed "device" -> its step count on the device
         self.nbytes = 0  # device bytes of every resident group's buffers (kept as groups come and go)
 
-    def add(self, units: tuple[int, ...], upload=None, fill: bool = True) -> Resident:
+    def add(self, units: tuple[int, ...], upload=None, moments: bool = True) -> Resident:
         """Move a group's state from the host store to the device (the host's last update must be applied).
         ``upload(dst, src)``: how a host tensor goes in (``Transfers.upload``; default a plain copy).
-        ``fill=False``: the buffers are made and the group registered, but nothing is copied: ``load_master``
-        and ``load_moments`` fill them later (Note: [Arrivals] in arrivals.py); nothing may read them before."""
+        ``moments=False``: its moment buffers are left unfilled for ``load_moments`` (Note: [Late moments]
+        in late_moments.py); nothing may read them before that."""
+        put = upload or (lambda dst, src: dst.copy_(src))
         segs, off = [], 0
         for u in units:
             n = self.store.units[u].layout.numel
@@ -212,22 +213,16 @@ class DeviceAdamW:
                      master=mk(torch.float32), exp_avg=mk(torch.float32), exp_avg_sq=mk(torch.float32),
                      egrad=torch.empty(self.store.units[-1].layout.numel, device=self.device) if emb else None,
                      steps={})
-        if fill:
-            put = upload or (lambda dst, src: dst.copy_(src))
-            self.load_master(r, put)
+        for u, a, b in segs:
+            put(r.master[a:b], self.store.units[u].master)
+            r.steps[u] = _count(self.host.steps_done(u), self.device)
+        if moments:
             self.load_moments(r, put)
+        r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
         self.groups[units] = r
         self.of.update(dict.fromkeys(units, r))
         self.nbytes += _nbytes(r)
         return r
-
-    def load_master(self, r: Resident, put) -> None:
-        """A resident group's master, step counts and weights (the master cast) from the host store, on the
-        current stream; ``put(dst, src)`` as ``add``'s ``upload``."""
-        for u, a, b in r.segs:
-            put(r.master[a:b], self.store.units[u].master)
-            r.steps[u] = _count(self.host.steps_done(u), self.device)
-        r.w.copy_(r.master)  # fp32 -> compute dtype, as the host's loads cast
 
     def load_moments(self, r: Resident, put) -> None:
         """A resident group's moments from the host store into its device buffers, on the current stream;

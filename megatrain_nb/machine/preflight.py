@@ -23,7 +23,7 @@ import torch
 
 from ..host import compact_state
 from ..model.binding import Layout
-from ..config import ARRIVAL_STAGING_BYTES, OPTIMIZER_STATES, EngineConfig, pinned_budget
+from ..config import MOMENT_STAGING_BYTES, OPTIMIZER_STATES, EngineConfig, pinned_budget
 from ..host.host_store import unit_layouts
 from .shape import QWEN25, loss_positions
 
@@ -65,7 +65,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
           ``bytes_per_param``: master, grad, moments (both), shadow, store, staging, host (``host``'s
             needed) per parameter;
           ``host``: store, staging (transfer buffers, pinned on CUDA; with them, where groups may be made
-            resident, those they come in through), device_buffers (on "cpu" the
+            resident, those their moments come in through), device_buffers (on "cpu" the
             "device" is host RAM), needed, available;
           ``device``: weight_slots, grad_slots, head_slots, cast_stage (cast_on_device), embedding_rows,
             activations, logits, workspace, needed, available (None on "cpu": everything counts as host);
@@ -242,11 +242,11 @@ def _store(layouts: dict, d: int, pin: bool, words: dict[int, int]) -> dict:
 
 def _staging(cfg: EngineConfig, d: int, largest: int, pinned: bool, cuda: bool) -> tuple[int, int, int]:
     """(chunk elements, pinned budget, staging bytes) as Engine.__init__ sizes them (Note: [Staging]); on CUDA,
-    where groups may be made resident, with the two buffers they come in through (Note: [Arrivals] in
-    step/arrivals.py)."""
+    where groups may be made resident, with the two buffers their moments come in through (Note: [Late
+    moments] in step/late_moments.py)."""
     chunk = min(cfg.transfer_chunk_bytes // d, -(-largest // 64) * 64)
     budget = pinned_budget(cfg.pinned_budget_bytes, pinned)
-    late = 2 * ARRIVAL_STAGING_BYTES if cuda and cfg.placement not in ("host", "stream") else 0
+    late = 2 * MOMENT_STAGING_BYTES if cuda and cfg.placement not in ("host", "stream") else 0
     return chunk, budget, max(4, budget // cfg.transfer_chunk_bytes) * chunk * d + late
 
 

@@ -9,7 +9,7 @@ Note: [Streamed head]), or every resident unit after the backward when gated —
 Does not own: the order of a step (engine.py calls in at named points: ``place``, ``begin``,
 ``early_state``, ``loss_known``, ``landed``, ``stream_update``, ``stream_head``, ``end_backward``,
 ``wait_writes``, ``gated_update``, ``after_step``), the choice itself (placement.py, pure), the AdamW
-arithmetic (``optim.DeviceAdamW``), the copies (transfers.py), the copies of groups made resident (arrivals.py).
+arithmetic (``optim.DeviceAdamW``), the copies (transfers.py), arriving groups' moments (late_moments.py).
 About 650 lines because resident groups and streamed units share one device AdamW, the step's
 non-finite flag, its hooks and its failure path (``recover``); apart, each half would hold a copy. The
 planner's choices for "auto" (micro-batch, rows a pass) are autoplan.py's; here only their cached calls. The
@@ -24,7 +24,7 @@ import torch
 from ..machine import placement as placing
 from ..host import split_master
 from ..host.optim import DeviceAdamW, grad_norm
-from .arrivals import Arrivals
+from .late_moments import LateMoments
 from .transfers import PendingLoad, memory_total
 from .workers import Box
 
@@ -38,7 +38,7 @@ class DeviceUpdates:
         self.L = arch.num_layers
         self.dp = dp  # data parallel (distributed.py): every rank must measure, search and place alike
         self.opt = DeviceAdamW(store, host_optim, ocfg, dev.device, dtype)  # resident / streamed units' state
-        self.arrivals = Arrivals(dev, rec, self.opt, adam, io.abort)  # Note: [Arrivals]: groups made resident
+        self.late = LateMoments(dev, rec, self.opt, io.abort)  # Note: [Late moments]: arriving groups' moments
         self.mode = placing.validate(ecfg.placement, self.L, arch.tied)
         self.gate = ocfg.grad_clip is not None or not ecfg.overlap_optimizer or ecfg.nonfinite == "raise"
         self.choice: dict[int, placing.Choice] | None = None  # unit -> placement in force
@@ -90,16 +90,6 @@ class DeviceUpdates:
         """The head group (the head, and a tied embedding) is placed "device" (Note: [Streamed head])."""
         return self.L in self.opt.streamed
 
-    def device_updated(self, unit: int) -> bool:
-        """The device updates ``unit`` (resident and in, or streamed): the host's update of it does nothing.
-        A group on its way in is the host's until its master comes in (Note: [Arrivals] in arrivals.py)."""
-        return (unit in self.opt.of and unit not in self.arrivals.coming) or unit in self.opt.streamed
-
-    def resident_weights(self, unit: int) -> torch.Tensor:
-        """Driver: resident ``unit``'s group's weights, once in: the current stream waits (Note: [Arrivals])."""
-        self.arrivals.weights(unit, torch.cuda.current_stream(self.dev.device) if self.dev.cuda else None)
-        return self.opt.of[unit].w
-
     def recover(self) -> None:
         """After a failed step (whose write-backs have landed, ``wait_writes``): no state slot waits for a
         write-back that will not come."""
@@ -107,7 +97,7 @@ class DeviceUpdates:
         self.hstate_box, self.hload, self.head_written = Box(ready=True), None, None
         self.writes, self.norms, self._early = [], {}, {}
         self.io.clear_early()
-        self.arrivals.recover()  # Note: [Arrivals]: what did not come in, comes in now
+        self.late.recover()  # Note: [Late moments]: what did not come in, comes in now
 
     def wait_writes(self, every: bool = True) -> None:
         """Driver: wait for the state write-backs no step has waited for (the head group's too); raises
@@ -195,11 +185,16 @@ class DeviceUpdates:
                 if self.dev.cuda and (not arriving or self.search.trial):  # Note: [Arrivals]: nothing left the
                     torch.cuda.synchronize(self.dev.device)  # device outside a trial; named sync: what left is
                     torch.cuda.empty_cache()  # copied out; its blocks go back: fewer fragments for the next layout
-                arrived = [g for g in moving if g not in opt.groups]
-                for g in arrived:  # Note: [Arrivals]: made here, filled during the step
-                    self.arrivals.expect(g)  # first: the host still applies its units' due updates
-                    with self.rec.span("driver", "arrive", g[0], "io"):
-                        opt.add(g, fill=False)
+                arrived = []
+                for g in moving:  # Note: [Arrivals]: in forward order, each as soon as its host update is applied
+                    if g in opt.groups:
+                        continue
+                    with self.rec.span("driver", "arrive-wait", g[0], "io"):  # traced before the step's origin
+                        for u in g:
+                            self.adam.wait_version(u, steps_done)  # host wait: the rest of the host's AdamW runs on
+                    with self.rec.span("driver", "arrive", g[0], "io", sum(self._state_bytes(u, moments=False) for u in g)):
+                        opt.add(g, upload=self.io.upload, moments=False)  # Note: [Late moments]: they come in the step
+                    arrived.append(g)
                 for u in streaming - set(opt.streamed):
                     opt.stream_add(u)
                 n = max(self.store.units[i].layout.numel for i in range(self.L))
@@ -215,7 +210,11 @@ class DeviceUpdates:
                     if self.arch.tied:
                         self.hgrad = torch.empty(self.store.units[-1].layout.numel, device=self.dev.device)
                 self.hstate_box, self.hload = Box(ready=True), None
-            self.arrivals.start(arrived, steps_done)  # quiesced above: the buffers made here hold no pending work
+            if self.dev.cuda:
+                with self.rec.span("driver", "arrive-sync", -1, "io"):
+                    self.dev.compute.synchronize()  # named sync: the masters are in, and the step's other streams
+                    # may write the buffers made here
+            self.late.start(arrived)  # after the masters: their copies do not share PCIe with the moments'
         self.store.split_units(split)  # after a drain, or newly "device" (quiesced above)
         self.choice = want
         return keep
@@ -235,16 +234,19 @@ class DeviceUpdates:
         """Driver, between steps: no write-back, host update (``host``) or device update of a finished step in
         flight.
 
-        Where a placement only makes groups resident, the host's AdamW of the last step goes on while they
-        come in: during the step (Note: [Arrivals] in arrivals.py). On the H200 (2026-12-03, 3B x 8), the
-        step after the measuring step took 3.59 s against 1.60 steady when ``place`` waited for every update
-        and then copied 25 units' moments from pageable memory (~7 GB/s).
+        Note: [Arrivals] where a placement only makes groups resident, the host's AdamW of the last step goes
+        on while they move: ``place`` waits for each group's own update, in the forward's order (the order the
+        worker updates in once every gradient has landed), and copies its master in while the next groups
+        update; their moments come during the step (Note: [Late moments] in late_moments.py). (Before that,
+        the moments, not pinned under "auto", came here too, through the weight staging.)
+        On the H200 (2026-12-03, 3B x 8), the step after the measuring step took 3.59 s against 1.60 steady,
+        waiting for every update and then copying 25 units' moments from pageable memory (~7 GB/s).
         Where groups only arrive (outside a trial, whose layout is the tightest), the allocator keeps its
         cached blocks: emptied, the first step's activations came back through fresh device allocations
         (traced at 3B x 8: ~100 ms emptying, its embedding's backward 138 ms against 4, its loss 201 against 165).
         """
         self.wait_writes()
-        self.arrivals.finish()  # Note: [Arrivals]: a group may leave, or its state be read
+        self.late.finish()  # Note: [Late moments]: a group may leave, or its state be read
         if host:
             self.adam.wait_all(steps_done)  # host wait: every host update of finished steps is applied
         if self.dev.cuda:
@@ -395,7 +397,7 @@ class DeviceUpdates:
             dev.wait(dev.optim, ready)
             if dev.cuda:
                 found.record_stream(dev.optim)  # made on compute, read on optim: keep its memory until then
-            self.arrivals.state(r.units, dev.optim)  # Note: [Arrivals]
+            self.late.wait(r.units, dev.optim)  # Note: [Late moments]
             tok = self.rec.cuda_begin("device-adam", "adam", r.units[0], "optim", r.master.numel() * 16, dev.optim)
             self.opt.update(lr, groups=[r.units], found_inf=found)
             self.rec.cuda_end(tok, dev.optim)
@@ -585,7 +587,8 @@ class DeviceUpdates:
             w, a = head_slot, self.store.units[self.L].layout.numel
             b = a + self.store.units[-1].layout.numel
         else:
-            w, (a, b) = self.resident_weights(-1), self.opt.of[-1].seg(-1)
+            r = self.opt.of[-1]
+            w, (a, b) = r.w, r.seg(-1)
         rows = w[a:b].view(-1, H).index_select(0, ids.flatten().to(self.dev.device, non_blocking=True))
         return rows.view(*ids.shape, H)
 
@@ -621,7 +624,7 @@ class DeviceUpdates:
         scale = self.host_optim.clip_factor(norms)[1]  # the same for every unit
         n = sum(r.master.numel() for r in self.opt.groups.values())
         with self.dev.on(self.dev.compute):
-            self.arrivals.finish(self.dev.compute)  # Note: [Arrivals]
+            self.late.finish(self.dev.compute)  # Note: [Late moments]
             tok = self.rec.cuda_begin("device-adam", "adam", -1, "optim", n * 16, self.dev.compute)
             self.opt.update(lr, scale)
             self.rec.cuda_end(tok, self.dev.compute)
@@ -630,7 +633,7 @@ class DeviceUpdates:
     def settle(self) -> None:
         """Block until the device's updates are done (named sync) and every state write-back is back."""
         self.wait_writes()  # raises what a write-back raised
-        self.arrivals.finish()  # Note: [Arrivals]
+        self.late.finish()  # Note: [Late moments]
         if (self.opt.groups or self.opt.streamed) and self.dev.cuda:
             torch.cuda.synchronize(self.dev.device)  # named sync: the device's updates are done
 

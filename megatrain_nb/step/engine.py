@@ -95,13 +95,13 @@ class Engine:
         self.adam = AdamWorker(store.order, self._update, self.abort, shared=store.shared)  # shared_store.py
         self.early = EarlyRows(arch.embed.weight.shape[1], self.adam)  # the next forward's rows first (Note: [Early rows])
         self.adam.early = functools.partial(embedding.early_rows, self)  # embedding.py
+        self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
                                             io=self.io, rec=recorder, norm_dev=self.norm_dev, adam=self.adam,
                                             dtype=self.dtype, dp=self.dp)  # placement: state on the device, its updates
         self.dev_opt = self.device_updates.opt  # resident units' buffers, read by the compute below
-        self.adam.noop = self.device_updates.device_updated  # _update skips them
         self.offload = Offload(dev, recorder)  # holds nothing until a block input is parked
         self.lean = bool(ecfg.lean_activations)  # None (auto): decided per batch size (_place_checkpoints)
         self.lean_reason = "lean_activations=" + repr(ecfg.lean_activations)
@@ -146,7 +146,7 @@ class Engine:
 
     # ---- host side: optimizer ------------------------------------------------------------
     def _update(self, unit: int, lr: float, grad_scale: float) -> None:
-        if self.device_updates.device_updated(unit):
+        if unit in self.dev_opt.of or unit in self.dev_opt.streamed:
             return  # the device updated it (device_updates.py); streamed units need a pinned master: no shadow
         if not self.store.owns(unit):
             return  # another rank of this machine updates the shared store (Note: [Shared host store])
@@ -393,7 +393,7 @@ class Engine:
     def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
         """Driver: the weight slot op k computes from; the compute stream waits for its load."""
         if k not in plan["slot"]:
-            return self.device_updates.resident_weights(op.layer)  # resident: current once in, never loaded
+            return self.dev_opt.of[op.layer].w  # resident: always current, never loaded
         s = plan["slot"][k]
         if k in plan["loads"]:
             ld, box = plan["loads"][k]
@@ -430,7 +430,7 @@ class Engine:
         if head:
             self._ready(head_box)
             res = self.dev_opt.of.get(self.L)
-            yield self.L, self.head_layout.views(self.head_slot if res is None else self.device_updates.resident_weights(self.L))
+            yield self.L, self.head_layout.views(self.head_slot if res is None else res.w)
             self.head_box = Box(ready=True, value=self.dev.record(self.dev.compute))  # the next head load waits
 
     def weights_copy(self, unit: int) -> dict:
@@ -439,7 +439,7 @@ class Engine:
         lay = self.head_layout if unit == self.L else self.store.units[unit].layout
         buf = torch.empty(lay.numel, dtype=self.dtype, device=self.dev.device)
         if unit in self.dev_opt.of:
-            return lay.views(buf.copy_(self.device_updates.resident_weights(unit)))  # resident: its current weights
+            return lay.views(buf.copy_(self.dev_opt.of[unit].w))  # resident: its current weights are there
         box = (self._load_head(buf, Box(ready=True)) if unit == self.L else
                self.io.load(unit, buf, [(unit, self._master(unit), 0)], Box(ready=True), "fwd", self.steps_done))
         self._ready(box)
@@ -665,5 +665,5 @@ class Engine:
             self.drain()
         finally:
             self.abort.set()
-            self.io.close(), self.adam.close(), self.device_updates.arrivals.close()
+            self.io.close(), self.adam.close(), self.device_updates.late.close()
 

@@ -48,7 +48,7 @@ def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small, hoo
     eng._ready(head_box)
     eng.dev.wait(dev.compute, eng.head_gbox.get())  # last step's head grads were copied out
     res = eng.dev_opt.of.get(L)
-    w, gslot = (eng.head_slot, eng.head_gslot) if res is None else (eng.device_updates.resident_weights(L), res.grad)
+    w, gslot = (eng.head_slot, eng.head_gslot) if res is None else (res.w, res.grad)
     tok = eng.rec.cuda_begin("compute", "loss", L, "loss", 0, dev.compute)
     ps = eng.pass_  # Note: [Passes] in passes.py: the head's gradients and the loss add up until the final pass
     if ps.first:

@@ -119,5 +119,5 @@ def count(eng: Engine) -> None:
     rec.counter("device_mem.grads", grads)
     rec.counter("device_mem.resident", resident)
     rec.counter("device_mem.activations", torch.cuda.memory_allocated(eng.dev.device) - weights - grads - resident)
-    late = eng.device_updates.arrivals.staging  # Note: [Arrivals]: made at the first group made resident
+    late = eng.device_updates.late.staging  # Note: [Late moments]: made at the first group made resident
     rec.counter("pinned_in_use_bytes", size(eng.io.staging.bufs + eng.io.gstaging + (late.bufs if late else [])))

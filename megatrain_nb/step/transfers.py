@@ -5,7 +5,10 @@ plain on the CPU, where the same code runs and copies complete at once), the pac
 fp32 masters into staging and enqueues H2D copies, or one DMA from a pinned copy), the unpacker
 thread (enqueues D2H copies of a grad slot, moves them into the host grad slab, then tells the Adam
 worker) and the writer thread (a "device" unit's state back, Note: [State write-backs]). Every host
-wait here happens in a worker thread; the driver only waits on the boxes these methods return.
+wait here happens in a worker thread, but ``upload``'s: between steps the driver brings the masters of
+groups made resident in through the idle weight staging (Note: [Arrivals] in device_updates.py; their
+moments come during the step, through a ``Staging`` of their own, late_moments.py); otherwise the
+driver only waits on the boxes these methods return.
 About 570 lines: the three workers share the staging pools, the chunking and the delay hooks, the
 packer's early loads (Note: [Early state] in device_updates.py) are its own waits filled, and the
 scalar reads share the unpacker (Note: [Mapped reads]).
@@ -149,7 +152,7 @@ class Staging:
 
     def take(self) -> tuple[int, torch.Tensor]:
         """The next buffer, once its last copy is done (a host wait), and its index: the caller hands its own
-        copy's event to ``release``. One thread at a time: each user has its own (the packer; arrivals.py)."""
+        copy's event to ``release``. One thread at a time (the packer; the driver between steps)."""
         k = self.next
         self.next = (k + 1) % len(self.bufs)
         if self.free[k] is not None:
@@ -212,7 +215,7 @@ class Transfers:
         n_out = max(2, n_chunks // 4)
         largest = max(u.layout.numel for u in store.units.values())
         self.chunk = min(chunk, -(-largest // 64) * 64)  # no buffer larger than the largest unit
-        self.staging = Staging(dev, n_chunks - n_out, self.chunk, dtype)  # weights in
+        self.staging = Staging(dev, n_chunks - n_out, self.chunk, dtype)  # weights in (and ``upload``'s)
         self.gstaging = [dev.host_buffer(self.chunk, dtype) for _ in range(n_out)]
         self._gnext = 0
         self.dev_stage = ([torch.empty(self.chunk, dtype=torch.float32, device=dev.device) for _ in range(2)]
@@ -298,6 +301,12 @@ class Transfers:
                     self.staging.release(k, self.dev.record(self.dev.h2d))
             self.rec.cuda_end(tok, self.dev.h2d)
             return self.dev.record(self.dev.h2d)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Driver, between steps (the packer idle): ``src`` (host) into ``dst`` (device) on the current stream,
+        an unpinned ``src`` through the weight staging (``Staging.upload``): what a unit made resident brings
+        in before the step, its master (Note: [Arrivals] in device_updates.py); no host memory more."""
+        self.staging.upload(dst, src, torch.cuda.current_stream(self.dev.device) if self.dev.cuda else None)
 
     def allow_early(self, p: PendingLoad) -> None:
         """Driver: the packer may start ``p`` while it waits for a host update (Note: [Early state]);

@@ -20,8 +20,8 @@ OTHER_COLOR = "#888888"
 LANE_LABELS = {"compute": "compute", "device-adam": "device-adam · AdamW on the device",
                "h2d": "h2d · weights in", "d2h": "d2h · grads out", "d2h-state": "d2h-state · device units' state back",
                "host-pack": "host-pack · staging", "host-unpack": "host-unpack · grads",
-               "h2d-arrive": "h2d-arrive · groups made resident, in",
-               "host-arrive": "host-arrive · their waits and staging (Note [Arrivals])",
+               "h2d-moments": "h2d-moments · arriving groups' moments in",
+               "host-moments": "host-moments · their staging (Note [Late moments])",
                "host-adam": "host-adam · AdamW", "driver": "driver · step preparation, prelude"}
 SLOT_LABELS = {"weight": "weight slot", "grad": "grad slot", "pinned": "pinned buffer"}
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-LANES = ("compute", "device-adam", "h2d", "h2d-arrive", "d2h", "d2h-state", "host-pack", "host-unpack",
-         "host-arrive", "host-adam", "driver")  # known lanes; others allowed
+LANES = ("compute", "device-adam", "h2d", "h2d-moments", "d2h", "d2h-state", "host-pack", "host-unpack",
+         "host-moments", "host-adam", "driver")  # known lanes; others allowed
 PHASES = ("fwd", "loss", "recompute", "bwd", "optim", "io")
 SPAN_COLUMNS = ("lane", "op", "layer", "phase", "start_ms", "end_ms", "bytes")
 SPAN_FRAME_COLUMNS = ("step", "lane", "op", "layer", "phase", "start_ms", "end_ms", "dur_ms", "bytes")

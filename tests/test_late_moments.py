@@ -1,0 +1,149 @@
+"""Late moments (late_moments.py): groups made resident bring their moments in during the step.
+
+On the CPU the thread runs as on CUDA (its copies are plain ones). Each test makes the thread slow
+(``LateMoments.delay``) and fills the moment buffers a group arrives with with NaN, so that anything
+that reads them before the thread has written them shows in the numbers.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_batches, train_session
+from megatrain_nb import Session
+from megatrain_nb.host.optim import DeviceAdamW
+from megatrain_nb.step.late_moments import LateMoments
+from test_equivalence import LR, compare
+from test_placement import _head, _losses
+
+
+@pytest.fixture
+def slow_nan_moments(monkeypatch):
+    return _slow_nan(monkeypatch)
+
+
+def _slow_nan(monkeypatch) -> list:
+    """Every upload sleeps first; a group arrives with NaN moments until its upload writes them. Returns
+    the list of (group, whether its upload had finished) at each wait for it."""
+    monkeypatch.setattr(LateMoments, "delay", 0.05)
+    add = DeviceAdamW.add
+
+    def nan_add(self, units, upload=None, moments=True):
+        r = add(self, units, upload, moments)
+        if not moments:
+            r.exp_avg.fill_(float("nan"))
+            r.exp_avg_sq.fill_(float("nan"))
+        return r
+
+    monkeypatch.setattr(DeviceAdamW, "add", nan_add)
+    seen = []
+    wait = LateMoments.wait
+
+    def spy(self, g, stream):
+        if g in self.pending:
+            seen.append((g, self.pending[g].done))
+        return wait(self, g, stream)
+
+    monkeypatch.setattr(LateMoments, "wait", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family,gated", [("llama", False), ("llama_tied", False), ("llama", True)])
+def test_updates_wait_for_moments_that_come_late(hf_dir, tmp_path, slow_nan_moments, family, gated):
+    d = hf_dir(family)
+    L_ = _head(d)
+    compare(d, family, tmp_path, steps=3, grad_clip=0.5 if gated else None,
+            placement={u: "resident" for u in range(-1, L_ + 1)})
+    assert slow_nan_moments, "no update waited for a group's moments"
+    assert not all(done for _, done in slow_nan_moments), "every upload had finished before its wait: nothing shown"
+
+
+def test_a_failed_upload_fails_the_step_and_the_next_trains_on_equal(hf_dir, monkeypatch, slow_nan_moments):
+    """The upload's error is the step's; nothing was applied, the moments come in again from the host."""
+    d = hf_dir("llama")
+    L_ = _head(d)
+    resident = {u: "resident" for u in range(-1, L_ + 1)}
+    batches = make_batches(VOCAB, 3)
+    want = _losses(d, batches, resident)
+    load, failed = DeviceAdamW.load_moments, []
+
+    def flaky(self, r, put):
+        if threading.current_thread().name == "megatrain-host-moments" and not failed:
+            failed.append(r.units)
+            raise RuntimeError("the copy failed")
+        return load(self, r, put)
+
+    monkeypatch.setattr(DeviceAdamW, "load_moments", flaky)
+    s = Session.from_pretrained(d, lr=LR, placement=resident)
+    try:
+        with pytest.raises(RuntimeError, match="the copy failed"):
+            s.step(batches[0])
+        assert failed == [(L_,)]  # the backward's first group: nothing had updated yet
+        got = train_session(s, batches)
+    finally:
+        s.close()
+    assert got == want
+
+
+def test_a_skipped_gated_step_writes_back_the_moments_it_never_used(hf_dir, slow_nan_moments):
+    """A non-finite gated step updates no resident group, so no update waited for their moments: a
+    write-back after it still writes the host's own moments back, not the buffers' NaN."""
+    import warnings
+
+    d = hf_dir("llama")
+    L_ = _head(d)
+    s = Session.from_pretrained(d, lr=LR, grad_clip=1.0, nonfinite="skip",
+                                placement={u: "resident" for u in (-1, 1, 2, L_)})
+    try:
+        with torch.no_grad():
+            s.store.units[1].master[:] = float("nan")  # layer 1 arrives with NaN weights: the loss is NaN
+        before = {u: (s.store.units[u].exp_avg.clone(), s.store.units[u].exp_avg_sq.clone()) for u in (-1, 2, L_)}
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            r = s.step(make_batches(VOCAB, 1)[0])
+        assert r.skipped
+        assert s.engine.device_updates.late.pending  # no update asked for them
+        s.engine.drain()  # a checkpoint's write-back
+        for u, (m, v) in before.items():
+            assert torch.equal(s.store.units[u].exp_avg, m) and torch.equal(s.store.units[u].exp_avg_sq, v), u
+    finally:
+        s.close()
+
+
+def test_the_trace_shows_the_moments_coming_in(hf_dir):
+    d = hf_dir("llama")
+    L_ = _head(d)
+    s = Session.from_pretrained(d, lr=LR, placement={u: "resident" for u in (-1, 0, L_)})
+    try:
+        train_session(s, make_batches(VOCAB, 1))
+        df = s.trace.to_dataframe()
+    finally:
+        s.close()
+    ins = df[(df.lane == "host-moments") & (df.op == "moments-in")]
+    assert sorted(ins.layer) == [-1, 0, L_]
+    assert (ins.bytes > 0).all() and (ins.end_ms >= ins.start_ms).all()
+    arrive = df[(df.lane == "driver") & (df.op == "arrive")]
+    assert sorted(arrive.layer) == [-1, 0, L_]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state,gated", [("fp32", False), ("int4", False), ("int8", True)])
+def test_late_moments_on_cuda_leave_results_bit_identical(tmp_path, monkeypatch, state, gated):
+    """On the thread's own stream and staging, slowed and with NaN until written: the same bits as at full speed."""
+    from transformers import AutoModelForCausalLM
+
+    from test_gpu import MIXED, _config, _run
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
+    kw = dict(placement=MIXED, optimizer_state=state, grad_clip=1.0 if gated else None, checkpoint_every=2)
+    base_l, base_w = _run(tmp_path, {}, **kw)
+    seen = _slow_nan(monkeypatch)
+    monkeypatch.setattr(LateMoments, "delay", 0.3)  # a step of this model takes tens of ms on the GPU
+    l, w = _run(tmp_path, {}, **kw)
+    assert seen and not all(done for _, done in seen)
+    assert l == base_l
+    assert all(torch.equal(a, b) for a, b in zip(w, base_w))
