@@ -275,7 +275,8 @@ def _profiled(on: bool, folder: str | None, name: str):
 
 
 def _save_step_trace(trace, folder: str, name: str) -> None:
-    """Save one step's trace and print what its placement moves took (Note: [Arrivals] in device_updates.py)."""
+    """Save one step's trace and print what its placement moves took: before the step (Note: [Arrivals] in
+    device_updates.py), and the moments during it (Note: [Late moments] in late_moments.py)."""
     os.makedirs(folder, exist_ok=True)
     trace.save(os.path.join(folder, name))
     df = trace.to_dataframe()
@@ -286,6 +287,10 @@ def _save_step_trace(trace, folder: str, name: str) -> None:
         print(f"    moves: {span:.0f} ms from the first to the last, " + ", ".join(
             f"{op} {r.n} x {r.ms:.0f} ms" + (f" {r.gb / 1e9:.1f} GB" if r.gb else "") for op, r in g.iterrows()),
             file=sys.stderr, flush=True)
+    late = df[(df.lane == "host-moments") & (df.op == "moments-in")]  # Note: [Late moments]
+    if len(late):
+        print(f"    moments in the step: {late.start_ms.min():.0f} to {late.end_ms.max():.0f} ms, {len(late)} groups, "
+              f"{late.bytes.sum() / 1e9:.1f} GB", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,34 @@ def test_a_failed_upload_fails_the_step_and_the_next_trains_on_equal(hf_dir, mon
     assert got == want
 
 
+def test_a_copy_that_fails_again_in_the_recovery_fails_the_next_step_not_the_recovery(hf_dir, monkeypatch):
+    d = hf_dir("llama")
+    L_ = _head(d)
+    resident = {u: "resident" for u in range(-1, L_ + 1)}
+    batches = make_batches(VOCAB, 3)
+    want = _losses(d, batches, resident)
+    load, failed = DeviceAdamW.load_moments, []
+
+    def flaky(self, r, put):
+        if r.units == (L_,) and len(failed) < 2:  # on the thread, then in the recovery
+            failed.append(threading.current_thread().name)
+            raise RuntimeError(f"copy {len(failed)} failed")
+        return load(self, r, put)
+
+    monkeypatch.setattr(DeviceAdamW, "load_moments", flaky)
+    s = Session.from_pretrained(d, lr=LR, placement=resident)
+    try:
+        with pytest.raises(RuntimeError, match="copy 1 failed"):
+            s.step(batches[0])
+        assert len(failed) == 2 and failed[0] == "megatrain-host-moments"  # the recovery's own try failed quietly
+        with pytest.raises(RuntimeError, match="copy 2 failed"):  # its group's first update raises it
+            s.step(batches[0])
+        got = train_session(s, batches)  # the recovery after that brought the moments in
+    finally:
+        s.close()
+    assert got == want
+
+
 def test_a_skipped_gated_step_writes_back_the_moments_it_never_used(hf_dir, slow_nan_moments):
     """A non-finite gated step updates no resident group, so no update waited for their moments: a
     write-back after it still writes the host's own moments back, not the buffers' NaN."""
