@@ -60,8 +60,10 @@ def test_updates_wait_for_moments_that_come_late(hf_dir, tmp_path, slow_nan_mome
     assert not all(done for _, done in slow_nan_moments), "every upload had finished before its wait: nothing shown"
 
 
-def test_a_failed_upload_fails_the_step_and_the_next_trains_on_equal(hf_dir, monkeypatch, slow_nan_moments):
-    """The upload's error is the step's; nothing was applied, the moments come in again from the host."""
+def _failing_copies(hf_dir, monkeypatch, fails) -> tuple:
+    """Every group resident in the tiny Llama; ``load_moments`` raises "copy N failed" (N from 1) where
+    ``fails(group, failures so far, the head's unit)``. Returns (session, batches, the losses of a run with
+    no failure, the failures: (group, thread name), the head's unit)."""
     d = hf_dir("llama")
     L_ = _head(d)
     resident = {u: "resident" for u in range(-1, L_ + 1)}
@@ -70,17 +72,25 @@ def test_a_failed_upload_fails_the_step_and_the_next_trains_on_equal(hf_dir, mon
     load, failed = DeviceAdamW.load_moments, []
 
     def flaky(self, r, put):
-        if threading.current_thread().name == "megatrain-host-moments" and not failed:
-            failed.append(r.units)
-            raise RuntimeError("the copy failed")
+        if fails(r.units, failed, L_):
+            failed.append((r.units, threading.current_thread().name))
+            raise RuntimeError(f"copy {len(failed)} failed")
         return load(self, r, put)
 
     monkeypatch.setattr(DeviceAdamW, "load_moments", flaky)
-    s = Session.from_pretrained(d, lr=LR, placement=resident)
+    return Session.from_pretrained(d, lr=LR, placement=resident), batches, want, failed, L_
+
+
+def test_a_failed_upload_fails_the_step_and_the_next_trains_on_equal(hf_dir, monkeypatch, slow_nan_moments):
+    """The upload's error is the step's; nothing was applied, the moments come in again from the host."""
+    def first_on_thread(g, failed, head):
+        return threading.current_thread().name == "megatrain-host-moments" and not failed
+
+    s, batches, want, failed, L_ = _failing_copies(hf_dir, monkeypatch, first_on_thread)
     try:
-        with pytest.raises(RuntimeError, match="the copy failed"):
+        with pytest.raises(RuntimeError, match="copy 1 failed"):
             s.step(batches[0])
-        assert failed == [(L_,)]  # the backward's first group: nothing had updated yet
+        assert [g for g, _ in failed] == [(L_,)]  # the backward's first group: nothing had updated yet
         got = train_session(s, batches)
     finally:
         s.close()
@@ -88,25 +98,12 @@ def test_a_failed_upload_fails_the_step_and_the_next_trains_on_equal(hf_dir, mon
 
 
 def test_a_copy_that_fails_again_in_the_recovery_fails_the_next_step_not_the_recovery(hf_dir, monkeypatch):
-    d = hf_dir("llama")
-    L_ = _head(d)
-    resident = {u: "resident" for u in range(-1, L_ + 1)}
-    batches = make_batches(VOCAB, 3)
-    want = _losses(d, batches, resident)
-    load, failed = DeviceAdamW.load_moments, []
-
-    def flaky(self, r, put):
-        if r.units == (L_,) and len(failed) < 2:  # on the thread, then in the recovery
-            failed.append(threading.current_thread().name)
-            raise RuntimeError(f"copy {len(failed)} failed")
-        return load(self, r, put)
-
-    monkeypatch.setattr(DeviceAdamW, "load_moments", flaky)
-    s = Session.from_pretrained(d, lr=LR, placement=resident)
+    s, batches, want, failed, L_ = _failing_copies(hf_dir, monkeypatch,
+                                                   lambda g, failed, head: g == (head,) and len(failed) < 2)
     try:
-        with pytest.raises(RuntimeError, match="copy 1 failed"):
+        with pytest.raises(RuntimeError, match="copy 1 failed"):  # on the thread, then in the recovery
             s.step(batches[0])
-        assert len(failed) == 2 and failed[0] == "megatrain-host-moments"  # the recovery's own try failed quietly
+        assert len(failed) == 2 and failed[0][1] == "megatrain-host-moments"  # the recovery's own try: quietly
         with pytest.raises(RuntimeError, match="copy 2 failed"):  # its group's first update raises it
             s.step(batches[0])
         got = train_session(s, batches)  # the recovery after that brought the moments in

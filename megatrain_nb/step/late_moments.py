@@ -25,6 +25,7 @@ Bringing the masters in during the step too was tried and did not pay (docs/desi
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -61,8 +62,6 @@ class LateMoments:
     def _upload(self, g: tuple[int, ...]):
         """Thread: group ``g``'s moments in on the thread's stream; the event after them."""
         if self.delay:
-            import time
-
             time.sleep(self.delay)
         r = self.opt.groups[g]
         nbytes = sum(self.opt.store.units[u].exp_avg.nbytes + self.opt.store.units[u].exp_avg_sq.nbytes for u in g)
