@@ -9,7 +9,7 @@ wait here happens in a worker thread, but ``upload``'s: between steps the driver
 groups made resident in through the idle weight staging (Note: [Arrivals] in device_updates.py; their
 moments come during the step, through a ``Staging`` of their own, late_moments.py); otherwise the
 driver only waits on the boxes these methods return.
-About 570 lines: the three workers share the staging pools, the chunking and the delay hooks, the
+About 590 lines: the three workers share the staging pools (``Staging``), the chunking and the delay hooks, the
 packer's early loads (Note: [Early state] in device_updates.py) are its own waits filled, and the
 scalar reads share the unpacker (Note: [Mapped reads]).
 Does not own: what to load when (schedule.py, engine.py), compute, or the optimizer's arithmetic.
