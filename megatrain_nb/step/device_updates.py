@@ -8,7 +8,7 @@ Note: [Streamed head]), or every resident unit after the backward when gated —
 (Note: [Early state]) and write-backs (Note: [Late write-backs]), and the per-unit placement table.
 Does not own: the order of a step (engine.py calls in at named points: ``place``, ``begin``,
 ``early_state``, ``loss_known``, ``landed``, ``stream_update``, ``stream_head``, ``end_backward``,
-``wait_writes``, ``gated_update``, ``after_step``), the choice itself (placement.py, pure), the AdamW
+``wait_writes``, ``gated_update``, ``after_step``, ``ahead``), the choice itself (placement.py, pure), the AdamW
 arithmetic (``optim.DeviceAdamW``), the copies (transfers.py), arriving groups' moments (late_moments.py).
 About 650 lines because resident groups and streamed units share one device AdamW, the step's
 non-finite flag, its hooks and its failure path (``recover``); apart, each half would hold a copy. The
@@ -186,15 +186,20 @@ class DeviceUpdates:
                     torch.cuda.synchronize(self.dev.device)  # device outside a trial; named sync: what left is
                     torch.cuda.empty_cache()  # copied out; its blocks go back: fewer fragments for the next layout
                 arrived = []
-                for g in moving:  # Note: [Arrivals]: in forward order, each as soon as its host update is applied
-                    if g in opt.groups:
-                        continue
-                    with self.rec.span("driver", "arrive-wait", g[0], "io"):  # traced before the step's origin
-                        for u in g:
-                            self.adam.wait_version(u, steps_done)  # host wait: the rest of the host's AdamW runs on
-                    with self.rec.span("driver", "arrive", g[0], "io", sum(self._state_bytes(u, moments=False) for u in g)):
-                        opt.add(g, upload=self.io.upload, moments=False)  # Note: [Late moments]: they come in the step
-                    arrived.append(g)
+                try:
+                    for g in moving:  # Note: [Arrivals]: in forward order, each as soon as its host update is applied
+                        if g in opt.groups:
+                            continue
+                        with self.rec.span("driver", "arrive-wait", g[0], "io"):  # traced before the step's origin
+                            for u in g:
+                                self.adam.wait_version(u, steps_done)  # host wait: the rest of the host's AdamW runs on
+                        with self.rec.span("driver", "arrive", g[0], "io",
+                                           sum(self._state_bytes(u, moments=False) for u in g)):
+                            opt.add(g, upload=self.io.upload, moments=False)  # Note: [Late moments]: in the step
+                        arrived.append(g)
+                except BaseException:
+                    self.late.start(arrived)  # a group in without its moments: they still come, and its readers wait
+                    raise
                 for u in streaming - set(opt.streamed):
                     opt.stream_add(u)
                 n = max(self.store.units[i].layout.numel for i in range(self.L))
@@ -218,6 +223,28 @@ class DeviceUpdates:
         self.store.split_units(split)  # after a drain, or newly "device" (quiesced above)
         self.choice = want
         return keep
+
+    def ahead(self, steps_done: int, keep) -> None:
+        """Driver, at the end of the measuring step, once the search has chosen: ``place`` for the next step
+        (``steps_done``: the steps done after this one). An out-of-memory error here is left to that step's
+        own ``place``, which moves what is still to move (a trial that does not fit falls back to A there).
+
+        Note: [Moves ahead] the groups the search makes resident move in at the end of the step that
+        measured, not at the start of the next one. Their masters need that step's host AdamW of them
+        applied first (Note: [Arrivals]), and under "auto" the measuring step is the one with nothing
+        resident: every unit's update runs on the host, and the groups the next forward needs first are
+        updated last (the backward lands them last). Traced on the H200 (2026-12-03, 14B x 2 with int4
+        moments), the trial step began with 0.90 s of moves: 0.51 s waiting for those updates and 0.37 s
+        of masters. That wait is the measuring step's own work, so its step now ends when it is done and
+        the masters are in: the next step starts with its placement in force, and runs what every step
+        after it runs, its moments coming in during it (Note: [Late moments]). The time to settle is
+        unchanged; it is spent in the step that caused it.
+        """
+        try:
+            self.place(steps_done, keep)
+        except torch.OutOfMemoryError:
+            if self.dev.cuda:
+                torch.cuda.empty_cache()  # the next step's ``place`` starts from the groups that did arrive
 
     def _state_bytes(self, u: int, moments: bool = True) -> int:
         """Bytes of unit ``u``'s host state that a move to the device reads: master and (``moments``) moments."""

@@ -281,7 +281,10 @@ class Engine:
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
             du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
+        measured = du.measuring
         du.after_step(keep=self.keep, act_bytes=self._act_bytes, mbs=groups[0])  # the "auto" search's measurements
+        if measured:
+            du.ahead(self.steps_done + 1, self.keep)  # Note: [Moves ahead] in device_updates.py
         self._pending, self._trace = (rec.take_step(), self._occ), None  # resolved when first read: no GPU wait here
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
