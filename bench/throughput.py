@@ -175,7 +175,7 @@ def main(argv=None) -> None:
             cuda = a.device.startswith("cuda")
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            times, losses, summaries, waits, raws = [], [], [], [], []
+            times, losses, summaries, waits, raws, every = [], [], [], [], [], []
             k = done_steps = 0
             while len(times) < a.steps and k < a.steps + a.warmup + 10:
                 ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
@@ -183,6 +183,7 @@ def main(argv=None) -> None:
                 with _profiled(a.profile_step and k in a.profile_step, a.save_trace, f"{a.shape}_b{B}{suffix}_step{k}"):
                     r = s.step({"input_ids": ids})
                 losses.append(r.loss)
+                every.append(r.seconds)
                 du = s.engine.device_updates
                 print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
                       f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
@@ -209,6 +210,9 @@ def main(argv=None) -> None:
             N = rep["params"]
             row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, batch=B, seq=a.seq, tokens=tokens,
                        step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
+                       steps_s=[round(x, 4) for x in every],  # every step of this batch, the untimed first
+                       worst_after_first_x=round(max(every[1:]) / t, 3),  # what "auto" must hold under 1.5
+                       first3_over_steady_s=round(sum(every[:3]) - 3 * t, 3),  # the time settling costs
                        model_tflops=round(6 * N * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
                        recomputed_layers=r.recomputed_layers,
                        peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
