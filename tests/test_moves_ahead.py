@@ -69,19 +69,22 @@ def test_the_measuring_step_ends_with_the_chosen_groups_resident(hf_dir, tmp_pat
     assert {c for c, _ in log} == {1}, f"groups arrived in step calls {log}: the measuring step is call 1"
 
 
-def test_a_group_that_does_not_fit_at_the_measuring_steps_end_comes_in_the_next_step(hf_dir, tmp_path, monkeypatch):
-    """An out-of-memory error in the moves ahead is not the measuring step's (its updates are applied): the
-    groups that came in keep their moments coming, and the next step's ``place`` moves the rest."""
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory (simulated)"),
+                                   RuntimeError("copy failed (simulated)")])
+def test_a_group_that_fails_to_arrive_at_the_measuring_steps_end_comes_in_the_next_step(hf_dir, tmp_path,
+                                                                                         monkeypatch, error):
+    """An error in the moves ahead is not the measuring step's (its updates are applied): the step returns,
+    the groups that came in keep their moments coming, and the next step's ``place`` moves the rest."""
     _slow_nan(monkeypatch)
     log = _play_auto(monkeypatch, "done")
     add, failed = DeviceAdamW.add, []
 
-    def oom_once(opt, units, upload=None, moments=True):
+    def fail_once(opt, units, upload=None, moments=True):
         if units == (0,) and not failed:
             failed.append(units)
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            raise error
         return add(opt, units, upload, moments)
 
-    monkeypatch.setattr(DeviceAdamW, "add", oom_once)
+    monkeypatch.setattr(DeviceAdamW, "add", fail_once)
     compare(hf_dir("llama"), "llama", tmp_path, steps=3, placement="auto")
     assert failed == [(0,)] and log == [(1, (-1,)), (2, (0,))], log

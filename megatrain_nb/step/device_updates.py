@@ -226,8 +226,9 @@ class DeviceUpdates:
 
     def ahead(self, steps_done: int, keep) -> None:
         """Driver, at the end of the measuring step, once the search has chosen: ``place`` for the next step
-        (``steps_done``: the steps done after this one). An out-of-memory error here is left to that step's
-        own ``place``, which moves what is still to move (a trial that does not fit falls back to A there).
+        (``steps_done``: the steps done after this one). The step itself is applied by then, so an error
+        here (out of memory, a failed copy) is not its: that step's own ``place`` moves what is still to
+        move, and raises there, before anything of it has run (a trial that does not fit falls back to A).
 
         Note: [Moves ahead] the groups the search makes resident move in at the end of the step that
         measured, not at the start of the next one. Their masters need that step's host AdamW of them
@@ -244,7 +245,7 @@ class DeviceUpdates:
         """
         try:
             self.place(steps_done, keep)
-        except torch.OutOfMemoryError:
+        except Exception:
             if self.dev.cuda:
                 torch.cuda.empty_cache()  # the next step's ``place`` starts from the groups that did arrive
 
