@@ -30,7 +30,7 @@
 #                                                                                      -> <tag>-compact-state.jsonl
 #   compact-stream  3B x 1 under "stream" with fp32, int8 and int4 moments, each its own process (~3)
 #                                                                                      -> <tag>-compact-state.jsonl
-#   settle     `auto`'s first steps, every step traced with its placement moves: 3B x 8, then 14B x 2 int4 (~5)
+#   settle     `auto`'s first steps, every step traced with its placement moves: 3B x 8, 7B x 8, then 14B x 2 int4 (~7)
 #                                                                                      -> <tag>-placement.jsonl
 #   planner    the planner against this kind of machine's rows (the H200's on a CPU machine; CPU only, ~1)
 #   tests      the GPU tests: python -m pytest -m gpu over tests/ (~5)
@@ -96,6 +96,7 @@ suite() {
         done ;;
     settle)
         SUBJECT=placement throughput settle-3b --shape 3b --batch 8 --steps 3 --warmup 3 --placement auto --trace-steps
+        SUBJECT=placement throughput settle-7b --shape 7b --batch 8 --steps 3 --warmup 3 --placement auto --trace-steps
         SUBJECT=placement throughput settle-14b --shape 14b --batch 2 --steps 3 --warmup 3 --placement auto \
             --optimizer-state int4 --trace-steps ;;
     long)
