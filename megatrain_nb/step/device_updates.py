@@ -10,7 +10,7 @@ Does not own: the order of a step (engine.py calls in at named points: ``place``
 ``early_state``, ``loss_known``, ``landed``, ``stream_update``, ``stream_head``, ``end_backward``,
 ``wait_writes``, ``gated_update``, ``after_step``, ``ahead``), the choice itself (placement.py, pure), the AdamW
 arithmetic (``optim.DeviceAdamW``), the copies (transfers.py), arriving groups' moments (late_moments.py).
-About 650 lines because resident groups and streamed units share one device AdamW, the step's
+About 690 lines because resident groups and streamed units share one device AdamW, the step's
 non-finite flag, its hooks and its failure path (``recover``); apart, each half would hold a copy. The
 planner's choices for "auto" (micro-batch, rows a pass) are autoplan.py's; here only their cached calls. The
 split masters' codec is split_master.py's; here only where their planes load, join, split and go back.
