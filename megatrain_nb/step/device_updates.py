@@ -176,50 +176,48 @@ class DeviceUpdates:
             self.quiesce(steps_done, host=not arriving)  # device updates and write-backs done before state moves
         self.store.join_units(self.store.split - split)  # Note: [Split master]: a layer leaving "device" is fp32
         if moving or streaming != set(opt.streamed):  # again before its host update or its move reads it
-            with self.dev.on(self.dev.compute):
-                for g in moving:
-                    if g in opt.groups:
-                        opt.remove(g)
-                for u in set(opt.streamed) - streaming:
-                    opt.stream_remove(u)
-                if self.dev.cuda and (not arriving or self.search.trial):  # Note: [Arrivals]: nothing left the
-                    torch.cuda.synchronize(self.dev.device)  # device outside a trial; named sync: what left is
-                    torch.cuda.empty_cache()  # copied out; its blocks go back: fewer fragments for the next layout
-                arrived = []
-                try:
+            arrived = []
+            try:
+                with self.dev.on(self.dev.compute):
+                    for g in moving:
+                        if g in opt.groups:
+                            opt.remove(g)
+                    for u in set(opt.streamed) - streaming:
+                        opt.stream_remove(u)
+                    if self.dev.cuda and (not arriving or self.search.trial):  # Note: [Arrivals]: nothing left the
+                        torch.cuda.synchronize(self.dev.device)  # device outside a trial; named sync: what left is
+                        torch.cuda.empty_cache()  # copied out; its blocks go back: fewer fragments for the next layout
                     for g in moving:  # Note: [Arrivals]: in forward order, each as soon as its host update is applied
                         if g in opt.groups:
                             continue
                         with self.rec.span("driver", "arrive-wait", g[0], "io"):  # traced before the step's origin
                             for u in g:
                                 self.adam.wait_version(u, steps_done)  # host wait: the rest of the host's AdamW runs on
-                        with self.rec.span("driver", "arrive", g[0], "io",
-                                           sum(self._state_bytes(u, moments=False) for u in g)):
+                        nbytes = sum(self._state_bytes(u, moments=False) for u in g)
+                        with self.rec.span("driver", "arrive", g[0], "io", nbytes):
                             opt.add(g, upload=self.io.upload, moments=False)  # Note: [Late moments]: in the step
                         arrived.append(g)
-                except BaseException:
-                    self.late.start(arrived)  # a group in without its moments: they still come, and its readers wait
-                    raise
-                for u in streaming - set(opt.streamed):
-                    opt.stream_add(u)
-                n = max(self.store.units[i].layout.numel for i in range(self.L))
-                layers = streaming - set(self.head_units)
-                k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device))  # as many as fp32 masters
-                n *= self.state_rows  # get: the [R | D] rows come on top
-                self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
-                self.sslot_box = [Box(ready=True) for _ in self.sslots]
-                self.hstate = self.hgrad = None  # Note: [Streamed head] its state and gradient buffers
-                if self.L in streaming:
-                    nh = sum(self.store.units[u].layout.numel for u in self.head_units)
-                    self.hstate = torch.empty(3 * nh, device=self.dev.device)
-                    if self.arch.tied:
-                        self.hgrad = torch.empty(self.store.units[-1].layout.numel, device=self.dev.device)
-                self.hstate_box, self.hload = Box(ready=True), None
-            if self.dev.cuda:
-                with self.rec.span("driver", "arrive-sync", -1, "io"):
-                    self.dev.compute.synchronize()  # named sync: the masters are in, and the step's other streams
-                    # may write the buffers made here
-            self.late.start(arrived)  # after the masters: their copies do not share PCIe with the moments'
+                    for u in streaming - set(opt.streamed):
+                        opt.stream_add(u)
+                    n = max(self.store.units[i].layout.numel for i in range(self.L))
+                    layers = streaming - set(self.head_units)
+                    k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device))  # as fp32 masters
+                    n *= self.state_rows  # get: the [R | D] rows come on top
+                    self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
+                    self.sslot_box = [Box(ready=True) for _ in self.sslots]
+                    self.hstate = self.hgrad = None  # Note: [Streamed head] its state and gradient buffers
+                    if self.L in streaming:
+                        nh = sum(self.store.units[u].layout.numel for u in self.head_units)
+                        self.hstate = torch.empty(3 * nh, device=self.dev.device)
+                        if self.arch.tied:
+                            self.hgrad = torch.empty(self.store.units[-1].layout.numel, device=self.dev.device)
+                    self.hstate_box, self.hload = Box(ready=True), None
+                if self.dev.cuda:
+                    with self.rec.span("driver", "arrive-sync", -1, "io"):
+                        self.dev.compute.synchronize()  # named sync: the masters are in, and the step's other streams
+                        # may write the buffers made here
+            finally:  # after the masters (their copies do not share PCIe with the moments'), or where an
+                self.late.start(arrived)  # arrival failed: a group in without its moments still gets them
         self.store.split_units(split)  # after a drain, or newly "device" (quiesced above)
         self.choice = want
         return keep
@@ -252,7 +250,8 @@ class DeviceUpdates:
     def _state_bytes(self, u: int, moments: bool = True) -> int:
         """Bytes of unit ``u``'s host state that a move to the device reads: master and (``moments``) moments."""
         unit = self.store.units[u]
-        return sum(t.numel() * t.element_size() for t in (unit.master,) + ((unit.exp_avg, unit.exp_avg_sq) if moments else ()))
+        tensors = (unit.master,) + ((unit.exp_avg, unit.exp_avg_sq) if moments else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def splittable(self, streaming) -> set[int]:
         """The "device" layers whose masters the host holds split (Note: [Split master]); not the head group."""
