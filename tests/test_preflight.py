@@ -11,6 +11,7 @@ import torch
 
 from conftest import FAMILIES, make_config
 from megatrain_nb import Session
+from megatrain_nb.config import MOMENT_STAGING_BYTES
 from megatrain_nb.host import compact_state
 from megatrain_nb.machine import preflight
 from megatrain_nb.config import MOMENT_STAGING_BYTES, EngineConfig
@@ -215,7 +216,9 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     host = lambda r: {k: v for k, v in r.items() if k not in ("device_resident", "fp32_moment_params")}  # noqa: E731  (a device figure, a count)
     assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] == 0  # auto on CUDA: the master is pinned
     assert s.store.units[0].master.is_pinned() and est["settings"]["cast_on_device"] is True
-    assert est["host"]["staging"] == nbytes(e.io.staging.bufs + e.io.gstaging) and all(t.is_pinned() for t in e.io.staging.bufs)
+    late = 2 * MOMENT_STAGING_BYTES  # Note: [Late moments]: made once auto makes a group resident, counted before
+    assert est["host"]["staging"] == nbytes(e.io.staging.bufs + e.io.gstaging) + late
+    assert all(t.is_pinned() for t in e.io.staging.bufs)
     dev = est["device"]
     assert dev["weight_slots"] == nbytes(e.slots) and dev["grad_slots"] == nbytes(e.gslots)
     assert dev["head_slots"] == nbytes([e.head_slot, e.head_gslot])

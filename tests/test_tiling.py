@@ -160,7 +160,8 @@ def test_parked_inputs_split_across_reused_host_chunks_train_bitwise_like_device
     cfg = make_config("llama", num_hidden_layers=3)
     H, got = cfg.hidden_size, {}
     for offload in (False, True):
-        s = Session.from_config(cfg, seed=0, checkpoint_every=1, offload_checkpoints=offload, device=device)
+        s = Session.from_config(cfg, seed=0, checkpoint_every=1, offload_checkpoints=offload, device=device,
+                                placement="host")  # auto on CUDA keeps the embedding resident: no host dE
         e, d = s.engine, s.engine.dtype.itemsize
         e.offload.pool.chunk_bytes = 1000  # an input of 16 x H fp32 spans several chunks, the last one partly
         losses = [s.step({"input_ids": torch.arange(16).view(1, 16) % cfg.vocab_size}).loss]
