@@ -68,3 +68,12 @@ def test_paper_comparison_puts_our_prediction_beside_its_measurement():
     assert df["predicted_over_paper"].tolist() == (df["predicted_model_TFLOPS"] / df["paper_measured_TFLOPS"]).round(2).tolist()
     a6000, rtx3090 = df.set_index("card")["predicted_model_TFLOPS"][["RTX A6000", "RTX 3090"]]
     assert a6000 > rtx3090  # as the paper measured: the A6000's tensor rate is twice the 3090's in bf16
+
+
+def test_table_predicts_every_card_and_agrees_with_its_parts():
+    t = cards.table(("7B",), host_memory="128GiB")
+    assert list(t["card"]) == list(cards.CARDS) and (t["predicted_step_s"] > 0).all() and t["fits_host"].all()
+    row = t.set_index("card").loc["RTX 3090"]
+    p = planner.plan(QWEN25["7B"], batch=4, seq=1024, hardware=cards.RTX_3090, placement="auto", cast_on_device=True)
+    assert row["predicted_step_s"] == round(p.steady_step_ms / 1e3, 2)
+    assert row["largest_fp32_B"] == round(cards.largest_models("128GiB").set_index("like").loc["7B", "fp32"], 1)

@@ -3,8 +3,9 @@
 Owns: each card's datasheet figures (memory, PCIe generation, dense bf16 tensor rate with fp32 accumulate,
 memory bandwidth), ``card`` (a ``Hardware`` profile predicted from them, host RAM a parameter), the presets
 ``RTX_4090``, ``RTX_3090``, ``RTX_A6000``, ``L40S`` and ``H100_PCIE``, ``largest_models`` (the largest model
-a host RAM holds under each ``optimizer_state``) and ``paper_comparison`` (our prediction beside the MegaTrain
-paper's measured figures where it measured a card).
+a host RAM holds under each ``optimizer_state``), ``table`` (every card's predicted step for a few models: the
+docs' table) and ``paper_comparison`` (our prediction beside the MegaTrain paper's measured figures where it
+measured a card).
 Does not own: the step model itself (planner.py) or the host store's byte count (preflight.host_table).
 
 Note: [Predicted cards] none of these cards was measured here. A profile scales the H200's measured
@@ -114,6 +115,46 @@ def largest_models(host_memory: int | str | Hardware, configs=None):
     out = out[[c for c in ("fp32", "int8", "int4") if c in out.columns]].reindex(t["model"].unique())
     out.columns.name = None
     return out.rename_axis("like").reset_index().assign(host_GiB=ram / _GIB)[["like", "host_GiB", *out.columns]]
+
+
+def table(models=("7B", "14B"), batch: int = 4, seq: int = 1024, host_memory: int | str = "128GiB"):
+    """Every card's predicted steady step for Qwen2.5 models under the defaults (placement "auto", the master
+    pinned and cast on the device), labelled as predictions (Note: [Predicted cards]).
+
+    Args:
+        models: keys of ``shape.QWEN25``.
+        batch, seq: the step's shape.
+        host_memory: each machine's host RAM.
+    Returns:
+        pandas DataFrame, one row per card and model: card, device_GiB, pcie_gen, dense_bf16_TFLOPS (datasheet),
+        model, batch, seq, predicted_step_s, predicted_model_TFLOPS, resident_units, fits_host, largest_fp32_B /
+        largest_int8_B (the largest model of that width the host RAM holds: ``largest_models``).
+    Example:
+        >>> table(("7B",))[["card", "predicted_model_TFLOPS"]]  # doctest: +SKIP
+    """
+    import warnings
+
+    import pandas as pd
+
+    from .planner import plan
+    from .shape import QWEN25, model_shape
+
+    big = largest_models(host_memory).set_index("like")
+    rows = []
+    for name, (mem, gen, tflops, _, _) in CARDS.items():
+        hw = card(name, host_memory=host_memory)
+        for m in models:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a plan that does not fit still predicts; fits_host says so
+                p = plan(QWEN25[m], batch=batch, seq=seq, hardware=hw, placement="auto", cast_on_device=True)
+            step_s = p.steady_step_ms / 1e3
+            rows.append(dict(card=name, device_GiB=mem / _GIB, pcie_gen=gen, dense_bf16_TFLOPS=tflops, model=m,
+                             batch=batch, seq=seq, predicted_step_s=round(step_s, 2),
+                             predicted_model_TFLOPS=round(6 * model_shape(QWEN25[m])["n_params"] * batch * seq / step_s
+                                                          / 1e12, 1),
+                             resident_units=sum(c == "resident" for c in p.placement.values()), fits_host=p.fits_host,
+                             largest_fp32_B=round(big.loc[m, "fp32"], 1), largest_int8_B=round(big.loc[m, "int8"], 1)))
+    return pd.DataFrame(rows)
 
 
 # The MegaTrain paper's measurements on cards, as it reports them (14B, 251 GB of host RAM).
