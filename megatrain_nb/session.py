@@ -95,10 +95,13 @@ class Session:
             path: directory with config.json and model.safetensors or a sharded index.
             **settings: OptimConfig fields (lr, betas, eps, weight_decay, grad_clip, lr_schedule,
                 warmup_steps, total_steps) and EngineConfig fields (device, dtype, checkpoint_every,
-                micro_batch_size, weight_slots, ...).
+                micro_batch_size, weight_slots, ...; ``device_memory="20GiB"`` and ``host_memory="64GB"``
+                train within those budgets: Note: [Budgets] in machine/budget.py).
         Raises:
             FileNotFoundError: the directory, config.json or the weights are missing.
             ValueError: corrupt weights, an unsupported architecture, a bad setting.
+            PreflightError: (a MemoryError and a ValueError) the model does not fit host RAM or device memory
+                (or their budgets); raised before anything is allocated, naming the settings that would fit.
         """
         from transformers import AutoConfig
 
