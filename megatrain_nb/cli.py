@@ -52,6 +52,18 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _size(field: str):
+    """An argparse type: a memory budget as bytes (``budget.parse_bytes``), its error in argparse's words."""
+    def parse(text: str) -> int:
+        from .machine.budget import parse_bytes
+
+        try:
+            return parse_bytes(int(text) if text.strip().isdigit() else text, field)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``megatrain_nb`` argument parser (subcommands ``demo`` and ``train``)."""
     p = _Parser(prog="megatrain_nb", description="Full-parameter LLM training with weights in host RAM and "
@@ -66,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8", "int4"),
                         help="Adam moments: fp32 (exact AdamW, 8 bytes a parameter), int8 (~2) or int4 (~1), "
                              "block-wise quantized; the fp32 master stays exact (default: %(default)s)")
+    common.add_argument("--device-memory", type=_size("device_memory"), default=None, metavar="SIZE",
+                        help="the most GPU memory to use, e.g. 20GiB or 24GB (default: the whole card)")
+    common.add_argument("--host-memory", type=_size("host_memory"), default=None, metavar="SIZE",
+                        help="the most host RAM the process may hold, e.g. 64GB (default: what the machine has); "
+                             "a model that does not fit is refused before anything is allocated")
 
     d = sub.add_parser("demo", parents=[common], help="train a tiny Llama (16M params) on a synthetic task",
                        description="Train the package's tiny Llama from random init on a synthetic task and check "
@@ -166,7 +183,8 @@ def _demo(args) -> int:
     cfg = tiny_config()
     batches = synthetic_batches(cfg.vocab_size, args.batch, args.seq, seed=args.seed, kind=args.task)
     t0 = time.perf_counter()
-    s = Session.from_config(cfg, seed=args.seed, device=device, lr=args.lr, optimizer_state=args.optimizer_state)
+    s = Session.from_config(cfg, seed=args.seed, device=device, lr=args.lr, optimizer_state=args.optimizer_state,
+                            device_memory=args.device_memory, host_memory=args.host_memory)
     try:
         print(f"{s}; task {args.task!r}, batch {args.batch} x seq {args.seq}, {args.steps} steps")
         losses = _loop(s, batches, args.steps, "demo")
@@ -218,7 +236,8 @@ def _train_ranks(args, device: str) -> int:
     s = Session.from_pretrained(model, device=device, lr=args.lr, checkpoint_every=args.checkpoint_every,
                                 pass_batch_size=args.pass_batch,
                                 lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
-                                optimizer_state=args.optimizer_state, **schedule)
+                                optimizer_state=args.optimizer_state, device_memory=args.device_memory,
+                                host_memory=args.host_memory, **schedule)
     try:
         ranks = f", {size} ranks (data parallel)" if size > 1 else ""
         _say(rank, f"{s}; data {args.data} ({len(data.examples)} {data.format} examples, "

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .machine.budget import parse_bytes
 from .machine.longcontext import keep_share
 
 MOMENT_STAGING_BYTES = 64 << 20  # each of the two pinned buffers that resident groups' moments come in
@@ -208,8 +209,22 @@ class EngineConfig:
     """Under data parallel, the ranks of a machine share one host store (masters, moments, gradients) and
     split its AdamW (shared_store.py). False: each rank holds its own copy. None: env
     ``MEGATRAIN_SHARE_HOST_STORE`` ("0" off), else on when a machine runs more than one rank."""
+    device_memory: int | str | None = None
+    """The most device memory the CUDA caching allocator may reserve: an int of bytes or a string such as
+    "24GiB" or "20GB" (held as bytes after validation). Everything that sizes itself from the device reads
+    the budget in place of the card's memory where it is smaller (preflight, placement, the activation
+    policy, the planner's choices, generation) and the allocator is capped at it
+    (``set_per_process_memory_fraction``; Note: [Budgets] in machine/budget.py). The CUDA context (~0.5 GiB)
+    is outside it. None: the whole card."""
+    host_memory: int | str | None = None
+    """The most host RAM the process may hold resident (RSS: the host store, pinned staging, parked
+    activations and torch's runtime): an int of bytes or a string such as "64GB" or "1.5TiB". Preflight
+    refuses a model whose store does not fit in it before allocating anything, naming the
+    ``optimizer_state`` that would; pinning and parking read it in place of the machine's RAM where smaller.
+    None: what the machine has."""
 
     def __post_init__(self):
+        self._check_budgets()  # device_memory, host_memory: a block of their own
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -266,6 +281,11 @@ class EngineConfig:
             raise ValueError(f"attention_cache={self.attention_cache!r}: use None (auto), True or False")
         if self.activation_budget is not None and not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1], or None (auto)")
+
+    def _check_budgets(self) -> None:
+        """device_memory and host_memory as bytes (``budget.parse_bytes``: ValueError naming the field)."""
+        self.device_memory = parse_bytes(self.device_memory, "device_memory")
+        self.host_memory = parse_bytes(self.host_memory, "host_memory")
 
     @property
     def keep_share(self) -> float:

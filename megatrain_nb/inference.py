@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .model.binding import call
+from .machine.budget import device_free
 from .machine.shape import loss_positions
 from .step.transfers import chunks
 from .view.trace import Recorder
@@ -251,7 +252,7 @@ def _fits(engine) -> bool:
     if not engine.dev.cuda:
         return False  # on "cpu" a copy of every layer only doubles host memory: stream them
     need = sum(engine.store.units[i].layout.numel for i in range(engine.L)) * engine.dtype.itemsize
-    free, _ = torch.cuda.mem_get_info(engine.dev.device)  # a device query between steps
+    free = device_free(engine.dev.device, engine.cfg.device_memory)  # a device query between steps; within the budget
     return need < free // 2
 
 

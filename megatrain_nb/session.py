@@ -49,6 +49,7 @@ class Session:
         self.engine_cfg = EngineConfig(**{k: v for k, v in settings.items() if k in _ENGINE})
         self.config = config
         self.arch = load_architecture(config)
+        from .machine.budget import cap_device
         from .machine.preflight import check, cuda_allocator, resolve_pinning, resolve_weight_slots
 
         if torch.device(self.engine_cfg.device).type == "cuda":
@@ -64,6 +65,7 @@ class Session:
                              f"them pinned (cast_on_device), but pin_store={resolved.pin_store} and cast_on_device="
                              f"{self.engine_cfg.cast_on_device} leave them unpinned; set pin_store=None and cast_on_device="
                              "None (it needs the store in 90% of host RAM), or use placement='auto' / 'host'")
+        cap_device(resolved.device, resolved.device_memory)  # the allocator's hard cap (Note: [Budgets] in machine/budget.py)
         from .data.packing import install
 
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
@@ -93,10 +95,13 @@ class Session:
             path: directory with config.json and model.safetensors or a sharded index.
             **settings: OptimConfig fields (lr, betas, eps, weight_decay, grad_clip, lr_schedule,
                 warmup_steps, total_steps) and EngineConfig fields (device, dtype, checkpoint_every,
-                micro_batch_size, weight_slots, ...).
+                micro_batch_size, weight_slots, ...; ``device_memory="20GiB"`` and ``host_memory="64GB"``
+                train within those budgets: Note: [Budgets] in machine/budget.py).
         Raises:
             FileNotFoundError: the directory, config.json or the weights are missing.
             ValueError: corrupt weights, an unsupported architecture, a bad setting.
+            PreflightError: (a MemoryError and a ValueError) the model does not fit host RAM or device memory
+                (or their budgets); raised before anything is allocated, naming the settings that would fit.
         """
         from transformers import AutoConfig
 

@@ -264,7 +264,7 @@ def test_bytes_agree_with_preflight(family, pinning, monkeypatch):
     cfg = EngineConfig(dtype=torch.bfloat16, transfer_chunk_bytes=1 << 20, pinned_budget_bytes=8 << 20,
                        cast_on_device=False, pin_store=False)
     cfg.device, cfg.pin_store, cfg.cast_on_device = "cuda", pinning == "pin_store", pinning == "cast_on_device"
-    monkeypatch.setattr(preflight, "_device_available", lambda device: 1 << 40)  # no CUDA here: say "cuda"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))  # no CUDA here: say "cuda"
     est = preflight.estimate(config, cfg, batch=batch, seq=seq)
     p = plan(config, batch=batch, seq=seq, transfer_chunk_bytes=1 << 20, pinned_budget_bytes=8 << 20,
              pin_store=pinning == "pin_store", cast_on_device=pinning == "cast_on_device")
@@ -488,7 +488,7 @@ def test_optimizer_state_host_bytes_agree_with_preflight(state, monkeypatch):
     config = Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k != "model_type"})
     cfg = EngineConfig(dtype=torch.bfloat16, transfer_chunk_bytes=1 << 20, pinned_budget_bytes=8 << 20)
     cfg.device, cfg.cast_on_device, cfg.pin_store = "cuda", True, False
-    monkeypatch.setattr(preflight, "_device_available", lambda device: 1 << 40)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
     est = preflight.estimate(config, cfg, optimizer_state=state)
     p = plan(TINY_QWEN2, batch=1, seq=16, cast_on_device=True, transfer_chunk_bytes=1 << 20,
              pinned_budget_bytes=8 << 20, optimizer_state=state)

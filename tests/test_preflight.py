@@ -30,7 +30,7 @@ def _fake_cuda(monkeypatch, free: int, **settings) -> EngineConfig:
     """An EngineConfig that says "cuda" on this CPU-only machine, with ``free`` device bytes."""
     cfg = EngineConfig(**settings)
     cfg.device = "cuda"  # after validation, which would refuse it here
-    monkeypatch.setattr(preflight, "_device_available", lambda device: free)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, max(free, 1 << 40)))  # budget.device_free reads it
     return cfg
 
 

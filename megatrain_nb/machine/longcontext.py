@@ -374,13 +374,14 @@ def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: flo
     return 0
 
 
-def host_free_bytes(to_come: int = 0, reusable: int = 0) -> float:
-    """Host bytes free for parked block inputs: ``psutil``'s available RAM plus ``reusable`` (page-locked
-    chunks no input holds, ``transfers.HostChunks``) less ``HOST_MARGIN`` and ``to_come`` (host buffers
-    the step will still allocate, e.g. the pinned embedding-grad rows)."""
-    import psutil
+def host_free_bytes(to_come: int = 0, reusable: int = 0, host_memory: int | None = None) -> float:
+    """Host bytes free for parked block inputs: the available RAM within ``host_memory``
+    (``budget.host_available``, Note: [Budgets]) plus ``reusable`` (page-locked chunks no input holds,
+    ``transfers.HostChunks``) less ``HOST_MARGIN`` and ``to_come`` (host buffers the step will still
+    allocate, e.g. the pinned embedding-grad rows)."""
+    from .budget import host_available
 
-    return psutil.virtual_memory().available + reusable - HOST_MARGIN - to_come
+    return host_available(host_memory) + reusable - HOST_MARGIN - to_come
 
 
 class Checkpoints:

@@ -30,6 +30,7 @@ from ..host import compact_state
 from . import placement as placing
 from ..host import split_master as _split
 from ..config import OPTIMIZER_STATES, pinned_budget
+from .budget import hardware_within, parse_bytes
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
 from ..step.schedule import make_blocks
@@ -340,6 +341,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
          offload_checkpoints: bool | None = None, lean_activations: bool | None = None,
          attention_cache: bool | None = None, split_master: bool | None = None, optimizer_state: str = "fp32",
+         device_memory: int | str | None = None, host_memory: int | str | None = None,
          _advise: bool = True, _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
@@ -413,6 +415,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         attention_cache: as `EngineConfig.attention_cache`: None or True keep the attention output of as
             many recomputed layers as fit beside their block inputs (`longcontext.place_cache`), whose
             recompute then skips the attention forward; False: none (Note: [Attention cache]).
+        device_memory, host_memory: as `EngineConfig`'s budgets (bytes or "24GiB"): `hardware`'s device and
+            host memory are at most these (`budget.hardware_within`, Note: [Budgets]); None: `hardware`'s.
 
     Returns:
         Plan.
@@ -428,6 +432,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         >>> round(p.host_bytes_per_param, 3), p.layer_ms["pack"], list(p.simulate().columns)[:3]
         (14.135, 0.0, ['step', 'lane', 'op'])
     """
+    device_memory, host_memory = parse_bytes(device_memory, "device_memory"), parse_bytes(host_memory, "host_memory")
+    hardware = hardware_within(hardware, device_memory, host_memory)  # the user's budgets, where smaller
     if weight_slots is None:
         shape0 = model_shape(config)
         weight_slots = placing.weight_slots(None, placement, shape0["layers"], shape0["params_per_layer"] * dtype_bytes,
@@ -466,7 +472,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     activation_budget=activation_budget, overlap_optimizer=overlap_optimizer, grad_clip=grad_clip,
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
                     offload_checkpoints=offload_checkpoints, lean_activations=lean_activations,
-                    attention_cache=attention_cache, split_master=split_master, optimizer_state=optimizer_state)
+                    attention_cache=attention_cache, split_master=split_master, optimizer_state=optimizer_state,
+                    device_memory=device_memory, host_memory=host_memory)
     split = _split.enabled(split_master, d == 2, pin_store, False) and optimizer_state == "fp32"  # as DeviceUpdates.split
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     moments = moment_bytes(s, optimizer_state)  # unit -> both moments' host bytes

@@ -4,8 +4,8 @@ single slab is allocated, answered with numbers and with the settings that would
 Owns: the byte count of a configuration as the code allocates it — the host store exactly as
 ``HostStore`` lays it out (aligned per-unit slabs), the engine's transfer staging and its device
 buffers exactly as ``Engine.__init__`` sizes them, activations and logits by the planner's per-token
-estimate — its comparison with ``psutil.virtual_memory().available`` and
-``torch.cuda.mem_get_info()``, and the advice text shared with ``oom_advice``. The Adam moments are
+estimate — its comparison with the host RAM and device memory available within the budgets
+(``budget.host_available``, ``budget.device_free``: Note: [Budgets]), and the advice text shared with ``oom_advice``. The Adam moments are
 counted for each ``OptimConfig.optimizer_state`` ("fp32", "int8", "int4") unit by unit, as
 ``compact_state.layout_for`` lays them out; ``host_table`` puts the settings side by side for a few
 model shapes and the largest depth this machine's host RAM holds at each.
@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..host import compact_state
+from . import budget as budgets
 from ..model.binding import Layout
 from ..config import MOMENT_STAGING_BYTES, OPTIMIZER_STATES, EngineConfig, pinned_budget
 from ..host.host_store import unit_layouts
@@ -116,8 +117,8 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
                                                 ("moments", store["exp_avg"] + store["exp_avg_sq"]),
                                                 ("shadow", store["shadow"]), ("store", store["total"]),
                                                 ("staging", staging), ("host", host["needed"]))}
-    host["available"] = _host_available()
-    dev["available"] = _device_available(cfg.device) if cuda else None
+    host["available"] = budgets.host_available(cfg.host_memory)
+    dev["available"] = budgets.device_free(cfg.device, cfg.device_memory) if cuda else None
     fits_host = host["needed"] <= host["available"]
     fits_device = dev["available"] is None or dev["needed"] <= dev["available"]
     settings = dict(device=cfg.device, dtype=str(cfg.dtype).removeprefix("torch."), pin_store=pin, cast_on_device=cast,
@@ -125,6 +126,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
                     checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=budget,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq,
                     optimizer_state=optimizer_state, keep_fp32=keep_fp32,
+                    device_memory=cfg.device_memory, host_memory=cfg.host_memory,
                     model=f"{type(arch.config).__name__.removesuffix('Config')} {_count(store['params'])}")
     return {"store": store, "bytes_per_param": per, "host": host, "device": dev, "fits_host": fits_host,
             "fits_device": fits_device, "fits": fits_host and fits_device, "settings": settings}
@@ -145,7 +147,8 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
     Args:
         configs: a transformers config or a dict of its fields (``model_type`` names the family), or
             {name: config or dict}; None: Qwen2.5 3B, 7B, 14B and 32B (``shape.QWEN25``).
-        host_bytes: host RAM the store may take; None: what ``psutil`` says is available now.
+        host_bytes: host RAM the store may take; None: what is available now (``budget.host_available``
+            within ``engine_cfg.host_memory``).
         keep_fp32: as ``OptimConfig.compact_keep_fp32`` (None: the input embedding keeps fp32 moments).
         engine_cfg: an EngineConfig instead of the CUDA default (pinning then as ``resolve_pinning``).
     Returns:
@@ -166,8 +169,8 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         configs = QWEN25
     if not isinstance(configs, dict) or "hidden_size" in configs:
         configs = {None: configs}
-    host_bytes = _host_available() if host_bytes is None else int(host_bytes)
     cfg = engine_cfg or EngineConfig(dtype=torch.bfloat16)
+    host_bytes = budgets.host_available(cfg.host_memory) if host_bytes is None else int(host_bytes)
     cuda = engine_cfg is None or torch.device(cfg.device).type == "cuda"
     d = torch.tensor([], dtype=cfg.dtype).element_size()
     rows = []
@@ -345,23 +348,13 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
-def _host_available() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def _device_available(device: str) -> int:
-    return int(torch.cuda.mem_get_info(torch.device(device))[0])  # free bytes now; creates the context
-
-
 def _host_message(est: dict, others: dict[str, int] | None = None) -> str:
     """``others``: optimizer_state -> host bytes it needs, for the settings not used."""
     s, h, st = est["store"], est["host"], est["settings"]
     others = others or {}
     fit = {k: n for k, n in others.items() if n <= h["available"]}
     head = (f"Not enough host RAM: {st['model']} needs {gib(h['needed'])} with optimizer_state={st['optimizer_state']!r} "
-            f"({s['bytes_per_param']:.1f} bytes a parameter), {gib(h['available'])} available")
+            f"({s['bytes_per_param']:.1f} bytes a parameter), {gib(h['available'])} available{_within_host(st)}")
     if fit:
         head += "; " + ", ".join(f"optimizer_state={k!r} needs {gib(n)} (fits)" for k, n in fit.items())
     elif others:
@@ -388,12 +381,22 @@ def _host_message(est: dict, others: dict[str, int] | None = None) -> str:
     return f"{head} — {what}. To fit, change one of: {'; '.join(advice)}."
 
 
+def _within_host(st: dict) -> str:
+    """The host budget's part of the message: the budget and what the process already holds."""
+    if not st.get("host_memory"):
+        return ""
+    return (f" within host_memory={st['host_memory']} ({gib(st['host_memory'])}; the process holds "
+            f"{gib(budgets.host_rss())} resident already)")
+
+
 def _device_message(est: dict) -> str:
     d, st = est["device"], est["settings"]
     names = ("weight_slots", "grad_slots", "head_slots", "cast_stage", "embedding_rows", "activations", "logits",
              "workspace")
     what = ", ".join(f"{n.replace('_', ' ')} {gib(d[n])}" for n in names if d[n])
-    return (f"Not enough device memory on {st['device']}: needs {gib(d['needed'])}, {gib(d['available'])} free — "
+    within = (f" within device_memory={st['device_memory']} ({gib(st['device_memory'])}, the caching allocator's "
+              "cap)" if st.get("device_memory") else "")
+    return (f"Not enough device memory on {st['device']}: needs {gib(d['needed'])}, {gib(d['available'])} free{within} — "
             f"{what}. To fit, change one of: {'; '.join(_device_advice(st, st['batch'], st['seq'], d))}.")
 
 
@@ -484,7 +487,7 @@ def resolve_weight_slots(cfg: EngineConfig, arch) -> int:
         return weight_slots(cfg.weight_slots, cfg.placement, arch.num_layers, 0, None)
     cuda = torch.device(cfg.device).type == "cuda" and torch.cuda.is_available()
     layer = max(lay.numel for u, (lay, _) in unit_layouts(arch).items() if 0 <= u < arch.num_layers)
-    total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory if cuda else None
+    total = budgets.device_total(cfg.device, cfg.device_memory) if cuda else None
     return weight_slots(None, cfg.placement, arch.num_layers, layer * torch.tensor([], dtype=cfg.dtype).element_size(),
                         total)
 
@@ -510,10 +513,8 @@ def resolve_pinning(cfg: EngineConfig, arch, *, optimizer_state: str = "fp32") -
         return False, False
     if cfg.cast_on_device or cfg.pin_store:
         return bool(cfg.pin_store), bool(cfg.cast_on_device)
-    import psutil
-
     params = sum(p.numel() for p in arch.model.parameters())
-    ram = 0.9 * psutil.virtual_memory().total
+    ram = 0.9 * budgets.host_total(cfg.host_memory)
     store = 6 + compact_state.bytes_per_param(optimizer_state)  # bytes a parameter, the pinned copy aside
     if cfg.cast_on_device is None and cfg.pin_store is None and params * store < ram:
         return False, True

@@ -25,7 +25,8 @@ from ..machine import placement as placing
 from ..host import split_master
 from ..host.optim import DeviceAdamW, grad_norm
 from .late_moments import LateMoments
-from .transfers import PendingLoad, memory_total
+from ..machine.budget import device_total, memory_total
+from .transfers import PendingLoad
 from .workers import Box
 
 
@@ -201,7 +202,8 @@ class DeviceUpdates:
                         opt.stream_add(u)
                     n = max(self.store.units[i].layout.numel for i in range(self.L))
                     layers = streaming - set(self.head_units)
-                    k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device))  # as fp32 masters
+                    k = placing.state_slots(len(layers), 12 * n, memory_total(self.dev.device, self.ecfg.device_memory,
+                                                                                       self.ecfg.host_memory))  # as fp32 masters
                     n *= self.state_rows  # get: the [R | D] rows come on top
                     self.sslots = [torch.empty(n, device=self.dev.device) for _ in range(k)]
                     self.sslot_box = [Box(ready=True) for _ in self.sslots]
@@ -312,7 +314,7 @@ class DeviceUpdates:
         """Feed the "auto" search: after the measuring step its budgets and the planner's predictions
         (Note: [Auto search]); after a trial's first step, its end; then the winner's first step times."""
         if self.measuring:
-            total = torch.cuda.get_device_properties(self.dev.device).total_memory
+            total = device_total(self.dev.device, self.ecfg.device_memory)  # within the budget (Note: [Budgets])
             free = int(self.agree(self.ecfg.keep_share * total - torch.cuda.max_memory_allocated(self.dev.device),
                                   "min"))
             size = torch.tensor([], dtype=self.dtype).element_size()
@@ -377,7 +379,7 @@ class DeviceUpdates:
         if (batch, seq) not in cache:
             from ..machine import autoplan
 
-            total = torch.cuda.get_device_properties(self.dev.device).total_memory
+            total = device_total(self.dev.device, self.ecfg.device_memory)  # within the budget (Note: [Budgets])
             cache[(batch, seq)] = getattr(autoplan, choice)(
                 self.arch.config, batch=batch, seq=seq, hardware=autoplan.calibrated(device_bytes=total),
                 dtype_bytes=torch.tensor([], dtype=self.dtype).element_size(),

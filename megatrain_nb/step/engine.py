@@ -108,7 +108,8 @@ class Engine:
         lean.prepare(arch, self.lean)  # the templates' norms and MLP keep less (lean.py), then tiling wraps
         self.tiler = SequenceTiling(arch, tile_tokens=ecfg.tile_tokens, attention_backend=ecfg.attention_backend,
                                     device=dev.device, dtype_bytes=self.dtype.itemsize,
-                                    lean=ecfg.lean_activations is True)  # auto: tiling's threshold without lean
+                                    lean=ecfg.lean_activations is True,  # auto: tiling's threshold without lean
+                                    device_memory=ecfg.device_memory)
         self.ckpts = Checkpoints(L, checkpoint_every=ecfg.checkpoint_every,  # block length, parked inputs, cached
                                  offload_checkpoints=ecfg.offload_checkpoints, activation_budget=ecfg.activation_budget,
                                  attention_cache=ecfg.attention_cache)

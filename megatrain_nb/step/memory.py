@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..machine.budget import device_total
 from ..machine.longcontext import host_free_bytes, layer_bytes, pinned_bytes
 from . import lean
 
@@ -31,7 +32,7 @@ def keep_now(eng: Engine, i: int) -> bool:
         return eng.cfg.checkpoint_every == 0
     if not eng.dev.cuda:
         return True  # host memory holds activations on "cpu": keep all
-    total = torch.cuda.get_device_properties(eng.dev.device).total_memory
+    total = device_total(eng.dev.device, eng.cfg.device_memory)  # the card's, or the budget (Note: [Budgets])
     used = torch.cuda.memory_allocated(eng.dev.device)  # allocator bookkeeping: no sync
     act = eng._act_bytes or eng.ckpts.act  # measured once a layer was kept, else predicted
     return i < eng.ckpts.cap and used + 2 * act + (4 << 30) < eng.cfg.keep_share * total
@@ -65,7 +66,7 @@ def choose_lean(eng: Engine, s: dict, n: int, d: int) -> None:
     """lean_activations=None: lean for this batch size or not (Note: [Lean auto] in lean.py)."""
     room = None
     if eng.dev.cuda:
-        total = torch.cuda.get_device_properties(eng.dev.device).total_memory
+        total = device_total(eng.dev.device, eng.cfg.device_memory)  # the card's, or the budget
         used = torch.cuda.memory_allocated(eng.dev.device)  # allocator bookkeeping: no sync
         if eng.device_updates.mode == "auto":
             used -= eng.dev_opt.nbytes  # residents leave for the measuring step of a new batch size
@@ -79,10 +80,11 @@ def choose_lean(eng: Engine, s: dict, n: int, d: int) -> None:
 def free(eng: Engine, leaving: int = 0) -> tuple[float, float, float]:
     """(device bytes in use, device bytes in all, host bytes free for parked inputs); ``leaving``: bytes
     in use now that go before the step runs (residents, for a measuring step)."""
-    total = torch.cuda.get_device_properties(eng.dev.device).total_memory
+    total = device_total(eng.dev.device, eng.cfg.device_memory)  # the card's, or the budget
     have = 0 if eng._dE_host is None else eng._dE_host.numel() * eng._dE_host.element_size()
     return (torch.cuda.memory_allocated(eng.dev.device) - leaving,  # allocator bookkeeping: no sync
-            total, host_free_bytes(max(0, eng._dE_need - have), reusable=eng.offload.pool.idle_bytes))
+            total, host_free_bytes(max(0, eng._dE_need - have), reusable=eng.offload.pool.idle_bytes,
+                                   host_memory=eng.cfg.host_memory))
 
 
 def parked(eng: Engine, i: int, hs: list) -> bool:

@@ -27,7 +27,8 @@ import operator
 import torch
 from torch import nn
 
-from .transfers import chunks, memory_total
+from ..machine.budget import memory_total
+from .transfers import chunks
 
 AUTO_FRACTION = 1 / 8  # tile_tokens=None: tile once one untiled layer's activations exceed this share of memory
 AUTO_ROWS = 16384  # rows per tile when tiling is on and tile_tokens is None: GEMMs of 16K rows run at full rate
@@ -175,9 +176,10 @@ class SequenceTiling:
     """
 
     def __init__(self, arch, *, tile_tokens: int | None, attention_backend: str | None, device, dtype_bytes: int = 2,
-                 lean: bool = False):
+                 lean: bool = False, device_memory: int | None = None):
         self.arch, self.tile_tokens, self.backend_setting = arch, tile_tokens, attention_backend
         self.device, self.d, self.lean = torch.device(device), dtype_bytes, lean
+        self.device_memory = device_memory  # EngineConfig.device_memory: tile_tokens=None's threshold is its share
         for t in arch.templates:
             tile_layer(t)
         self.wrapped = [c.forward for t in arch.templates for c in t.children()
@@ -218,7 +220,7 @@ class SequenceTiling:
         """Rows per tile for micro-batches of ``tokens`` tokens (0: untiled)."""
         if self.tile_tokens is not None:
             return self.tile_tokens if tokens > self.tile_tokens else 0
-        total = memory_total(self.device)
+        total = memory_total(self.device, self.device_memory)
         return AUTO_ROWS if auto_tiles(self.arch.config, tokens, total, self.d, lean=self.lean) else 0
 
     def attention(self):

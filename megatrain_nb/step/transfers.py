@@ -93,15 +93,6 @@ def pinned_exact(shape, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def memory_total(device) -> int:
-    """Bytes of memory on ``device``: the GPU's, or host RAM on "cpu" (where "device" buffers live)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    import psutil
-    return psutil.virtual_memory().total
-
-
 class _Interface:
     """An object torch.as_tensor reads as CUDA memory (``__cuda_array_interface__``)."""
 
