@@ -152,3 +152,73 @@ def test_nonfinite_raise_raises_with_nothing_applied():
         assert all(_same(before[u], after[u]) for u in before)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_bad_resident_moment_skips_the_step_with_nothing_written(kind, gated):
+    """A resident unit's state lives on the device (on the CPU: DeviceAdamW's own tensors); its check folds
+    into its norm there, before the copy to the host."""
+    s = _session(kind, placement={0: "resident", 1: "resident"}, **({"grad_clip": 1.0} if gated else {}))
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        r0 = s.engine.dev_opt.of[0]
+        a, b = r0.seg(0)
+        keep = r0.exp_avg_sq[a:b].clone()
+        r0.exp_avg_sq[a + 5] = -1.0
+        before = {u: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), float(r.steps[u]))
+                  for u, r in s.engine.dev_opt.of.items()}
+        host = {u: s.store.units[u].master.clone() for u in (-1,)}
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
+            r = s.step(batches[1])
+        s.engine.drain()
+        assert r.skipped
+        for u, (p, m, v, n) in before.items():
+            if u == 1 and not gated:
+                continue  # overlapped, layer 1 lands before layer 0: its update stands (Note: [Non-finite gradients])
+            x = s.engine.dev_opt.of[u]
+            assert torch.equal(x.master, p) and float(x.steps[u]) == n, u
+            if kind == "fp32":  # compact: drain's write-back re-quantizes the device's moments (Note: [Resident compact])
+                assert torch.equal(x.exp_avg, m) and torch.equal(x.exp_avg_sq.view(torch.int32), v.view(torch.int32)), u
+        assert torch.equal(s.store.units[-1].master, host[-1])  # lands after layer 0: skipped too
+        r0.exp_avg_sq[a:b] = keep
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not s.step(batches[2]).skipped
+    finally:
+        s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("settings", [dict(placement={0: "resident", 1: "resident"}), dict(placement="host"),
+                                      dict(placement={0: "resident"}, grad_clip=1.0)])
+def test_cuda_a_bad_moment_skips_the_step(kind, settings):
+    """On CUDA: the host guard (pinned slabs, cast_on_device) and the resident check on the compute stream,
+    whose verdict must reach the norm's copy to the host before it is read."""
+    s = _session(kind, device="cuda", **settings)
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        res = s.engine.dev_opt.of.get(0)
+        if res is not None:
+            a, _ = res.seg(0)
+            target, at = res.exp_avg_sq, a + 5
+        else:
+            u = s.store.units[0]
+            target, at = (u.exp_avg_sq, 5) if u.compact is None else (compact_state.parts(u.exp_avg_sq, u.compact)[1], 0)
+        keep = target[at].item()
+        target[at] = float("nan")
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
+            assert s.step(batches[1]).skipped
+        s.engine.drain()
+        target[at] = keep
+        assert not s.step(batches[2]).skipped
+        s.engine.drain()
+        assert all(torch.isfinite(x.master).all() for x in s.store.units.values())
+    finally:
+        s.close()

@@ -287,6 +287,8 @@ class Engine:
         for u, n in du.streamed_norms().items():  # "device" units (the head group's too) land with their
             norms.setdefault(u, n)  # write-backs, later
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
+        if bad:  # Note: [Non-finite state]: which of them are the device's bad state, not gradients
+            bad_state = sorted(set(bad_state) | set(du.bad_state(bad)))
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
             du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
         measured = du.measuring
@@ -343,6 +345,7 @@ class Engine:
         if self.dp is not None:
             return self.dp.grads(g, self.norm_dev[unit + 1], n, done)
         self.norm_dev[unit + 1].copy_(grad_norm(g[:n]))
+        self.device_updates.check_state(unit)  # Note: [Non-finite state]: a resident unit's, before ``done``
         return self.dev.record(self.dev.compute)
 
     def placement_frame(self):
