@@ -1,9 +1,10 @@
 """Whether a unit's optimizer state can take an AdamW step: a finite master and moments, ``exp_avg_sq >= 0``.
 
-Owns: ``state_ok`` (tensors on any device; a 0-dim bool, no host sync) and ``unit_ok`` (a host store unit,
+Owns: ``state_ok`` and ``finite`` (tensors on any device; a 0-dim bool, no host sync) and ``unit_ok`` (a host store unit,
 fp32 or compact moments; a Python bool).
-Does not own: when the check runs (the Adam worker's ``guard`` at each landing, workers.py), nor what a
-failed check does (the step is skipped as for a non-finite gradient).
+Does not own: when the check runs (the Adam worker's ``guard`` at each host unit's landing, workers.py; a
+resident unit's on the device, ``DeviceUpdates.check_state``), nor what a failed check does (the step is
+skipped as for a non-finite gradient).
 
 Note: [Non-finite state] with finite gradients, AdamW writes non-finite weights only from a state that is
 already bad: a negative ``exp_avg_sq`` (``sqrt`` gives NaN), or a NaN / inf in the master or either moment
@@ -16,6 +17,10 @@ a parameter for fp32 moments; the master and the block scales for compact ones, 
 to finite values): measured on the 2-core test host at about half of one fused AdamW update's time
 (16M parameters: 7.3 ms against 13.9 ms), off the Adam worker's thread. A sum is finite exactly when
 every term is, barring an overflow of the sum itself, which a second, exact test then settles.
+A resident unit's state is checked on the compute stream right after its norm is written, and a bad one
+writes NaN into that norm before its copy to the host (no sync); a group whose moments are still coming in
+(Note: [Late moments]) has only its master checked in that step. Not covered: a "device" unit's state
+streaming through for its update (placement "stream"; gated steps update those units on the host, checked).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from . import compact_state
 _INF_BITS = 0x7F800000  # fp32 +inf as int32: every finite non-negative float's bits are below it
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
+def finite(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool: every value of fp32 ``x`` is finite (one pass; the exact test only where the sum overflows)."""
     s = torch.isfinite(x.sum())
     if x.device.type == "cpu" and not bool(s):  # host tensor: no sync; rare (a bad value, or a sum past 3.4e38)
@@ -34,7 +39,7 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return s if x.device.type == "cpu" else s | torch.isfinite(x).all()  # the device never waits to decide
 
 
-def _nonneg_finite(x: torch.Tensor) -> torch.Tensor:
+def _nonnegfinite(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool: every value of fp32 ``x`` is in [0, inf): by its bits, one pass (-0.0 counts as negative,
     which AdamW never writes)."""
     if x.numel() == 0:
@@ -51,7 +56,7 @@ def state_ok(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tens
     Returns:
         0-dim bool on their device (computed there: no host sync on CUDA).
     """
-    return _finite(master) & _finite(exp_avg) & _nonneg_finite(exp_avg_sq)
+    return finite(master) & finite(exp_avg) & _nonnegfinite(exp_avg_sq)
 
 
 def compact_ok(lay: compact_state.Layout, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> torch.Tensor:
@@ -59,11 +64,11 @@ def compact_ok(lay: compact_state.Layout, exp_avg: torch.Tensor, exp_avg_sq: tor
     only the block scales and kept fp32 positions can hold a bad value; any code decodes to a map entry."""
     _, ms, m32 = compact_state.parts(exp_avg, lay)
     _, vs, v32 = compact_state.parts(exp_avg_sq, lay)
-    return _finite(ms) & _finite(m32) & _nonneg_finite(vs) & _nonneg_finite(v32)
+    return finite(ms) & finite(m32) & _nonnegfinite(vs) & _nonnegfinite(v32)
 
 
 def unit_ok(unit) -> bool:
     """Whether a host store unit (``host_store.Unit``) can take an AdamW step (Note: [Non-finite state])."""
     if unit.compact is None:
         return bool(state_ok(unit.master, unit.exp_avg, unit.exp_avg_sq))  # host tensors: no sync
-    return bool(_finite(unit.master) & compact_ok(unit.compact, unit.exp_avg, unit.exp_avg_sq))
+    return bool(finite(unit.master) & compact_ok(unit.compact, unit.exp_avg, unit.exp_avg_sq))

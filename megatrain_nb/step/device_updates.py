@@ -654,9 +654,11 @@ class DeviceUpdates:
         r = self.opt.of.get(unit)
         if r is None:
             return
-        self.late.wait(r.units, self.dev.compute)  # Note: [Late moments]: an arriving group's, rarely pending
         a, b = r.seg(unit)
-        ok = state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
+        if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
+            ok = state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
+        else:
+            ok = state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
         norm = self.norm_dev[unit + 1]
         norm.copy_(torch.where(ok, norm, float("nan")))
         self.state_ok[unit] = ok
