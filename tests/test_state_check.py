@@ -222,3 +222,15 @@ def test_cuda_a_bad_moment_skips_the_step(kind, settings):
         assert all(torch.isfinite(x.master).all() for x in s.store.units.values())
     finally:
         s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_ok_decides_on_the_device():
+    big = torch.full((1000,), 3e38, device="cuda")  # an fp32 sum would overflow; the fp64 one does not
+    assert bool(state_check.state_ok(big, big, big))
+    for where, value in [(0, math.nan), (1, -math.inf), (2, -1.0), (2, math.nan)]:
+        t = [torch.rand(10_000, device="cuda") for _ in range(3)]
+        t[where][77] = value
+        ok = state_check.state_ok(*t)
+        assert ok.device.type == "cuda" and not bool(ok), (where, value)
