@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 
@@ -31,6 +32,28 @@ def pinned_budget(setting: int | None, store_pinned: bool) -> int:
     if setting is not None:
         return setting
     return PINNED_BUDGET_PINNED_STORE if store_pinned else PINNED_BUDGET_BYTES
+
+
+def _number(name: str, value, what: str, none: bool = False) -> None:
+    """ValueError naming the field unless ``value`` is a finite real number (not a bool), or None where allowed."""
+    if none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}: must be a finite number ({what})")
+
+
+def _integer(name: str, value, least: int, what: str, none: bool = False) -> None:
+    """ValueError naming the field unless ``value`` is an int >= ``least`` (not a bool), or None where allowed."""
+    if none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name}={value!r}: must be an int >= {least} ({what})")
+
+
+def _flag(name: str, value, none: bool) -> None:
+    """ValueError naming the field unless ``value`` is True or False (or None, the automatic choice, where allowed)."""
+    if not (value is True or value is False or (none and value is None)):
+        raise ValueError(f"{name}={value!r}: use True or False" + (" or None (auto)" if none else ""))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -63,29 +86,37 @@ class OptimConfig:
     None: the input embedding's (as HF Trainer does for 8-bit Adam). ``()``: none but the small ones."""
 
     def __post_init__(self):
-        if not (isinstance(self.lr, (int, float)) and self.lr >= 0 and math.isfinite(self.lr)):
+        if isinstance(self.lr, bool) or not (isinstance(self.lr, numbers.Real) and math.isfinite(self.lr)
+                                             and self.lr >= 0):
             raise ValueError(f"lr={self.lr!r}: must be a finite number >= 0")
-        b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"betas={self.betas!r}: each must be in [0, 1)")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1
+                                      for b in betas):
+            raise ValueError(f"betas={self.betas!r}: must be two numbers (beta1, beta2), each in [0, 1), "
+                             "e.g. (0.9, 0.999)")
+        self.betas = tuple(float(b) for b in betas)
+        _number("eps", self.eps, "> 0, e.g. 1e-8")
         if not self.eps > 0:
             raise ValueError(f"eps={self.eps!r}: must be > 0")
+        _number("weight_decay", self.weight_decay, ">= 0, e.g. 0.0 or 0.1")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay!r}: must be >= 0")
+        _number("grad_clip", self.grad_clip, "> 0, or None for no clipping", none=True)
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r}: must be > 0, or None for no clipping")
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_state={self.optimizer_state!r}: choose one of {OPTIMIZER_STATES} "
                              "('fp32' exact, 'int8' ~2 bytes a parameter of moments, 'int4' ~1)")
         if self.compact_keep_fp32 is not None:
-            if isinstance(self.compact_keep_fp32, str) or not all(isinstance(x, str) for x in self.compact_keep_fp32):
+            if not isinstance(self.compact_keep_fp32, (tuple, list)) or not all(isinstance(x, str)
+                                                                               for x in self.compact_keep_fp32):
                 raise ValueError(f"compact_keep_fp32={self.compact_keep_fp32!r}: a tuple of name patterns, e.g. "
                                  "('*embed_tokens*',), () or None")
             self.compact_keep_fp32 = tuple(self.compact_keep_fp32)
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r}: choose one of {SCHEDULES}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps!r}: must be >= 0")
+        _integer("warmup_steps", self.warmup_steps, 0, "steps of linear warmup")
+        _integer("total_steps", self.total_steps, 1, "the schedule's length, or None", none=True)
         if self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ValueError(f"lr_schedule={self.lr_schedule!r} needs total_steps > warmup_steps "
                              f"(got total_steps={self.total_steps!r}, warmup_steps={self.warmup_steps})")
@@ -237,20 +268,23 @@ class EngineConfig:
             self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={self.dtype!r}: use torch.float32, torch.bfloat16 or torch.float16")
-        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0):
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0
+                                                  or isinstance(self.checkpoint_every, bool)):
             raise ValueError(f"checkpoint_every={self.checkpoint_every!r}: an int >= 1, 0 (keep all) or None (auto)")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: must be >= 1 or None")
+        _integer("micro_batch_size", self.micro_batch_size, 1, "sequences a micro-batch, or None", none=True)
         if self.pass_batch_size is not None and (not isinstance(self.pass_batch_size, int)
                                                  or isinstance(self.pass_batch_size, bool) or self.pass_batch_size < 1):
             raise ValueError(f"pass_batch_size={self.pass_batch_size!r}: an int >= 1 (sequences a pass) or None")
-        if self.loss_chunk_tokens is not None and (not isinstance(self.loss_chunk_tokens, int)
-                                                   or self.loss_chunk_tokens < 1):
-            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r}: an int >= 1 (positions) or None (auto)")
-        if self.weight_slots is not None and (not isinstance(self.weight_slots, int) or self.weight_slots < 2):
+        _integer("loss_chunk_tokens", self.loss_chunk_tokens, 1, "positions, or None (auto)", none=True)
+        if self.weight_slots is not None and (not isinstance(self.weight_slots, int) or self.weight_slots < 2
+                                              or isinstance(self.weight_slots, bool)):
             raise ValueError(f"weight_slots={self.weight_slots!r}: need at least 2 (one computing, one loading)")
-        if self.transfer_chunk_bytes < (1 << 20):
-            raise ValueError(f"transfer_chunk_bytes={self.transfer_chunk_bytes!r}: use at least 1 MiB")
+        _integer("transfer_chunk_bytes", self.transfer_chunk_bytes, 1 << 20, "bytes: use at least 1 MiB")
+        _integer("pinned_budget_bytes", self.pinned_budget_bytes, 0, "bytes, or None (auto)", none=True)
+        for name in ("pin_store", "cast_on_device", "offload_checkpoints", "share_host_store"):
+            _flag(name, getattr(self, name), none=True)
+        _flag("overlap_optimizer", self.overlap_optimizer, none=False)
+        _flag("trace", self.trace, none=False)
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 2 * self.transfer_chunk_bytes:
             raise ValueError(f"pinned_budget_bytes={self.pinned_budget_bytes!r}: must hold at least two "
                              f"transfer chunks of {self.transfer_chunk_bytes} bytes")
@@ -265,7 +299,8 @@ class EngineConfig:
                              "(its bf16 copy already is the weights); use split_master=None")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
-        if self.tile_tokens is not None and (not isinstance(self.tile_tokens, int) or self.tile_tokens < 0):
+        if self.tile_tokens is not None and (not isinstance(self.tile_tokens, int) or self.tile_tokens < 0
+                                             or isinstance(self.tile_tokens, bool)):
             raise ValueError(f"tile_tokens={self.tile_tokens!r}: an int >= 1 (rows per tile), 0 (never tile) or None (auto)")
         if self.attention_backend not in (None, "flash", "cudnn", "efficient", "math"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: use 'flash', 'cudnn', 'efficient', 'math' "
@@ -279,6 +314,7 @@ class EngineConfig:
                              "(HF's own forward)")
         if self.attention_cache is not None and not isinstance(self.attention_cache, bool):
             raise ValueError(f"attention_cache={self.attention_cache!r}: use None (auto), True or False")
+        _number("activation_budget", self.activation_budget, "a fraction in (0, 1], or None (auto)", none=True)
         if self.activation_budget is not None and not 0 < self.activation_budget <= 1:
             raise ValueError(f"activation_budget={self.activation_budget!r}: a fraction in (0, 1], or None (auto)")
 

@@ -194,6 +194,12 @@ class Session:
         if r.skipped:
             self.skipped_steps += 1
             what = "loss" if not math.isfinite(r.loss) else f"gradients of units {out['nonfinite_units']}"
+            state = out.get("nonfinite_state_units")
+            if math.isfinite(r.loss) and state:  # Note: [Non-finite state] in state_check.py
+                grads = sorted(set(out["nonfinite_units"]) - set(state))
+                what = (f"optimizer state of units {state} (a negative exp_avg_sq, or a NaN / inf master or "
+                        "moment: restore a good checkpoint or re-initialize those moments)"
+                        + (f" and gradients of units {grads}" if grads else ""))
             if self.engine_cfg.nonfinite == "raise":
                 raise FloatingPointError(f"step {r.step}: non-finite {what}; no update was applied. "
                                          "Lower lr, check the data, or set nonfinite='skip'")

@@ -106,6 +106,25 @@ BAD_SETTINGS = [
     (dict(device="mps"), ValueError, r"device='mps'"),
     (dict(device="tpu"), ValueError, r"device='tpu'"),  # not a torch device type at all
     (dict(dtype=torch.int8), ValueError, r"dtype=torch\.int8"),
+    (dict(betas=(0.5,)), ValueError, r"betas=\(0\.5,\): must be two numbers"),
+    (dict(betas=0.9), ValueError, r"betas=0\.9: must be two numbers"),
+    (dict(betas=(0.9, "0.99")), ValueError, r"betas=\(0\.9, '0\.99'\)"),
+    (dict(eps="1e-8"), ValueError, r"eps='1e-8': must be a finite number"),
+    (dict(eps=float("inf")), ValueError, r"eps=inf"),
+    (dict(weight_decay=float("nan")), ValueError, r"weight_decay=nan"),
+    (dict(grad_clip="1.0"), ValueError, r"grad_clip='1\.0'"),
+    (dict(lr=True), ValueError, r"lr=True"),
+    (dict(warmup_steps=2.5), ValueError, r"warmup_steps=2\.5: must be an int"),
+    (dict(total_steps="100"), ValueError, r"total_steps='100': must be an int"),
+    (dict(compact_keep_fp32=3), ValueError, r"compact_keep_fp32=3"),
+    (dict(micro_batch_size="2"), ValueError, r"micro_batch_size='2': must be an int"),
+    (dict(transfer_chunk_bytes="64M"), ValueError, r"transfer_chunk_bytes='64M'"),
+    (dict(pinned_budget_bytes=1.5), ValueError, r"pinned_budget_bytes=1\.5"),
+    (dict(overlap_optimizer="no"), ValueError, r"overlap_optimizer='no': use True or False"),
+    (dict(pin_store="yes"), ValueError, r"pin_store='yes'"),
+    (dict(offload_checkpoints=1), ValueError, r"offload_checkpoints=1"),
+    (dict(trace="off"), ValueError, r"trace='off'"),
+    (dict(activation_budget="0.5"), ValueError, r"activation_budget='0\.5'"),
 ]
 
 
@@ -117,6 +136,33 @@ def test_bad_settings(llama_dir, settings, error, match):
         Session.from_pretrained(llama_dir, **settings)
     with pytest.raises(error, match=match):
         Session.from_config(make_config("llama"), **settings)
+
+
+def test_resume_with_bad_settings_names_the_field(llama_dir, tmp_path):
+    s = Session.from_pretrained(llama_dir, lr=2e-3)
+    try:
+        train_session(s, make_batches(VOCAB, 1))
+        s.save_checkpoint(tmp_path / "ck")
+    finally:
+        s.close()
+    for settings, match in [(dict(betas=(0.5,)), r"betas=\(0\.5,\): must be two numbers"),
+                            (dict(eps=-1.0), r"eps=-1\.0: must be > 0"),
+                            (dict(overlap_optimizer=None), r"overlap_optimizer=None: use True or False")]:
+        with pytest.raises(ValueError, match=match):
+            Session.resume(tmp_path / "ck", **settings)
+
+
+def test_labels_none_is_as_if_absent(llama_dir):
+    """HF's convention: ``labels=None`` means the inputs are the labels."""
+    b = make_batches(VOCAB, 1, seed=3)[0]
+    losses = []
+    for batch in ({"input_ids": b["input_ids"]}, {"input_ids": b["input_ids"], "labels": None}):
+        s = Session.from_pretrained(llama_dir, lr=2e-3)
+        try:
+            losses.append(s.step(batch).loss)
+        finally:
+            s.close()
+    assert losses[0] == losses[1]
 
 
 # ---- batches: rejected before any state changes -------------------------------------------------
@@ -170,6 +216,14 @@ BAD_BATCHES = {
                          ValueError, r"no supervised tokens.*after shifting"),  # position 0 is never a target
     "no_input_ids": (lambda: _batch(input_ids=None), TypeError, r"'input_ids'"),
     "not_a_dict": (lambda: [make_batches(VOCAB, 1)[0]["input_ids"]], TypeError, r"batch must be a dict"),
+    "ids_none": (lambda: _batch(input_ids=lambda b: None), TypeError, r"input_ids is None: it must be a tensor"),
+    "ids_meta": (lambda: _batch(input_ids=lambda b: b["input_ids"].to("meta")), TypeError,
+                 r"input_ids is a meta tensor"),
+    "ids_string": (lambda: _batch(input_ids="the cat sat"), TypeError, r"input_ids is 'the cat sat'"),
+    "ids_ragged": (lambda: _batch(input_ids=[[1, 2, 3], [4]], labels=None, attention_mask=None), TypeError,
+                   r"input_ids of type list cannot be read"),
+    "labels_meta": (lambda: _batch(labels=lambda b: b["labels"].to("meta")), TypeError, r"labels is a meta tensor"),
+    "mask_string": (lambda: _batch(attention_mask="all"), TypeError, r"attention_mask is 'all'"),
 }
 
 

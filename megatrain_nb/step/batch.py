@@ -36,7 +36,7 @@ def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | 
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise TypeError("batch must be a dict with 'input_ids' (and optionally 'labels', 'attention_mask')")
     ids = _as_long(batch["input_ids"], "input_ids")
-    labels = _as_long(batch.get("labels", ids), "labels")
+    labels = ids if batch.get("labels") is None else _as_long(batch["labels"], "labels")  # None: as if absent
     if ids.dim() != 2:
         raise ValueError(f"input_ids has shape {tuple(ids.shape)}; expected [batch, seq]")
     if ids.numel() == 0:
@@ -54,7 +54,7 @@ def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | 
         raise ValueError(f"labels holds {bad}: each label must be in [0, {V}) or -100 (ignored)")
     mask = batch.get("attention_mask")
     if mask is not None:
-        mask = torch.as_tensor(mask)
+        mask = _as_tensor(mask, "attention_mask")
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(ids.shape)}")
         bad = mask[(mask != 0) & (mask != 1)]
@@ -95,8 +95,24 @@ def prepare(batch: dict, *, vocab: int, micro_batch: Callable[[int, int], int | 
     return mbs, n_valid, ids.numel()
 
 
+def _as_tensor(x, name: str) -> torch.Tensor:
+    """``x`` (a tensor, array or nested list of numbers) as a CPU tensor; TypeError naming the field otherwise."""
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} is {repr(x)[:60]}: it must be a tensor of shape [batch, seq] (a torch.Tensor, a numpy "
+                        "array or a list of lists of integers)")
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        raise TypeError(f"{name} is a meta tensor (shape {tuple(x.shape)}, no data); pass a tensor with values "
+                        "(on the CPU or a GPU)")
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name} of type {type(x).__name__} cannot be read as a tensor ({e}); pass a torch.Tensor, "
+                        "a numpy array or a list of equal-length lists of integers") from e
+    return t.cpu()
+
+
 def _as_long(x, name: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
+    t = _as_tensor(x, name)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} has dtype {t.dtype}; token ids must be integers (torch.long)")
     return t.to(device="cpu", dtype=torch.long)  # the host gathers embedding rows and checks ids

@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..machine import placement as placing
-from ..host import split_master
+from ..host import split_master, state_check
 from ..host.optim import DeviceAdamW, grad_norm
 from .late_moments import LateMoments
 from ..machine.budget import device_total, memory_total
@@ -54,6 +54,7 @@ class DeviceUpdates:
         self.sslots: list[torch.Tensor] = []  # "device" units' state (master, moments) on its way through
         self.sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
         self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
+        self.state_ok: dict[int, torch.Tensor] = {}  # this step's check_state verdicts (Note: [Non-finite state])
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
         self.writes: list[Box] = []  # state write-backs' landings that no step has waited for (Note: [Late write-backs])
@@ -395,6 +396,7 @@ class DeviceUpdates:
         overlap = bool(self.opt.groups or self.opt.streamed) and not gate  # Note: [Device updates]
         self.bad = torch.zeros((), dtype=torch.bool, device=self.dev.device) if overlap else None
         self.seen, self.updated, self.norms = set(), None, {}
+        self.state_ok = {}  # unit -> 0-dim bool on the device: its resident state passed check_state this step
 
     def loss_known(self, total: torch.Tensor) -> None:
         """Compute stream: the step's loss (0-dim, device); a non-finite one skips every device update."""
@@ -645,6 +647,28 @@ class DeviceUpdates:
             rows = rows.masked_fill((ids == pad).unsqueeze(1), 0)  # nn.Embedding gives padding_idx no gradient
         egrad.view(-1, H).index_put_((ids,), rows, accumulate=True)  # sorted, not atomic: deterministic on CUDA
         self.norm_dev[0].copy_(grad_norm(egrad))
+        self.check_state(-1)
+
+    def check_state(self, unit: int) -> None:
+        """Compute stream, right after ``unit``'s norm is written: a resident unit whose state would write
+        non-finite weights gets a NaN norm, so the step skips it as a non-finite gradient, on the device and
+        in the report alike (Note: [Non-finite state] in state_check.py). No host sync."""
+        r = self.opt.of.get(unit)
+        if r is None:
+            return
+        a, b = r.seg(unit)
+        if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
+            ok = state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
+        else:
+            ok = state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
+        norm = self.norm_dev[unit + 1]
+        norm.copy_(torch.where(ok, norm, float("nan")))
+        self.state_ok[unit] = ok
+
+    def bad_state(self, units) -> list[int]:
+        """Driver, for a skipped step's report only: which of ``units`` failed ``check_state`` this step (reads
+        each verdict: a host sync, on that rare path alone)."""
+        return [u for u in units if u in self.state_ok and not bool(self.state_ok[u])]  # .item(): host sync
 
     def end_backward(self) -> None:
         """Compute stream: the next step's compute follows this step's overlapped device updates."""

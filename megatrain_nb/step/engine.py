@@ -46,6 +46,7 @@ from ..host.hostmem import HostRss
 from .device_updates import DeviceUpdates
 from .early_rows import EarlyRows
 from ..host.optim import HostAdamW, grad_norm
+from ..host import state_check
 from . import distributed
 from ..machine import placement as placing
 from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
@@ -96,6 +97,7 @@ class Engine:
         self.early = EarlyRows(arch.embed.weight.shape[1], self.adam)  # the next forward's rows first (Note: [Early rows])
         self.adam.early = functools.partial(embedding.early_rows, self)  # embedding.py
         self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
+        self.adam.guard = self._state_ok  # Note: [Non-finite state] in state_check.py
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
@@ -157,6 +159,12 @@ class Engine:
             self.optim.update(unit, lr, grad_scale)
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
         self.device_updates.host_updated(unit, time.perf_counter() - t0)  # what "stream" balances PCIe against
+
+    def _state_ok(self, unit: int) -> bool:
+        """Unpacker, as ``unit`` lands: its host state can take this process's update (others' are theirs)."""
+        if self.adam.noop(unit) or not self.store.owns(unit) or unit in self.store.split:
+            return True
+        return state_check.unit_ok(self.store.units[unit])
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -276,10 +284,12 @@ class Engine:
         du.wait_writes(every=self._gated)  # Note: [Late write-backs]: a gated step's worker needs every landing
         loss = float(loss_box.get())
         with self.adam.cond:  # every unit that goes through the unpacker has landed: its grad norm is known
-            norms = dict(adam_step["landed"])
+            norms, bad_state = dict(adam_step["landed"]), sorted(adam_step["bad_state"])
         for u, n in du.streamed_norms().items():  # "device" units (the head group's too) land with their
             norms.setdefault(u, n)  # write-backs, later
         bad = [u for u, n in norms.items() if not math.isfinite(n)]
+        if bad:  # Note: [Non-finite state]: which of them are the device's bad state, not gradients
+            bad_state = sorted(set(bad_state) | set(du.bad_state(bad)))
         if self.dev_opt.groups and gate and math.isfinite(loss) and not bad:
             du.gated_update(norms, self.ocfg.lr_at(self.steps_done))  # the host's clip factor and verdict
         measured = du.measuring
@@ -290,6 +300,7 @@ class Engine:
         self.steps_done += 1
         return {"loss": loss, "kept_layers": sum(self.keep), "recomputed_layers": L - sum(self.keep),
                 "nonfinite": not math.isfinite(loss) or bool(bad), "nonfinite_units": sorted(bad),
+                "nonfinite_state_units": bad_state,
                 "grad_norm": math.sqrt(sum(n * n for n in norms.values())),
                 "metrics": None if hook is None else hook.metrics()}  # host sync, beside the loss's
 
@@ -335,6 +346,7 @@ class Engine:
         if self.dp is not None:
             return self.dp.grads(g, self.norm_dev[unit + 1], n, done)
         self.norm_dev[unit + 1].copy_(grad_norm(g[:n]))
+        self.device_updates.check_state(unit)  # Note: [Non-finite state]: a resident unit's, before ``done``
         return self.dev.record(self.dev.compute)
 
     def placement_frame(self):

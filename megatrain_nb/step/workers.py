@@ -131,6 +131,7 @@ class AdamWorker:
         self.early: Callable[[int, int, float, float], bool] | None = None  # Note: [Early rows] (the engine's)
         self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
         self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
+        self.guard: Callable[[int], bool] | None = None  # whether a landing unit's state can take its update
         self.follower = None
         if shared is not None:
             from ..host.shared_store import Follower
@@ -142,16 +143,21 @@ class AdamWorker:
     def begin(self, *, step: int, lr: float, gate: bool, clip: Callable[[dict], tuple[float, float]], loss: Box) -> dict:
         """Open step ``step``'s updates: ``loss`` yields the step's loss (a non-finite one skips the step)."""
         with self.cond:  # Note: the previous step's updates may still be running: its state stays its own
-            st = dict(step=step, lr=lr, gate=gate, clip=clip, loss=loss, landed={}, arrivals=[])
+            st = dict(step=step, lr=lr, gate=gate, clip=clip, loss=loss, landed={}, arrivals=[], bad_state=[])
             self.steps.append(st)
             self.cond.notify_all()
         return st
 
     def land(self, unit: int, norm: float, step: int | None = None) -> None:
         """Unit's gradients for step ``step`` are in host memory; None: the newest step (a step begins after
-        the last one landed, but for a "device" unit's write-back: Note: [Late write-backs] in device_updates.py)."""
+        the last one landed, but for a "device" unit's write-back: Note: [Late write-backs] in device_updates.py).
+        A unit whose state fails ``guard`` lands with a NaN norm (Note: [Non-finite state] in state_check.py)."""
+        bad = self.guard is not None and math.isfinite(norm) and not self.guard(unit)  # the caller's thread, unlocked
         with self.cond:
             st = self.steps[-1] if step is None else next(s for s in self.steps if s["step"] == step)
+            if bad:
+                norm = math.nan  # skipped and reported as a non-finite gradient is (Note: [Non-finite gradients])
+                st["bad_state"].append(unit)
             st["landed"][unit] = norm
             st["arrivals"].append(unit)
             self.cond.notify_all()

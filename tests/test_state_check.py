@@ -1,0 +1,236 @@
+"""Note: [Non-finite state] (state_check.py): a step whose update would write non-finite weights from a bad
+optimizer state (a negative or NaN exp_avg_sq, a NaN moment or master) is skipped and reported like a
+non-finite gradient, with nothing written; the pure check, and the public API on the CPU for fp32 and
+compact moments, overlapped and gated."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from conftest import make_batches
+from megatrain_nb import Session
+from megatrain_nb.host import compact_state, state_check
+
+VOCAB = 96
+
+
+# ---- the check itself ------------------------------------------------------------------------------
+@pytest.mark.parametrize("where,value", [("v", -1.0), ("v", math.nan), ("v", -math.nan), ("v", math.inf),
+                                         ("m", math.nan), ("m", -math.inf), ("p", math.nan), ("p", math.inf)])
+def test_state_ok_refuses_each_bad_value(where, value):
+    t = {k: torch.rand(10_000) for k in "pmv"}
+    assert bool(state_check.state_ok(t["p"], t["m"], t["v"]))
+    t[where][1234] = value
+    assert not bool(state_check.state_ok(t["p"], t["m"], t["v"]))
+
+
+def test_a_sum_that_overflows_is_not_a_bad_state():
+    """Values near fp32's largest: the one-pass sum overflows, the exact test then says they are finite."""
+    big = torch.full((1000,), 3e38)
+    assert not math.isfinite(float(big.sum()))
+    assert bool(state_check.state_ok(big, big, big))
+    assert bool(state_check.state_ok(torch.zeros(0), torch.zeros(0), torch.zeros(0)))
+
+
+@pytest.mark.parametrize("kind", compact_state.KINDS)
+def test_compact_ok_reads_scales_and_kept_positions(kind):
+    lay = compact_state.Layout(kind=kind, n=4096 + 100, spans=((4096, 4196),))
+    g = torch.Generator().manual_seed(0)
+    m, v = torch.randn(lay.n, generator=g), torch.rand(lay.n, generator=g)
+    ms, vs = torch.zeros(lay.words), torch.zeros(lay.words)
+    compact_state.quantize_into(ms, lay, 0, m)
+    compact_state.quantize_into(vs, lay, 1, v)
+    assert bool(state_check.compact_ok(lay, ms, vs))
+    for slab, part, value in [(vs, 1, -1.0), (vs, 1, math.nan), (vs, 2, -1.0), (ms, 1, math.nan), (ms, 2, math.inf)]:
+        bad = slab.clone()
+        compact_state.parts(bad, lay)[part][0] = value
+        pair = (bad, vs) if slab is ms else (ms, bad)
+        assert not bool(state_check.compact_ok(lay, *pair)), (part, value)
+    codes = compact_state.parts(vs.clone(), lay)[0]
+    codes.fill_(255)  # any code decodes to a map entry: no bad value can hide there
+    assert bool(state_check.compact_ok(lay, ms, vs))
+
+
+# ---- through the public API ---------------------------------------------------------------------------
+def _session(kind: str, **settings) -> Session:
+    """2 layers whose projections (64 x 128) are quantized under a compact ``optimizer_state``."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Session.from_config(cfg, seed=0, lr=1e-3, optimizer_state=kind, trace=False, **settings)
+
+
+def _corrupt(s: Session, unit: int, value: float) -> None:
+    """Write ``value`` into unit ``unit``'s exp_avg_sq through the store: an fp32 entry, or a compact block's scale."""
+    u = s.store.units[unit]
+    if u.compact is None:
+        u.exp_avg_sq[7] = value
+    else:
+        compact_state.parts(u.exp_avg_sq, u.compact)[1][0] = value
+
+
+def _state(s: Session) -> dict:
+    return {u: (x.master.clone(), x.exp_avg.clone(), x.exp_avg_sq.clone(), s.engine.optim.steps_done(u))
+            for u, x in s.store.units.items()}
+
+
+def _same(a, b) -> bool:
+    """Bit for bit (a compact slab's code words may read as NaN floats)."""
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a[:3], b[:3])) and a[3] == b[3]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("value", [-1.0, math.nan])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_bad_moment_skips_the_step_with_nothing_written(kind, value, gated):
+    """Overlapped (the default), the head lands first, so a bad head skips every unit; gated (grad_clip), a bad
+    layer 0 does. Fixed, training goes on."""
+    s = _session(kind, **({"grad_clip": 1.0} if gated else {}))
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        bad = 0 if gated else s.store.order[-1]  # the head (forward order: embedding, layers, head)
+        if kind != "fp32" and bad == 0:
+            assert s.store.units[0].compact is not None  # the layer's moments are compact indeed
+        keep = s.store.units[bad].exp_avg_sq.clone()
+        _corrupt(s, bad, value)
+        before = _state(s)
+        with pytest.warns(UserWarning, match=rf"optimizer state of units \[{bad}\]"):
+            r = s.step(batches[1])
+        s.engine.drain()
+        assert r.skipped and s.skipped_steps == 1 and math.isfinite(r.loss)
+        after = _state(s)
+        assert all(_same(before[u], after[u]) for u in before), [u for u in before if not _same(before[u], after[u])]
+        s.store.units[bad].exp_avg_sq.copy_(keep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            r = s.step(batches[2])
+        s.engine.drain()
+        assert not r.skipped and all(torch.isfinite(x.master).all() for x in s.store.units.values())
+        assert all(s.engine.optim.steps_done(u) == before[u][3] + 1 for u in before)
+    finally:
+        s.close()
+
+
+def test_overlapped_units_after_a_bad_one_are_skipped_those_before_keep_theirs():
+    """Note: [Non-finite gradients]'s rule: layer 0 lands after the head and layer 1, before the embedding."""
+    s = _session("fp32")
+    try:
+        batches = make_batches(VOCAB, 2)
+        s.step(batches[0])
+        s.engine.drain()
+        s.store.units[0].exp_avg[3] = math.nan
+        before = _state(s)
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
+            r = s.step(batches[1])
+        s.engine.drain()
+        after = _state(s)
+        assert r.skipped and _same(before[0], after[0]) and _same(before[-1], after[-1])
+        assert not _same(before[1], after[1])  # landed before layer 0: updated
+    finally:
+        s.close()
+
+
+def test_nonfinite_raise_raises_with_nothing_applied():
+    s = _session("fp32", nonfinite="raise")
+    try:
+        batches = make_batches(VOCAB, 2)
+        s.step(batches[0])
+        s.engine.drain()
+        unused = sorted(set(range(VOCAB)) - set(batches[1]["input_ids"].flatten().tolist()))[0]
+        s.store.units[-1].master.view(VOCAB, -1)[unused, 0] = math.inf  # a row the forward never reads: the loss is finite
+        before = _state(s)
+        with pytest.raises(FloatingPointError, match=r"optimizer state of units \[-1\].*no update was applied"):
+            s.step(batches[1])
+        s.engine.drain()
+        after = _state(s)
+        assert all(_same(before[u], after[u]) for u in before)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_bad_resident_moment_skips_the_step_with_nothing_written(kind, gated):
+    """A resident unit's state lives on the device (on the CPU: DeviceAdamW's own tensors); its check folds
+    into its norm there, before the copy to the host."""
+    s = _session(kind, placement={0: "resident", 1: "resident"}, **({"grad_clip": 1.0} if gated else {}))
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        r0 = s.engine.dev_opt.of[0]
+        a, b = r0.seg(0)
+        keep = r0.exp_avg_sq[a:b].clone()
+        r0.exp_avg_sq[a + 5] = -1.0
+        before = {u: (r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone(), float(r.steps[u]))
+                  for u, r in s.engine.dev_opt.of.items()}
+        host = {u: s.store.units[u].master.clone() for u in (-1,)}
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
+            r = s.step(batches[1])
+        s.engine.drain()
+        assert r.skipped
+        for u, (p, m, v, n) in before.items():
+            if u == 1 and not gated:
+                continue  # overlapped, layer 1 lands before layer 0: its update stands (Note: [Non-finite gradients])
+            x = s.engine.dev_opt.of[u]
+            assert torch.equal(x.master, p) and float(x.steps[u]) == n, u
+            if kind == "fp32":  # compact: drain's write-back re-quantizes the device's moments (Note: [Resident compact])
+                assert torch.equal(x.exp_avg, m) and torch.equal(x.exp_avg_sq.view(torch.int32), v.view(torch.int32)), u
+        assert torch.equal(s.store.units[-1].master, host[-1])  # lands after layer 0: skipped too
+        r0.exp_avg_sq[a:b] = keep
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not s.step(batches[2]).skipped
+    finally:
+        s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("settings", [dict(placement={0: "resident", 1: "resident"}), dict(placement="host"),
+                                      dict(placement={0: "resident"}, grad_clip=1.0)])
+def test_cuda_a_bad_moment_skips_the_step(kind, settings):
+    """On CUDA: the host guard (pinned slabs, cast_on_device) and the resident check on the compute stream,
+    whose verdict must reach the norm's copy to the host before it is read."""
+    s = _session(kind, device="cuda", **settings)
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        res = s.engine.dev_opt.of.get(0)
+        if res is not None:
+            a, _ = res.seg(0)
+            target, at = res.exp_avg_sq, a + 5
+        else:
+            u = s.store.units[0]
+            target, at = (u.exp_avg_sq, 5) if u.compact is None else (compact_state.parts(u.exp_avg_sq, u.compact)[1], 0)
+        keep = target[at].item()
+        target[at] = float("nan")
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
+            assert s.step(batches[1]).skipped
+        s.engine.drain()
+        target[at] = keep
+        assert not s.step(batches[2]).skipped
+        s.engine.drain()
+        assert all(torch.isfinite(x.master).all() for x in s.store.units.values())
+    finally:
+        s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_ok_decides_on_the_device():
+    big = torch.full((1000,), 3e38, device="cuda")  # an fp32 sum would overflow; the fp64 one does not
+    assert bool(state_check.state_ok(big, big, big))
+    for where, value in [(0, math.nan), (1, -math.inf), (2, -1.0), (2, math.nan)]:
+        t = [torch.rand(10_000, device="cuda") for _ in range(3)]
+        t[where][77] = value
+        ok = state_check.state_ok(*t)
+        assert ok.device.type == "cuda" and not bool(ok), (where, value)
