@@ -18,7 +18,7 @@ import torch
 
 from .config import EngineConfig, OptimConfig
 from .host import shared_store
-from .step.collective_save import one_writer
+from .host.collective_save import one_writer
 from .step.distributed import local_device
 from .step.engine import Engine
 from .model.hf import load_architecture

@@ -57,7 +57,7 @@ def _slowly(s):
 
 def _run(s, name: str, rank: int, out: Path) -> dict:
     """Steps with saves between them, every way; returns what this rank saw."""
-    from megatrain_nb.step.collective_save import device_counts_elsewhere
+    from megatrain_nb.host.collective_save import device_counts_elsewhere
 
     b, rec = _batches(), {"losses": []}
     step = lambda k: rec["losses"].append(s.step(_shard(b[k], rank)).loss)  # noqa: E731
@@ -67,7 +67,7 @@ def _run(s, name: str, rank: int, out: Path) -> dict:
     if rank == 0:
         rec["eval1"] = s.evaluate([b[0]])  # every row: what the HF model loaded from disk must report
     for _ in range(2):  # every rank, one directory, twice: each time one writer
-        rec["returned"] = s.save_pretrained(out / "all_pre")
+        rec["returned"] = str(s.save_pretrained(out / "all_pre"))
     s.save_checkpoint(out / "all_ckpt")
     step(1)
     rec["m2"] = _masters(s)
@@ -108,7 +108,7 @@ def _saves_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
     import torch.distributed as dist
 
     from megatrain_nb import Session
-    from megatrain_nb.step import collective_save
+    from megatrain_nb.host import collective_save
 
     collective_save.BEAT_S = 0.2  # beats well inside WAIT_S on a loaded machine
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world,
@@ -164,7 +164,7 @@ def test_every_rank_saving_writes_once_and_loads_equal(ran, name):
     tmp, _, ranks = ran
     out = tmp / name
     assert ranks[0][name]["shared"] == (name != "private")
-    assert ranks[1][name]["returned"] == out / "all_pre"  # the waiting rank returns the directory too
+    assert ranks[1][name]["returned"] == str(out / "all_pre")  # the waiting rank returns the directory too
     _equal(_loaded(out / "all_pre"), ranks[0][name]["m1"], f"{name}: save_pretrained by every rank")
     assert not list(out.glob("all_pre/*partial*")) and not list(out.glob("*.tmp-*")), "a writer's leftovers"
     hf = AutoModelForCausalLM.from_pretrained(str(out / "all_pre"), dtype=torch.float32)
@@ -236,7 +236,7 @@ def test_turns_without_a_process_group_decide_by_what_each_rank_marked(tmp_path)
 
     import torch.distributed as dist
 
-    from megatrain_nb.step.collective_save import Turns
+    from megatrain_nb.host.collective_save import Turns
 
     store = dist.FileStore(str(tmp_path / "store"), 2)
     t0, t1 = Turns(0, 2, store, timeout_s=2), Turns(1, 2, store, timeout_s=2)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..step.collective_save import device_counts_elsewhere, one_writer
+from .collective_save import device_counts_elsewhere, one_writer
 from . import compact_state
 
 FORMAT = "megatrain_nb.checkpoint"
@@ -53,7 +53,7 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     Waits for pending host Adam updates first (``engine.drain``), so the saved masters are those the
     next step would read. Atomic (see Note: [Atomic save]): ``path`` holds the previous checkpoint
     until the new one is complete. Under data parallel every rank, or rank 0 alone, may call it: rank 0
-    writes, the others return once it is complete (Note: [One writer] in step/collective_save.py).
+    writes, the others return once it is complete (Note: [One writer] in host/collective_save.py).
 
     Args:
         session: a ``Session`` between steps.

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..host.optim import grad_norm
-from .collective_save import Turns
+from ..host.collective_save import Turns
 
 TIMEOUT_S = float(os.environ.get("MEGATRAIN_DP_TIMEOUT_S", 300))
 """Seconds a collective may wait for the other ranks before this rank raises (``init``'s default)."""
