@@ -22,6 +22,8 @@ that kind since that step, all equal on every rank that calls it.
 - Every wait for rank 0 lasts while rank 0 shows a sign of life (a claim, a result, a heartbeat) at
   least once per process-group timeout; a rank 0 that died mid-write stops beating and the waiting
   ranks raise after that timeout. A minutes-long write never times them out.
+- A rank whose Session closes marks the next step's start as if it began it (``Turns.leave``): a
+  script's ``if rank == 0: s.save_pretrained(out)`` after the last step, while the others close.
 - A non-zero rank that calls a save alone learns that rank 0 began the next step without it: it
   writes nothing, warns, and returns (rank 0 was already waiting for it in that step's collective).
 - With a shared host store (shared_store.py) rank 0 first waits until every other rank has either
@@ -82,6 +84,10 @@ class Turns:
         self.seq = {k: v for k, v in self.seq.items() if k[0] == n}
         if self.rank != 0:
             self._await(lambda: self._has(self._at(n, 0)), f"the start of step {n} (rank 0 saving?)")
+
+    def leave(self) -> None:
+        """This rank's Session closes (after its drain): rank 0 saving alone, or a lone rank, stops waiting for it."""
+        self.store.set(self._at(self.steps + 1, self.rank), "left")
 
     @contextlib.contextmanager
     def turn(self, kind: str, path, *, settle: bool = False, alone: str | None = None):
