@@ -18,6 +18,7 @@ import torch
 
 from .config import EngineConfig, OptimConfig
 from .host import shared_store
+from .host.collective_save import one_writer
 from .step.distributed import local_device
 from .step.engine import Engine
 from .model.hf import load_architecture
@@ -495,12 +496,15 @@ class Session:
 
         return resume(path, make=cls, **overrides)
 
+    @one_writer("pretrained")  # data parallel: rank 0 writes (Note: [One writer] in collective_save.py)
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                        max_shard_bytes: int = 5 << 30) -> None:
+                        max_shard_bytes: int = 5 << 30) -> Path:
         """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates);
-        shards of at most ``max_shard_bytes``, each written once full (host memory holds one at a time)."""
+        shards of at most ``max_shard_bytes``, each written once full (host memory holds one at a time).
+        Under data parallel every rank, or rank 0 alone, may call it (docs/distributed.md, "Saving")."""
         self.engine.drain()
         self.store.save_pretrained(out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return Path(out_dir)
 
     def memory_report(self) -> dict:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .collective_save import device_counts_elsewhere, one_writer
 from . import compact_state
 
 FORMAT = "megatrain_nb.checkpoint"
@@ -44,13 +45,15 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 MAX_SHARD_BYTES = 2 << 30
 
 
+@one_writer("checkpoint", alone=device_counts_elsewhere)  # data parallel: rank 0 writes (Note: [One writer])
 def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write everything needed to continue training ``session`` exactly where it is.
 
     Waits for pending host Adam updates first (``engine.drain``), so the saved masters are those the
     next step would read. Atomic (see Note: [Atomic save]): ``path`` holds the previous checkpoint
-    until the new one is complete.
+    until the new one is complete. Under data parallel every rank, or rank 0 alone, may call it: rank 0
+    writes, the others return once it is complete (Note: [One writer] in host/collective_save.py).
 
     Args:
         session: a ``Session`` between steps.
@@ -63,21 +66,16 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     Raises:
         ValueError: ``max_shard_bytes`` < 1 MiB, or ``data_state`` is not JSON-able.
         OSError: the disk refused a write; ``path`` is then untouched.
+        RuntimeError: data parallel only: rank 0 alone where another rank's GPU holds some state, or
+            rank 0's write failed (on the other ranks); docs/distributed.md, "Saving".
     Example:
         >>> save_checkpoint(s, "ckpt/run1")            # doctest: +SKIP
         >>> s = Session.resume("ckpt/run1")              # doctest: +SKIP
     """
     if max_shard_bytes < (1 << 20):
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: use at least 1 MiB")
-    from ..step.distributed import barrier, world
-
     path = Path(path)
     session.engine.drain()  # host wait: every finished step's updates are in the masters
-    if getattr(session.store, "shared", None) is not None:  # the owners' step counts of "device" units too
-        barrier(f"saving checkpoint {str(path)!r} (the shared host store's owners write back)")
-    if world()[0] != 0:  # data parallel: every rank holds the same state; rank 0 writes it
-        barrier(f"saving checkpoint {str(path)!r} (rank 0 writes it)")
-        return path
     if data_state is None:
         data_state = getattr(session, "data_state", None)
     state = _state(session, data_state)  # before any file: a non-JSON-able field fails here
@@ -93,7 +91,6 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    barrier(f"saving checkpoint {str(path)!r}")  # the other ranks return once it is complete
     return path
 
 

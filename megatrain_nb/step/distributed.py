@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..host.optim import grad_norm
+from ..host.collective_save import Turns
 
 TIMEOUT_S = float(os.environ.get("MEGATRAIN_DP_TIMEOUT_S", 300))
 """Seconds a collective may wait for the other ranks before this rank raises (``init``'s default)."""
@@ -159,12 +160,15 @@ class DataParallel:
         self.stream = torch.cuda.Stream(dev.device) if dev.cuda else None  # gradient all-reduces
         self.tokens: list[int] = []  # this step: tokens of each rank, in rank order
         self.ids: torch.Tensor | None = None  # (sum(tokens),) long, host: every rank's token ids, in rank order
+        self.saves = Turns(self.rank, self.size)  # who writes a save (Note: [One writer] in collective_save.py)
 
     def begin(self, mbs: list[dict], n_valid: int) -> int:
         """Driver, before the step: returns the global supervised-token count; keeps every rank's ids.
 
-        Blocks the CPU until every rank has arrived (one small gather: counts and token ids).
+        Blocks the CPU until every rank has arrived (one small gather: counts and token ids). First the
+        save gate: a rank waits for rank 0 while it writes a save alone (Note: [One writer]).
         """
+        self.saves.at_step()
         ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
         got: list = [None] * self.size
         with _failing("the step's start (token counts)"):

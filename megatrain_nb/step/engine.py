@@ -680,6 +680,8 @@ class Engine:
         try:
             self.drain()
         finally:
+            if self.dp is not None:
+                self.dp.saves.leave()  # after the drain: a rank 0 saving alone need not wait for this rank
             self.abort.set()
             self.io.close(), self.adam.close(), self.device_updates.late.close()
 
