@@ -27,10 +27,12 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import gc
 import json
 import os
 import random
 import shutil
+import traceback
 import warnings
 import zlib
 from pathlib import Path
@@ -94,6 +96,8 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
         _write_json(tmp / STATE, state)
         publish.publish(tmp, path)
     except OSError as e:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # first, so that the message says what is free without it
         raise publish.save_error(e, path, _needed(session.store), "the checkpoint") from e
     finally:
         if tmp is not None and tmp.exists():
@@ -155,10 +159,23 @@ def resume(path: str | os.PathLike, *, make, **overrides):
         session.data_state = state.get("data_state")
         session.store.refresh_shadow()
         _set_rng(rng)  # last: a failed resume leaves this process's RNG as it was
-    except BaseException:
+    except BaseException as e:
         session.close()
+        _drop_frames(e)
+        del session  # this frame stays in the traceback: let it not hold the session
+        gc.collect()  # the engine and its threads hold the session in cycles: free its store now
         raise
     return session
+
+
+def _drop_frames(e: BaseException) -> None:
+    """Clear the locals of the finished frames in ``e``'s tracebacks (and its causes'), which would keep a closed
+    session's store alive as long as the exception is (a notebook keeps the last one)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # the running frames (this one, the caller's) are left as they are
+        e = e.__cause__ or e.__context__
 
 
 class _field:

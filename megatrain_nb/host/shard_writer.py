@@ -139,8 +139,10 @@ class _Sink:
                 self.f.flush()
                 os.fsync(self.f.fileno())
         finally:
-            self.f.close()
-            self.pool.shutdown(wait=True)
+            try:
+                self.f.close()  # may raise what the buffered bytes' write hits (a full disk)
+            finally:
+                self.pool.shutdown(wait=True)
 
 
 def _nbytes(dt: torch.dtype, shape: tuple) -> int:
