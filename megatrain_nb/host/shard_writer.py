@@ -15,10 +15,10 @@ JSON header (padded with spaces to 8 bytes) of ``{name: {dtype, shape, data_offs
 offset order; the files are read back with ``safetensors`` itself in the tests.
 
 Note: [Checksum while writing] every file's CRC-32 (``zlib.crc32``, always there) is folded chunk by chunk
-from the very bytes handed to the file, on a second thread while the main one writes the same chunk (both
-release the GIL): no second pass over the data, and the save takes max(write, checksum) a chunk, not their
-sum. On the 2-core CPU box zlib's CRC-32 ran ~2 GB/s, a write with fsync ~1.2 GB/s; bench/save_speed.py
-measures a save with and without it.
+from the very buffers handed to the file, on a second thread that may trail the writes by a few chunks and
+catches up while the file's fsync waits for the disk (zlib and the writes release the GIL): no second pass
+over the file, and the checksum's CPU time hides behind the disk's. On the 2-core CPU box zlib's CRC-32 ran
+~1.2-2 GB/s, a write with fsync ~0.5-1.2 GB/s; bench/save_speed.py measures a save with and without it.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def write(out: Path, units: Callable[[], Iterable[dict[str, torch.Tensor]]], *, 
     walk = ((name, t) for tensors in units() for name, t in tensors.items())
     try:
         for shard, tmp in zip(plan, temps):
-            with _Sink(tmp) as f:
+            with _Sink(tmp, fold=False) as f:  # an export: no checksum to record
                 f.write(_header(shard))
                 for want, dt, shape in shard:
                     name, t = next(walk)
@@ -112,22 +112,25 @@ def write_file(f: Path, tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, i
 
 class _Sink:
     """A file opened for writing whose bytes are checksummed on a second thread as they are written, then
-    fsynced on close (Note: [Checksum while writing])."""
+    fsynced on close; the checksum catches up during the fsync (Note: [Checksum while writing])."""
 
-    def __init__(self, path: Path):
+    LAG = 8  # chunks the checksum may trail the writes by (views of the slabs: no copies)
+
+    def __init__(self, path: Path, fold: bool = True):
         self.f = open(path, "wb")
         self.crc, self.size = 0, 0
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checksum")
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-checksum") if fold else None
+        self.pending: list = []
 
     def _fold(self, buf) -> None:
         self.crc = checksum(buf, self.crc)
 
     def write(self, buf) -> None:
-        pending = self.pool.submit(self._fold, buf)  # in order: one worker; buf lives till it is done
-        try:
-            self.f.write(buf)
-        finally:
-            pending.result()
+        if self.pool is not None:
+            self.pending.append(self.pool.submit(self._fold, buf))  # in order: one worker; holds buf till done
+            if len(self.pending) > self.LAG:
+                self.pending.pop(0).result()
+        self.f.write(buf)
         self.size += len(buf) if isinstance(buf, bytes) else buf.nbytes
 
     def __enter__(self):
@@ -137,12 +140,15 @@ class _Sink:
         try:
             if kind is None:
                 self.f.flush()
-                os.fsync(self.f.fileno())
+                os.fsync(self.f.fileno())  # the disk's wait: the checksum thread catches up meanwhile
         finally:
             try:
                 self.f.close()  # may raise what the buffered bytes' write hits (a full disk)
             finally:
-                self.pool.shutdown(wait=True)
+                if self.pool is not None:
+                    self.pool.shutdown(wait=True)
+                    for p in self.pending:
+                        p.result()
 
 
 def _nbytes(dt: torch.dtype, shape: tuple) -> int:
