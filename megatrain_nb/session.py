@@ -484,14 +484,48 @@ class Session:
         return write_report(self, path)
 
     def save_checkpoint(self, path: str | os.PathLike, *, data_state: dict | None = None):
-        """Atomically save the whole training state (weights, Adam moments, step, RNG, data position)."""
+        """Atomically save the whole training state (weights, Adam moments, step, RNG, data position).
+
+        ``path`` holds the previous checkpoint or the new one at every instant (Note: [Atomic save] in
+        host/publish.py); each file's CRC-32 goes into its ``state.json``. See ``host.checkpoint.save_checkpoint``.
+
+        Args:
+            path: checkpoint directory; replaced once the new one is complete.
+            data_state: JSON-able data position (default: ``self.data_state``).
+        Returns:
+            The checkpoint directory as a Path.
+        Raises:
+            ValueError: ``data_state`` is not JSON-able.
+            OSError: a full disk or another I/O error, naming ``path`` and the bytes needed; the previous
+                checkpoint and this session are untouched (the next step and save work).
+        Example:
+            >>> s.save_checkpoint("ckpt/run1"); s = Session.resume("ckpt/run1")   # doctest: +SKIP
+        """
         from .host.checkpoint import save_checkpoint
 
         return save_checkpoint(self, path, data_state=data_state)
 
     @classmethod
     def resume(cls, path: str | os.PathLike, **overrides) -> "Session":
-        """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses)."""
+        """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses).
+
+        Verifies every file's CRC-32 before allocating anything, and refuses NaN / inf weights or moments
+        and a negative second moment; a failed resume closes what it built. See ``host.checkpoint.resume``.
+
+        Args:
+            path: a directory written by ``save_checkpoint``.
+            **overrides: any Session setting to change (``device="cpu"``, ``lr=1e-4``, ...).
+        Returns:
+            The Session, with ``data_state`` set.
+        Raises:
+            FileNotFoundError: ``path`` does not exist (nor ``<path>.old``).
+            ValueError: not a checkpoint, or a corrupt one: a file whose checksum or size differs, a malformed
+                ``state.json`` field, non-finite values; the message names the file or tensor. Resume an
+                earlier checkpoint.
+            TypeError: an unknown setting in ``overrides``.
+        Example:
+            >>> s = Session.resume("ckpt/run1", device="cpu")   # doctest: +SKIP
+        """
         from .host.checkpoint import resume
 
         return resume(path, make=cls, **overrides)
@@ -499,9 +533,25 @@ class Session:
     @one_writer("pretrained")  # data parallel: rank 0 writes (Note: [One writer] in collective_save.py)
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         max_shard_bytes: int = 5 << 30) -> Path:
-        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates);
-        shards of at most ``max_shard_bytes``, each written once full (host memory holds one at a time).
-        Under data parallel every rank, or rank 0 alone, may call it (docs/distributed.md, "Saving")."""
+        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates).
+
+        Shards of at most ``max_shard_bytes``, cast a chunk at a time. Atomic: written beside ``out_dir`` and
+        exchanged with it once complete, so ``out_dir`` holds a loadable model (old or new) at every instant;
+        its other files (a tokenizer, a checkpoint folder) stay. Under data parallel every rank, or rank 0
+        alone, may call it (docs/distributed.md, "Saving").
+
+        Args:
+            out_dir: the directory; replaced if it exists.
+            dtype: the weights' dtype on disk.
+            max_shard_bytes: largest safetensors file.
+        Returns:
+            ``out_dir`` as a Path.
+        Raises:
+            OSError: a full disk or another I/O error, naming ``out_dir`` and the bytes needed; ``out_dir``
+                keeps its previous contents and the session is usable.
+        Example:
+            >>> s.save_pretrained("my-model-tuned", dtype=torch.bfloat16)   # doctest: +SKIP
+        """
         self.engine.drain()
         self.store.save_pretrained(out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
         return Path(out_dir)

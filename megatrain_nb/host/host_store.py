@@ -1,7 +1,8 @@
 """Per-unit contiguous slabs in host RAM: fp32 master weights, gradients and Adam moments (fp32, or compact).
 
 Owns: allocating the slabs, filling them from safetensors (tensor by tensor, never the whole model
-twice) or a seeded random init, writing them back as a Hugging Face directory, and the byte report.
+twice) or a seeded random init, writing them back as a Hugging Face directory (atomically: publish.py),
+and the byte report.
 Does not own: devices, streams or the optimizer's arithmetic. Knows nothing of CUDA except that it
 may pin its memory.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -379,15 +381,34 @@ class HostStore:
 
         Tensor by tensor, cast a chunk at a time (``shard_writer.py``): host memory holds one chunk in
         ``dtype`` (and what a unit's checkpoint conversion copies), never a shard or the whole model.
-        """
-        from . import shard_writer
+        Atomic (Note: [Atomic save] in publish.py): written into ``<out_dir>.tmp-<pid>`` and exchanged with
+        ``out_dir`` once complete; the other entries of an existing ``out_dir`` (a tokenizer, a checkpoint
+        folder) are hard-linked into the new copy, its old weights and index are not.
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for old in list(out.glob("model*.safetensors")) + list(out.glob(INDEX)):
-            old.unlink()  # a stale shard or index would be loaded beside the new ones
-        shard_writer.write(out, lambda: (convert_to_checkpoint(self.arch, self.views(u)) for u in self.order),
-                           dtype=dtype, max_shard_bytes=max_shard_bytes, single=SINGLE, index=INDEX)
-        cfg = self.arch.config
-        cfg.dtype = dtype
-        cfg.save_pretrained(str(out))
+        Raises:
+            OSError: a full disk or another I/O error, naming ``out_dir`` and the bytes needed; ``out_dir``
+                keeps its previous contents and the temporary directory is removed.
+        """
+        from . import publish, shard_writer
+
+        out = Path(os.path.abspath(out_dir))
+        if out.is_symlink():
+            out = out.resolve()  # replace what the link points to, not the link
+        units = lambda: (convert_to_checkpoint(self.arch, self.views(u)) for u in self.order)  # noqa: E731
+        tmp = None
+        try:
+            tmp = publish.temp_dir(out)
+            shard_writer.write(tmp, units, dtype=dtype, max_shard_bytes=max_shard_bytes, single=SINGLE, index=INDEX)
+            cfg = self.arch.config
+            cfg.dtype = dtype
+            cfg.save_pretrained(str(tmp))
+            publish.carry(out, tmp, lambda name: name == INDEX or (name.startswith("model") and
+                                                                   name.endswith(".safetensors")))
+            publish.publish(tmp, out)
+        except OSError as e:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)  # first, so that the message says what is free without it
+            raise publish.save_error(e, out, shard_writer.planned_bytes(units, dtype), "the model") from e
+        finally:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed save's files
