@@ -7,7 +7,7 @@ replaced by a callable returning the given per-token log-probs. Nothing of TRL's
 here. The differences each loss's docstring states (micro-batch normalizations, KTO's reference
 point, DPO's label smoothing) are asserted as differences, so a docstring that goes stale fails.
 
-Needs ``trl`` (the version these docstrings name, 1.16) with ``accelerate`` and ``datasets``; skips
+Needs ``trl`` (the dev extra pins 1.16.0, the version the docstrings name) with ``accelerate`` and ``datasets``; skips
 without them.
 """
 import inspect
