@@ -80,7 +80,7 @@ def _grpo_data(B, seed):
             "ids": torch.randint(1, 50, (B, P + C), generator=g)}
 
 
-def _grpo_stub(per_token_logps, *, n_micro=1, total_tokens=1, **config):
+def _grpo_stub(per_token_logps, *, n_micro=1, **config):
     args = _config(grpo_trainer.GRPOConfig, steps_per_generation=n_micro, **config)
     return types.SimpleNamespace(
         args=args, beta=args.beta, loss_type=args.loss_type, epsilon_low=args.epsilon,
@@ -127,8 +127,10 @@ GRPO_CASES = [(lt, beta, w, off) for lt in losses.LOSS_TYPES for beta in (0.0, 0
               for w in ((True, False) if beta else (True,)) for off in (False, True)]
 
 
-@pytest.mark.parametrize("loss_type, beta, weighted, off_policy", GRPO_CASES,
-                         ids=[f"{lt}-beta{b}-{'w' if w else 'unw'}-{'old' if o else 'on'}" for lt, b, w, o in GRPO_CASES])
+GRPO_IDS = [f"{lt}-beta{b}-{'w' if w else 'unw'}-{'old' if o else 'on'}" for lt, b, w, o in GRPO_CASES]
+
+
+@pytest.mark.parametrize("loss_type, beta, weighted, off_policy", GRPO_CASES, ids=GRPO_IDS)
 def test_grpo_equals_trl_on_one_micro_batch(loss_type, beta, weighted, off_policy):
     B = 6
     d = _grpo_data(B, seed=1)
