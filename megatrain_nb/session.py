@@ -419,7 +419,8 @@ class Session:
                    max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
                    epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
                    scale_rewards: bool = True, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
-                   progress: bool = True, dashboard: bool | None = None, refresh_s: float = 1.0):
+                   progress: bool = True, dashboard: bool | None = None, refresh_s: float = 1.0,
+                   kl_ratio_weighted: bool = True):
         """GRPO on-policy (one update per batch of rollouts), with a progress bar. Each step samples
         ``prompts_per_step`` prompts (a seeded permutation per epoch), rolls out ``group_size`` completions
         of each, scores them with ``reward_fn``, forms ``losses.group_advantages``, adds the reference's
@@ -439,6 +440,8 @@ class Session:
             progress: show a tqdm bar (its postfix: reward mean, KL, clip fraction).
             dashboard, refresh_s: as ``train``'s: the dashboard (None: in Jupyter only) draws the steps'
                 reward_mean, kl and clip_ratio/* next to the loss.
+            kl_ratio_weighted: ``losses.grpo``'s: weight the KL by the probability ratio (TRL's
+                ``use_bias_correction_kl``; True in both).
         Returns:
             DataFrame, one row per step: step, reward_mean, reward_std, loss, kl, clip_ratio,
             completion_len, seconds. Each step's reward_mean is also in its ``StepResult.metrics``, so in
@@ -456,7 +459,8 @@ class Session:
                           prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
                           scale_rewards=scale_rewards, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
-                          progress=progress, dashboard=dashboard, refresh_s=refresh_s)
+                          progress=progress, dashboard=dashboard, refresh_s=refresh_s,
+                          kl_ratio_weighted=kl_ratio_weighted)
 
     def freeze_reference(self, path: str | os.PathLike | None = None):
         """Freeze the current weights as the reference model (``self.reference``) of DPO / GRPO's KL.

@@ -230,7 +230,7 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
                max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
                epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo", scale_rewards: bool = True,
                tokenizer=None, cache_weights: bool | None = None, seed: int = 0, progress: bool = True,
-               dashboard: bool | None = None, refresh_s: float = 1.0):
+               dashboard: bool | None = None, refresh_s: float = 1.0, kl_ratio_weighted: bool = True):
     """GRPO, on-policy: per step, roll out, score, and take one ``losses.grpo`` step (see ``Session.train_grpo``).
 
     Each step's reward mean goes into its ``StepResult.metrics["reward_mean"]`` (so into
@@ -255,7 +255,8 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
     if beta != 0 and session.reference is None:
         raise ValueError(f"beta={beta} needs a reference model: Session.from_pretrained has one; after from_config "
                          "call s.freeze_reference() first, or pass beta=0.0")
-    loss = functools.partial(losses.grpo, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type)
+    loss = functools.partial(losses.grpo, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
+                             kl_ratio_weighted=kl_ratio_weighted)
     g = torch.Generator().manual_seed(seed)
     order: list[int] = []
     rows = []
