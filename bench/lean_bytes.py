@@ -6,7 +6,7 @@ Run (CPU is enough: bytes, not times):
     python bench/lean_bytes.py --plan 8 4096        # also the planner's H200 prediction at batch 8 x seq 4096
 One layer at full width with random weights, counted with ``torch.autograd.graph.saved_tensors_hooks``
 (``lean.layer_bytes_per_token``: unique storages; weights and the shared rotary cos/sin left out),
-beside the planner's estimate (``planner._act_bytes_per_token``, Note: [Activation estimate]) and the
+beside the planner's estimate (``planner.act_bytes_per_token``, Note: [Activation estimate]) and the
 saving its formula predicts (8*hidden + 2*d*intermediate; the measured saving is 8 bytes more: the two
 norms' fp32 1/rms). ``--plan B T``: ``planner.plan`` on the H200 profile (cast_on_device, placement
 "host") with lean off and on: recomputed layers and predicted step (a prediction, not a measurement).
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from shapes import qwen_config  # noqa: E402
 
 from megatrain_nb.step.lean import layer_bytes_per_token  # noqa: E402
-from megatrain_nb.machine.planner import _act_bytes_per_token, model_shape, plan  # noqa: E402
+from megatrain_nb.machine.planner import act_bytes_per_token, model_shape, plan  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
         lean = layer_bytes_per_token(cfg, lean=True, tokens=a.tokens, dtype=dtype)
         formula = 8 * s["hidden"] + 2 * d * s["intermediate"]
         print(f"{name:<6} {hf:>9.0f} {lean:>9.0f} {hf - lean:>9.0f} {formula:>9d} "
-              f"{_act_bytes_per_token(s, d, lean=False):>9d} {_act_bytes_per_token(s, d, lean=True):>9d} "
+              f"{act_bytes_per_token(s, d, lean=False):>9d} {act_bytes_per_token(s, d, lean=True):>9d} "
               f"{lean / hf:>8.3f}")
     if a.plan:
         B, T = a.plan

@@ -147,7 +147,7 @@ CPU_LAPTOP = Hardware(
 
 # model_shape and the per-token activation estimate live in shape.py (a leaf: tiling, lean and the
 # engine read them without importing the planner); re-exported here, where callers found them first.
-from .shape import _act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
+from .shape import act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
 from .preflight import host_table  # noqa: E402,F401  (host RAM of each optimizer_state; beside plan, as asked for)
 
 
@@ -486,7 +486,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
-    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
+    lb = layer_bytes(s, T, d, rows, act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
     cache_b = cache_bytes(lb, attention_cache)  # one cached layer's attention output
     out_b = lb["attn_out"] if cache_b else 0  # what a cached layer's recompute does not save again
