@@ -134,7 +134,7 @@ H200 = Hardware(
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
     # host: 124.1 GiB available at idle of 125.8 (bench/logs/h200-2026-12-01-512k-memory-idle-host.log); RSS beyond the
-    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the long-context rows of 2026-12-01)
+    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (docs/design_log.md, host runtime)
     device_mem_bytes=143771 << 20, host_mem_bytes=124 * _GIB, host_runtime_bytes=2 * _GIB,
 )
 CPU_LAPTOP = Hardware(
