@@ -214,7 +214,7 @@ class EngineConfig:
     Keep fewer activations per layer (``lean.py``): each RMSNorm keeps only its input (not HF's fp32
     copy and cast) and a dense gated MLP keeps gate and up (not also act(gate) and the product), saving
     8*hidden + 2*dtype_bytes*intermediate bytes per token and layer (Qwen2.5-7B shape in bf16: 225 -> 121
-    KB, ``bench/lean_bytes.py``). Costs one elementwise recompute of the norms and of act(gate)*up in
+    KB, docs/design_log.md). Costs one elementwise recompute of the norms and of act(gate)*up in
     each layer's backward; no matmul. Where sequence tiling runs (``tile_tokens``) tiling wins; MoE
     experts and attention stay as they are. False: Hugging Face's own forward, exactly as before."""
     activation_budget: float | None = None

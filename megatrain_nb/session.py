@@ -317,7 +317,7 @@ class Session:
 
         Streams the layers as a step's forward does, keeps no gradients and touches no optimizer
         state: the next step runs exactly as it would have (Note: [Eval between steps] in
-        inference.py). Each result is kept in ``eval_history`` and drawn by ``plot_history``.
+        step/between_steps.py). Each result is kept in ``eval_history`` and drawn by ``plot_history``.
 
         Args:
             batches: ``sft_batches(...)`` (one pass over its examples, its training position
@@ -344,7 +344,7 @@ class Session:
         """Per-token log-probs of a batch's labels, forward only, without gradient; full logits never exist.
 
         Streams the layers between steps as ``evaluate`` does (Note: [Eval between steps] in
-        inference.py) and computes the log-probs in the head's chunks of positions.
+        step/between_steps.py) and computes the log-probs in the head's chunks of positions.
 
         Args:
             batch: as ``step`` takes it: "input_ids" [B, T], optional "labels" (default: input_ids;
@@ -453,7 +453,7 @@ class Session:
             >>> df = s.train_grpo(["2+3=", "4+1="], lambda p, c: [float(x == "5") for x in c], steps=20,  # doctest: +SKIP
             ...                   tokenizer=tok, max_new_tokens=2)
         """
-        from .post.rollout import train_grpo
+        from .training import train_grpo
 
         return train_grpo(self, prompts, reward_fn, steps=steps, group_size=group_size,
                           prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, temperature=temperature,

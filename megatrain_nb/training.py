@@ -1,11 +1,12 @@
-"""The notebook training loop: `train(session, data, steps=...)` with a progress bar and a live dashboard.
+"""The notebook training loops: `train(session, data, steps=...)` with a progress bar and a live dashboard,
+and GRPO's (`train_grpo`) with the same dashboard.
 
 Owns: pulling batches from an iterable, calling `Session.step` once per batch, the tqdm progress bar,
-throttled dashboard refreshes inside Jupyter (`open_dashboard` / `draw_dashboard`, which train_grpo
-shares), stopping cleanly on Jupyter's Stop (KeyboardInterrupt)
-or when the data runs out, and noting the data position (`session.data_state`) for checkpoints.
-Does not own: what a step does (session / engine), the figures (viz / dashboard) or checkpoint files
-(checkpoint). Bound as `Session.train`.
+throttled dashboard refreshes inside Jupyter (`open_dashboard` / `draw_dashboard`; for GRPO, from the
+`on_step` callback `post.rollout.train_grpo` calls after each step), stopping cleanly on Jupyter's Stop
+(KeyboardInterrupt) or when the data runs out, and noting the data position (`session.data_state`) for
+checkpoints. Does not own: what a step does (session / engine), GRPO's steps (post/rollout.py), the figures
+(viz / dashboard) or checkpoint files (checkpoint). Bound as `Session.train` and `Session.train_grpo`.
 """
 from __future__ import annotations
 
@@ -118,6 +119,42 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
     return session.history_dataframe()
 
 
+def train_grpo(session, prompts: list, reward_fn, *, dashboard: bool | None = None, refresh_s: float = 1.0,
+               **kwargs) -> pd.DataFrame:
+    """GRPO (``post.rollout.train_grpo``) with the dashboard drawn between its steps (see ``Session.train_grpo``).
+
+    Args:
+        session, prompts, reward_fn: ``post.rollout.train_grpo``'s.
+        dashboard, refresh_s: as ``train``'s: the dashboard (None: in Jupyter only) redraws at most once per
+            ``refresh_s`` seconds, between steps, and once at the end.
+        **kwargs: the rest of ``post.rollout.train_grpo``'s keywords (steps, group_size, sampling, loss...).
+    Returns:
+        ``post.rollout.train_grpo``'s DataFrame: one row per step.
+    Raises:
+        ValueError: ``refresh_s`` < 0; whatever ``post.rollout.train_grpo`` raises.
+    Example:
+        >>> df = train_grpo(s, ["2+3="], lambda p, c: [float(x == "5") for x in c], steps=2)  # doctest: +SKIP
+    """
+    from .post import rollout
+
+    if not refresh_s >= 0:
+        raise ValueError(f"refresh_s={refresh_s!r}: must be >= 0 seconds")
+    dash = open_dashboard(session, dashboard)
+    last_draw = time.monotonic()
+
+    def on_step(row: dict) -> None:
+        nonlocal dash, last_draw
+        if dash is not None and time.monotonic() - last_draw >= refresh_s:
+            dash = draw_dashboard(dash)
+            last_draw = time.monotonic()
+
+    try:
+        return rollout.train_grpo(session, prompts, reward_fn, on_step=on_step, **kwargs)
+    finally:
+        if dash is not None:
+            draw_dashboard(dash)
+
+
 def in_jupyter() -> bool:
     """True inside a Jupyter (IPython) kernel, where widgets can be shown."""
     try:
@@ -131,7 +168,7 @@ def in_jupyter() -> bool:
 def open_dashboard(session, want: bool | None):
     """Show a `dashboard.Dashboard` of `session` and return it, or return None (not wanted, not in
     Jupyter, or it failed to build). `want`: None: only in a Jupyter kernel; True: the same, with a
-    warning outside one; False: never. Shared by `train` and `post.rollout.train_grpo`."""
+    warning outside one; False: never. Shared by `train` and `train_grpo`."""
     if want is False:
         return None
     if not in_jupyter():

@@ -201,11 +201,11 @@ class FrozenReference:
     """A reference weights source (Note: [Weights source]): a copy of the session's weights when made."""
 
     def __init__(self, s):
-        from megatrain_nb.inference import _run
+        from megatrain_nb.step.between_steps import run_pass
 
         e = s.engine
         self.embed = s.store.units[-1].layout.views(s.store.units[-1].master.clone())
-        self.units = _run(s, lambda: [e.weights_copy(i) for i in range(e.L + 1)])
+        self.units = run_pass(s.engine, s._driver, lambda: [e.weights_copy(i) for i in range(e.L + 1)])
 
     def stream(self, engine, head: bool):
         yield -1, self.embed

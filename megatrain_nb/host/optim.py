@@ -269,8 +269,14 @@ class DeviceAdamW:
             if lay is not None:  # its moments came in compact (Note: [Compact slab]); the step advances unless skipped
                 step = self.streamed[u]
                 step.add_(1 if found_inf is None else 1 - found_inf)
-                compact_state.update_torch(lay, p, g, m, v, lr=lr, betas=self.cfg.betas, eps=self.cfg.eps,
-                                           weight_decay=self.cfg.weight_decay, step=step, found_inf=found_inf)
+                update = compact_state.update_torch
+                if p.is_cuda:
+                    from . import compact_cuda  # Triton is imported on the device's first compact update only
+
+                    if compact_cuda.available():  # one kernel instead of ~30 passes a chunk
+                        update = compact_cuda.update
+                update(lay, p, g, m, v, lr=lr, betas=self.cfg.betas, eps=self.cfg.eps,
+                       weight_decay=self.cfg.weight_decay, step=step, found_inf=found_inf)
 
     def write_back(self, units: tuple[int, ...] | None = None) -> None:
         """Copy master, moments and step counts of resident groups (``None``: all) into the host store.

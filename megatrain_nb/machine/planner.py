@@ -135,7 +135,7 @@ H200 = Hardware(
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
     # host: 124.1 GiB available at idle of 125.8 (bench/logs/h200-2026-12-01-512k-memory-idle-host.log); RSS beyond the
-    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the long-context rows of 2026-12-01)
+    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (docs/design_log.md, host runtime)
     device_mem_bytes=143771 << 20, host_mem_bytes=124 * _GIB, host_runtime_bytes=2 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -148,7 +148,7 @@ CPU_LAPTOP = Hardware(
 
 # model_shape and the per-token activation estimate live in shape.py (a leaf: tiling, lean and the
 # engine read them without importing the planner); re-exported here, where callers found them first.
-from .shape import _act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
+from .shape import act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
 from .preflight import host_table  # noqa: E402,F401  (host RAM of each optimizer_state; beside plan, as asked for)
 
 
@@ -493,7 +493,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
-    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
+    lb = layer_bytes(s, T, d, rows, act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
     cache_b = cache_bytes(lb, attention_cache)  # one cached layer's attention output
     out_b = lb["attn_out"] if cache_b else 0  # what a cached layer's recompute does not save again

@@ -324,13 +324,13 @@ def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
     checkpoint_every=None on CUDA keeps layers while ``activation_budget`` allows, so only its floor
     counts: every layer recomputed, one at a time.
     """
-    from .shape import _act_bytes_per_token, model_shape
+    from .shape import act_bytes_per_token, model_shape
 
     L, T = arch.num_layers, batch * seq
     H, V = arch.embed.weight.shape[1], arch.embed.weight.shape[0]
     boundary = T * H * d  # one layer's input, kept by a recompute block
     try:
-        act = T * _act_bytes_per_token(model_shape(arch.config), d, lean=cfg.lean_activations)
+        act = T * act_bytes_per_token(model_shape(arch.config), d, lean=cfg.lean_activations)
     except (ValueError, KeyError, TypeError):
         act = 8 * boundary  # config fields the planner does not know: a rough SwiGLU layer
     K = cfg.checkpoint_every

@@ -123,7 +123,7 @@ def destroy() -> None:
 def barrier(what: str) -> None:
     """All ranks reach this point (no-op without a group); a stopped rank raises the clear error."""
     if world()[1] > 1:
-        with _failing(what):
+        with failing(what):
             dist.barrier()
 
 
@@ -136,7 +136,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 @contextlib.contextmanager
-def _failing(what: str):
+def failing(what: str):
+    """A collective's failure as an error naming ``what`` and the rank (the context of every collective here)."""
     try:
         yield
     except (RuntimeError, ValueError, ConnectionError) as e:
@@ -171,7 +172,7 @@ class DataParallel:
         self.saves.at_step()
         ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
         got: list = [None] * self.size
-        with _failing("the step's start (token counts)"):
+        with failing("the step's start (token counts)"):
             dist.all_gather_object(got, (int(n_valid), ids))
         self.tokens = [int(t.numel()) for _, t in got]
         self.ids = torch.cat([t for _, t in got])
@@ -179,7 +180,7 @@ class DataParallel:
 
     def sum_(self, t: torch.Tensor, what: str) -> None:
         """Current stream: ``t`` becomes the sum over ranks (in place)."""
-        with _failing(what):
+        with failing(what):
             dist.all_reduce(t)
 
     def sum_ints(self, xs: list[int]) -> list[int]:
@@ -225,7 +226,7 @@ class DataParallel:
         pad = torch.zeros(most, dtype=dE.dtype, device=dE.device)
         pad[:dE.numel()] = dE
         out = torch.empty(self.size * most, dtype=dE.dtype, device=dE.device)
-        with _failing("the embedding-row gather"):
+        with failing("the embedding-row gather"):
             _all_gather(out, pad)
         parts = [out[r * most:r * most + t * H] for r, t in enumerate(self.tokens)]
         return torch.cat(parts)
@@ -234,6 +235,6 @@ class DataParallel:
         """The ``op`` ("min" or "max") of ``value`` over ranks, so that every rank decides the same
         (placement, activation policy). Host sync on CUDA; between steps or at a step's end only."""
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.dev.device)
-        with _failing("a placement agreement"):
+        with failing("a placement agreement"):
             dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
         return float(t.item())  # .item(): host sync

@@ -304,7 +304,7 @@ def run_uninterrupted(fn, driver):
     before the step starts cancels it and is raised as it came.
     Note: [Driver thread] one long-lived thread per session, not one per step: every new thread
     that touches torch leaves per-thread state behind (OpenMP pools, CUDA contexts' thread state);
-    a thread per step grew host RSS by ~2 MB/step on the H200 (bench/soak_probe.py).
+    a thread per step grew host RSS by ~2 MB/step on the H200 (docs/design_log.md).
     """
     import warnings
 
