@@ -102,6 +102,8 @@ LOSSES = {  # name -> (fields kind, fn)
     **{f"grpo_{t}": ("grpo", functools.partial(losses.grpo, loss_type=t)) for t in losses.LOSS_TYPES},
     **{f"grpo_{t}_kl": ("grpo", functools.partial(losses.grpo, loss_type=t, beta=0.04, epsilon_high=0.28))
        for t in losses.LOSS_TYPES},
+    "grpo_grpo_kl_unweighted": ("grpo", functools.partial(losses.grpo, beta=0.04, epsilon_high=0.28,
+                                                           kl_ratio_weighted=False)),
     "kto": ("kto", functools.partial(losses.kto, beta=0.5)),
     "entropy": ("", entropy_bonus),
 }
@@ -260,7 +262,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("name", ["dpo", "grpo_grpo_kl", "kto", "entropy"])
+@pytest.mark.parametrize("name", ["dpo", "grpo_grpo_kl", "grpo_grpo_kl_unweighted", "kto", "entropy"])
 def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path):
     family = "llama_tied" if name == "kto" else "llama"
     d = hf_dir(family)
@@ -274,7 +276,10 @@ def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path
         batch = make_batch()
         batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
         r = s.step(batch, loss=fn)
-        assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn)
+        # Adam's first step divides by |g| + eps: where a k_proj gradient is near eps, fp32 noise in g moves the
+        # update; the ratio-weighted KL's extra term (k3 * grad logp) roughly doubles that noise (2.1e-5 seen)
+        tol = 5e-5 if name == "grpo_grpo_kl" else TOL
+        assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn, tol=tol)
     finally:
         s.close()
 
