@@ -59,11 +59,11 @@ def test_update_puts_the_new_loss_into_the_history_figure(session, backend):
     run(session, 3)
     d.update()
     losses = [r.loss for r in session.history]
-    loss = next(t for t in d.figures["history"].data if t.name == "loss")
+    loss = next(t for t in d.figures["history"].data if t.name == "training loss")
     assert list(loss.x) == [1, 2, 3] and list(loss.y) == pytest.approx(losses)
     run(session, 1)
     d.update()
-    loss = next(t for t in d.figures["history"].data if t.name == "loss")
+    loss = next(t for t in d.figures["history"].data if t.name == "training loss")
     assert list(loss.y)[-1] == pytest.approx(session.history[-1].loss) and len(loss.y) == 4
     assert "<b>step</b> 4" in d.header.value and f"{session.history[-1].loss:.4f}" in d.header.value
 
@@ -73,7 +73,7 @@ def test_figures_have_the_structure_of_the_viz_functions(session, backend):
     run(session, 2)
     d.update()
     hist = d.figures["history"]
-    assert [t.name for t in hist.data] == ["loss", "tokens/s", "model TFLOP/s"]  # one subplot each
+    assert [t.name for t in hist.data] == ["training loss", "tokens/s", "model TFLOP/s"]  # one subplot each
     tl = d.figures["timeline"]
     bars = [t for t in tl.data if t.type == "bar"]
     assert bars and {t.legendgroup for t in bars} <= {"fwd", "loss", "recompute", "bwd", "optim", "io"}
@@ -92,7 +92,7 @@ def test_history_figure_draws_the_steps_metrics(session, backend):
         r.metrics = {"reward_mean": v, "clip_ratio/region_mean": v / 10}
     d.update()
     hist = d.figures["history"]
-    assert [t.name for t in hist.data] == ["loss", "tokens/s", "model TFLOP/s", "reward_mean",
+    assert [t.name for t in hist.data] == ["training loss", "tokens/s", "model TFLOP/s", "reward_mean",
                                            "clip_ratio/region_mean"]
     assert list(hist.data[3].x) == [1, 2] and list(hist.data[3].y) == [0.25, 0.5]
     assert [a.text for a in hist.layout.annotations][-2:] == ["reward_mean", "clip_ratio"]

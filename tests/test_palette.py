@@ -23,7 +23,7 @@ DATA = Path(__file__).parent / "data"
 SHAPE_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 HUMAN = (set(palette.PHASE_LABELS.values()) | set(palette.STATE_COLORS) | set(palette.MEMORY_LABELS.values())
-         | set(palette.METRIC_LABELS.values()) | {"stalls"})
+         | set(palette.METRIC_LABELS.values()) | {"stalls", palette.WAIT_LABEL})
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_axis_ticks_are_words_over_the_codes(timelines, session_figures):
 def test_a_phase_has_one_colour_in_every_figure(timelines, session_figures):
     seen: dict[str, set] = {}
     for name, fig in timelines.items():
-        bars = [t for t in fig.data if t.type == "bar"]
+        bars = [t for t in fig.data if t.type == "bar" and t.legendgroup != "wait"]
         assert bars, name
         for t in bars:
             seen.setdefault(t.legendgroup, set()).add(t.marker.color)
