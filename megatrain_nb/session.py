@@ -250,7 +250,7 @@ class Session:
         from .view import viz
 
         df = self._last_trace().to_dataframe()
-        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane: {self!r}")
+        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane")
 
     def plot_buffers(self):
         """Plotly figure: occupancy of every device weight and gradient slot over the last step."""
@@ -259,10 +259,11 @@ class Session:
         return viz.buffers(self._last_trace().slots_dataframe())
 
     def plot_memory(self):
-        """Plotly figure: host and device memory by category over the last step."""
+        """Plotly figure: device memory by category over the last step and the host store's bytes by category."""
         from .view import viz
 
-        return viz.memory(self._last_trace().counters_dataframe())
+        store = {k: v for k, v in self.store.bytes_report().items() if k not in ("total", "params", "bytes_per_param")}
+        return viz.memory(self._last_trace().counters_dataframe(), host_bytes=store)
 
     def history_dataframe(self):
         """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s, and a column

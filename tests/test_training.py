@@ -154,7 +154,7 @@ def test_dashboard_is_refreshed_throttled_in_jupyter(session, monkeypatch):
     assert draws == [1, 2, 3, 4, 4]  # every step (refresh_s=0), then the final state
     draws.clear()
     train(session, batches(), steps=4, refresh_s=3600.0)
-    assert draws == [8]  # only the final draw: refreshes are throttled
+    assert draws == [5, 8]  # the first step at once, then only the final draw: refreshes are throttled
 
 
 def test_a_failing_dashboard_never_stops_training(session, monkeypatch):
