@@ -496,8 +496,11 @@ class Session:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
         bytes of the units placed there (see ``placement``); ``fp32_moment_params`` the parameters whose Adam
         moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which)."""
-        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30),
-                "fp32_moment_params": self.store.fp32_moment_params()}
+        from .view.tables import MemoryReport  # a dict; in a notebook, a table in MiB / GiB
+
+        return MemoryReport({**self.store.bytes_report(),
+                             "device_resident": float(self.placement.device_GiB.sum() * 2**30),
+                             "fp32_moment_params": self.store.fp32_moment_params()})
 
     @property
     def activations(self) -> dict:
