@@ -111,8 +111,9 @@ def test_history_figure_draws_the_steps_metrics(session, backend):
     assert list(hist.data[3].x) == [1, 2] and list(hist.data[3].y) == [0.25, 0.5]
     assert [a.text for a in hist.layout.annotations][-2:] == ["reward_mean", "clip_ratio"]
     assert len({t.yaxis for t in hist.data}) == 5  # each metric on its own axis, not the loss's
+    run(session, 1)
     for r in session.history:
-        r.metrics = {"reward_mean": 0.5, "kl": 0.0}  # flat: no row
+        r.metrics = {"reward_mean": 0.5, "kl": 0.0}  # flat over 3 steps: no row
     d.update()
     assert [t.name for t in d.figures["history"].data] == ["training loss", "tokens/s", "model TFLOP/s"]
 

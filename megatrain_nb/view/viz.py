@@ -262,14 +262,14 @@ def metric_columns(history: pd.DataFrame) -> list[str]:
 
 
 def flat_columns(history: pd.DataFrame, columns: list[str]) -> list[str]:
-    """Those of `columns` that hold one value at every step of two or more (a KL at beta=0, a clip ratio
+    """Those of `columns` that hold one value at every step of three or more (a KL at beta=0, a clip ratio
     that never clips): a panel of them says one number, which `run_history` puts in its title instead.
 
     Example:
-        >>> flat_columns(pd.DataFrame({"kl": [0.0, 0.0], "reward": [0.1, 0.3]}), ["kl", "reward"])
+        >>> flat_columns(pd.DataFrame({"kl": [0.0] * 3, "reward": [0.1, 0.3, 0.2]}), ["kl", "reward"])
         ['kl']
     """
-    return [c for c in columns if history[c].notna().sum() >= 2 and history[c].nunique(dropna=True) == 1]
+    return [c for c in columns if history[c].notna().sum() >= 3 and history[c].nunique(dropna=True) == 1]
 
 
 def metric_panels(columns: list[str]) -> list[tuple[str, list[str]]]:
