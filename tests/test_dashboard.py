@@ -238,6 +238,9 @@ def test_compose_keeps_axes_shapes_and_placeholders():
     assert (band.xref, band.yref) == ("x2", "y2")  # the stall band on the timeline's axes
     assert fig.layout.yaxis2.categoryarray == ("compute", "h2d") and fig.layout.xaxis2.title.text.endswith("(ms)")
     assert {t.yaxis for t in fig.data} == {"y2"}
+    hist = viz.run_history(pd.DataFrame({"step": [1, 2], "loss": [2.0, 1.0], "tokens_per_s": [5.0, 6.0]}))
+    both = dashboard_mod.compose([b, hist])
+    assert both.layout.xaxis2.matches == "x3" and both.layout.xaxis.matches is None  # history's steps stay shared
 
 
 def test_first_draw_imports_no_notebook_stack_without_anywidget():

@@ -188,6 +188,10 @@ def test_timeline_starts_at_the_step_and_bands_the_carried_over_work():
     assert any(a.text == "from the step before" for a in fig.layout.annotations)
     fwd = next(t for t in fig.data if t.legendgroup == "fwd")
     assert list(fwd.text) == ["emb"] and fwd.customdata[0][1] == "embedding"  # layer -1 named
+    head = viz.timeline(Trace(step=0, spans=[("compute", "loss", 4, "loss", 0.0, 5.0, 0),
+                                             ("h2d", "h2d", 4, "io", 0.0, 5.0, 0)]).to_dataframe())
+    assert [list(t.text) for t in head.data] == [["head"], ["head"]]  # the loss's layer is the LM head
+    assert "emb: embedding, head: LM head" in head.layout.legend.title.text
     plain = viz.timeline(spans[spans.start_ms >= 0])
     assert plain.layout.xaxis.range[0] == 0 and not plain.layout.shapes
 

@@ -212,7 +212,13 @@ def compose(figs: list[go.Figure], *, title: str = "") -> go.Figure:
             axes[x] = f"x{suffix}"
             for src, dst in ((y, f"yaxis{suffix}"), ("xaxis" + y.removeprefix("yaxis"), f"xaxis{suffix}")):
                 props = {p: v for p, v in lay.get(src, {}).items() if p not in _AXIS_DROP}
+                if "matches" in lay.get(src, {}):  # shared axes stay shared (history's steps)
+                    props["matches"] = lay[src]["matches"]
                 out.layout[dst].update(props)
+        for k in range(len(ys)):  # a shared axis names its partner by its old name
+            for ax in (f"xaxis{'' if row + k == 1 else row + k}", f"yaxis{'' if row + k == 1 else row + k}"):
+                if out.layout[ax].matches:
+                    out.layout[ax].matches = axes.get(out.layout[ax].matches)
         first_x, first_y = axes["x" + ys[0].removeprefix("yaxis")], axes[ys[0].replace("axis", "")]
         legend = "legend" if b == 0 else f"legend{b + 1}"
         for t in fig.data:

@@ -120,8 +120,14 @@ def slot_label(kind: str, index: int) -> str:
     return f"{label(kind, SLOT_LABELS)} {index}"
 
 
-def layer_label(layer) -> str:
-    """How a figure names a layer index: -1 is the embedding (`Recorder.span`'s convention), None or NA blank."""
+def layer_label(layer, head: int | None = None) -> str:
+    """How a figure names a layer index: -1 is the embedding and `head` (the layer count L, when known)
+    the LM head with the loss (`Recorder.span`'s convention); None or NA blank.
+
+    Example:
+        >>> layer_label(-1), layer_label(3), layer_label(4, head=4), layer_label(None)
+        ('embedding', '3', 'head', '')
+    """
     if layer is None or str(layer) in ("", "<NA>", "nan"):
         return ""
-    return "embedding" if int(layer) == -1 else str(int(layer))
+    return "embedding" if int(layer) == -1 else "head" if head is not None and int(layer) == head else str(int(layer))

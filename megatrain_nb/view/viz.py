@@ -27,12 +27,12 @@ _SLOT_KINDS = ("weight", "grad", "pinned")
 
 
 def _bars(df: pd.DataFrame, *, y: pd.Series, name: str, color: str, label_ms: float,
-          from_ms: float | None = None) -> go.Bar:
-    """Horizontal bars from start_ms/end_ms rows, labelled with the layer when wide enough ("embedding" for
-    -1); bars starting before `from_ms` are drawn from there (their hover keeps the real times)."""
+          from_ms: float | None = None, head: int | None = None) -> go.Bar:
+    """Horizontal bars from start_ms/end_ms rows, labelled with the layer when wide enough ("emb" for -1,
+    "head" for `head`); bars starting before `from_ms` are drawn from there (their hover keeps the real times)."""
     start = df.start_ms if from_ms is None else df.start_ms.clip(lower=from_ms)
     dur = df.end_ms - start
-    layers = [layer_label(ly) for ly in df.layer]
+    layers = [layer_label(ly, head) for ly in df.layer]
     text = [("emb" if ly == "embedding" else ly) if w >= label_ms else "" for ly, w in zip(layers, dur)]
     extra = df.op if "op" in df else df.state
     nbytes = df.bytes if "bytes" in df else pd.Series(0, index=df.index)
@@ -64,7 +64,7 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
         (legendgroup "wait") of the spans where a worker was held (`is_wait`: not its phase's work),
         plus one "stalls" Scatter when stalls are given; y is categorical with one category per lane,
         compute on top, its ticks in words (`palette.LANE_LABELS`). Layer -1 is labelled "emb"
-        (the embedding). x starts at the step's start: spans that began in the step before (an update
+        (the embedding), the loss's layer "head" (the LM head, index L); the legend's title says so. x starts at the step's start: spans that began in the step before (an update
         carried over) are drawn from a shaded band left of 0 ("from the step before"), their hover
         keeping the real times.
 
@@ -79,6 +79,8 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
     early = float(spans.start_ms.min()) if len(spans) else 0.0
     band = 0.04 * max(end, 1e-3) if early < 0 else 0.0  # carried-over work squeezed into this band before 0
     extent = end + band
+    loss_layers = spans.layer[spans.phase == "loss"]
+    head = int(loss_layers.max()) if len(loss_layers) else None  # the head unit's index (L), where the loss ran
     fig = go.Figure()
     waits = is_wait(spans) if len(spans) else pd.Series(False, index=spans.index)
     work = spans[~waits]
@@ -86,11 +88,12 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
     for phase in phases:
         g = work[work.phase == phase]
         bars = _bars(g, y=g.lane, name=label(phase, PHASE_LABELS), color=PHASE_COLORS.get(phase, OTHER_COLOR),
-                     label_ms=0.015 * extent, from_ms=-band)
+                     label_ms=0.015 * extent, from_ms=-band, head=head)
         fig.add_trace(bars.update(legendgroup=phase))
     if waits.any():
         g = spans[waits]
-        bars = _bars(g, y=g.lane, name=WAIT_LABEL, color=WAIT_COLOR, label_ms=0.015 * extent, from_ms=-band)
+        bars = _bars(g, y=g.lane, name=WAIT_LABEL, color=WAIT_COLOR, label_ms=0.015 * extent, from_ms=-band,
+                     head=head)
         fig.add_trace(bars.update(legendgroup="wait", marker_pattern=dict(shape=WAIT_PATTERN, fgcolor=STALL_COLOR,
                                                                           fillmode="overlay", size=6)))
     if band:
@@ -111,7 +114,8 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
             hovertemplate="stall %{customdata[3]:.3f} ms, waited on %{customdata[0]}<br>%{customdata[1]}"
                           "<br>setting: %{customdata[2]}<extra></extra>"))
     fig.update_layout(title=title or "one step, lane by lane", barmode="overlay", bargap=0.25,
-                      height=130 + 45 * max(len(lanes), 1), legend_title_text="part of the step",
+                      height=130 + 45 * max(len(lanes), 1),
+                      legend_title_text="part of the step<br><sub>bar text: layer (emb: embedding, head: LM head)</sub>",
                       margin=dict(l=10, r=10, t=50, b=40))
     fig.update_xaxes(title_text="time since the step began (ms)", range=[-band, extent - band])
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=lanes, autorange="reversed",
