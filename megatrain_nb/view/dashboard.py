@@ -291,7 +291,7 @@ class Dashboard:
         session: a `Session` (any object with history, trace, memory_report and plot_* methods).
 
     Attributes:
-        figures: name -> figure for each of FIGURES (FigureWidget or Figure), updated in place.
+        figures: name -> figure for each of FIGURES: a FigureWidget updated in place, or the latest Figure.
         header: the `ipywidgets.HTML` header.
         bar: the run's progress bar (set by `attach_bar`), read by the header; None: none.
         widget: the `ipywidgets.VBox` holding everything.
@@ -333,9 +333,11 @@ class Dashboard:
         Reads only host-side records (no device sync); call it between steps.
         """
         for name, fig in figures(self.session).items():
-            _replace(self.figures[name], fig)
-            if name in self._outputs:
-                self._outputs[name].outputs = (_mimebundle(self.figures[name]),)
+            if name in self._outputs:  # a plain figure: take the new one (copying it in would cost as much again)
+                self.figures[name] = fig
+                self._outputs[name].outputs = (_mimebundle(fig),)
+            else:
+                _replace(self.figures[name], fig)
         self.header.value = _header_html(headline(self.session, self.bar))
 
     def static(self) -> StaticDashboard:
