@@ -79,6 +79,9 @@ def test_buffers_segments_and_labels():
     by_name = {t.name: t for t in fig.data}
     assert list(by_name["computing"].base) == [0.0] and list(by_name["computing"].x) == [4.0]
     assert list(by_name["loading"].x) == [9.0] and list(by_name["loading"].text) == ["5"]
+    late = viz.buffers(Trace(step=0, slots=[("weight", 0, -1, "loading", 120.0),
+                                            ("weight", 0, -1, "ready", 130.0)]).slots_dataframe())
+    assert late.layout.xaxis.range == (0.0, 130.0) and list(late.data[0].text) == ["emb"]
 
 
 def test_memory_two_subplots_in_gib():

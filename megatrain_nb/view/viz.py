@@ -134,7 +134,7 @@ def buffers(slots: pd.DataFrame, *, end_ms: float | None = None, title: str | No
     Returns:
         A Figure with one Bar trace per non-free state; y has one category per "kind[index]",
         weight slots first, then grad, then pinned, ticked in words ("weight slot 0"); bars are
-        labelled with the layer held.
+        labelled with the layer held ("emb" for the embedding); x runs from the step's start (0).
     """
     seg = slot_segments(slots, end_ms=end_ms)
     kinds = [k for k in _SLOT_KINDS if k in set(seg.kind)] + sorted(set(seg.kind) - set(_SLOT_KINDS))
@@ -153,6 +153,8 @@ def buffers(slots: pd.DataFrame, *, end_ms: float | None = None, title: str | No
                       height=150 + 30 * max(len(rows), 1), legend_title_text="slot state",
                       margin=dict(l=10, r=10, t=50, b=40))
     fig.update_xaxes(title_text="time since the step began (ms)")
+    if len(seg):  # from the step's start, as the timeline: the first load may come well after it
+        fig.update_xaxes(range=[min(0.0, float(seg.start_ms.min())), float(seg.end_ms.max())])
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=rows, autorange="reversed",
                      tickvals=rows, ticktext=[slot_label(k, i) for k, i in slots_present])
     if not len(seg):  # say why the chart is blank rather than draw an empty grid
