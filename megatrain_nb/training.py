@@ -105,10 +105,10 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
         bar.update(len(session.history) - h0 - bar.n)  # count a step that finished under the interrupt
         if has_state and stepping and len(session.history) > n:  # that step used its batch; else keep the last
             session.data_state = data.state_dict()
-    finally:
+    finally:  # also when a step raised: the steps before it are kept, and so is their picture
         bar.close()
-    if dash is not None:
-        draw_dashboard(dash, final=True)  # the widget becomes a static figure that a saved notebook keeps
+        if dash is not None:
+            draw_dashboard(dash, final=True)  # the widget becomes a static figure that a saved notebook keeps
     if interrupted:
         done = len(session.history) - h0
         last = session.history[-1].step if session.history else 0
