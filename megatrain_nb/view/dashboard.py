@@ -164,7 +164,7 @@ def _figure_widget():
 _AXIS_DROP = ("domain", "anchor", "matches", "scaleanchor", "overlaying", "position")
 
 
-def _ref(ref, axes: dict[str, str], first: str, letter: str):
+def _ref(ref, axes: dict[str, str], first: str):
     """A shape's or annotation's x/y ref in the composed figure: its axis renamed; 'paper' the block's domain."""
     if ref is None or ref == "paper":
         return f"{first} domain"
@@ -195,8 +195,8 @@ def compose(figs: list[go.Figure], *, title: str = "") -> go.Figure:
         subs = [a for a in lay.get("annotations", []) if a.get("xref") == "paper" and a.get("yref") == "paper"
                 and a.get("yanchor") == "bottom" and a.get("xanchor") == "center"]
         name = (lay.get("title") or {}).get("text") or ""
-        rows = [" · ".join(t for t in (name if i == 0 else "", subs[i]["text"] if i < len(subs) and len(ys) > 1
-                                       or (len(ys) == 1 and subs) else "") if t) for i in range(len(ys))]
+        rows = [" · ".join(t for t in (name if i == 0 else "", subs[i]["text"] if i < len(subs) else "") if t)
+                for i in range(len(ys))]  # the figure's title on its first subplot, then each subplot's own
         blocks.append((fig, lay, ys, subs, rows, float(lay.get("height") or 400)))
     n = sum(len(b[2]) for b in blocks)
     heights = [h / len(ys) for _, _, ys, _, _, h in blocks for _ in ys]
@@ -226,12 +226,12 @@ def compose(figs: list[go.Figure], *, title: str = "") -> go.Figure:
             t.update(xaxis=axes.get(t.xaxis or "x", first_x), yaxis=axes.get(t.yaxis or "y", first_y), legend=legend)
             out.add_trace(t)
         for s in lay.get("shapes", []):
-            out.add_shape({**s, "xref": _ref(s.get("xref"), axes, first_x, "x"),
-                           "yref": _ref(s.get("yref"), axes, first_y, "y")})
+            out.add_shape({**s, "xref": _ref(s.get("xref"), axes, first_x),
+                           "yref": _ref(s.get("yref"), axes, first_y)})
         for a in lay.get("annotations", []):
             if a not in subs:
-                out.add_annotation({**a, "xref": _ref(a.get("xref"), axes, first_x, "x"),
-                                    "yref": _ref(a.get("yref"), axes, first_y, "y")})
+                out.add_annotation({**a, "xref": _ref(a.get("xref"), axes, first_x),
+                                    "yref": _ref(a.get("yref"), axes, first_y)})
         top = out.layout[f"yaxis{'' if row == 1 else row}"].domain[1]
         out.layout[legend] = dict(y=top, yanchor="top", x=1.02, xanchor="left", groupclick="toggleitem",
                                   title_text=(lay.get("legend") or {}).get("title", {}).get("text"))
