@@ -180,12 +180,14 @@ def test_timeline_draws_waits_apart_from_work_hatched():
 def test_timeline_starts_at_the_step_and_bands_the_carried_over_work():
     """A span begun in the step before (-850 ms) is drawn from a narrow band left of 0, not from -850."""
     spans = Trace(step=0, spans=[("host-adam", "adam", 3, "optim", -850.0, 4.0, 0),
+                                 ("host-adam", "adam", 2, "optim", -850.0, -425.0, 0),
                                  ("compute", "fwd", -1, "fwd", 0.0, 10.0, 0)]).to_dataframe()
     fig = viz.timeline(spans)
     lo, hi = fig.layout.xaxis.range
     assert -1.0 < lo < 0 and hi == pytest.approx(10.0)
     optim = next(t for t in fig.data if t.legendgroup == "optim")
-    assert list(optim.base) == [pytest.approx(lo)] and optim.customdata[0][3] == -850.0  # hover: the real start
+    assert list(optim.base) == [pytest.approx(lo)] * 2 and optim.customdata[0][3] == -850.0  # hover: the real start
+    assert list(optim.x) == pytest.approx([-lo / 2, 4.0 - lo])  # squeezed in the band: -850..-425 -> lo..lo/2
     (band,) = [s for s in fig.layout.shapes if s.x1 == 0]
     assert band.x0 == pytest.approx(lo)
     assert any(a.text == "from the step before" for a in fig.layout.annotations)

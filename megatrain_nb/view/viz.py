@@ -26,12 +26,17 @@ _GIB = float(1 << 30)
 _SLOT_KINDS = ("weight", "grad", "pinned")
 
 
+def _squeeze(t: pd.Series, early: float, band: float) -> pd.Series:
+    """Times before 0 (back to `early`) squeezed into [-band, 0]; others unchanged."""
+    return t.where(t >= 0, -band * t / early) if early < 0 else t
+
+
 def _bars(df: pd.DataFrame, *, y: pd.Series, name: str, color: str, label_ms: float,
-          from_ms: float | None = None, head: int | None = None) -> go.Bar:
+          early: float = 0.0, band: float = 0.0, head: int | None = None) -> go.Bar:
     """Horizontal bars from start_ms/end_ms rows, labelled with the layer when wide enough ("emb" for -1,
-    "head" for `head`); bars starting before `from_ms` are drawn from there (their hover keeps the real times)."""
-    start = df.start_ms if from_ms is None else df.start_ms.clip(lower=from_ms)
-    dur = df.end_ms - start
+    "head" for `head`); times before 0 drawn squeezed into [-band, 0] (`_squeeze`; the hover keeps the real ones)."""
+    start = _squeeze(df.start_ms, early, band)
+    dur = _squeeze(df.end_ms, early, band) - start
     layers = [layer_label(ly, head) for ly in df.layer]
     text = [("emb" if ly == "embedding" else ly) if w >= label_ms else "" for ly, w in zip(layers, dur)]
     extra = df.op if "op" in df else df.state
@@ -64,9 +69,10 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
         (legendgroup "wait") of the spans where a worker was held (`is_wait`: not its phase's work),
         plus one "stalls" Scatter when stalls are given; y is categorical with one category per lane,
         compute on top, its ticks in words (`palette.LANE_LABELS`). Layer -1 is labelled "emb"
-        (the embedding), the loss's layer "head" (the LM head, index L); the legend's title says so. x starts at the step's start: spans that began in the step before (an update
-        carried over) are drawn from a shaded band left of 0 ("from the step before"), their hover
-        keeping the real times.
+        (the embedding), the loss's layer "head" (the LM head, index L); the legend's title says so.
+        x starts at the step's start: the time before 0 of spans that began in the step before (an
+        update carried over) is squeezed into a shaded band left of 0 ("from the step before", 4% of
+        the step), their hover keeping the real times.
 
     Example:
         >>> from megatrain_nb.view.trace import Trace
@@ -77,7 +83,7 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
     lanes = lane_order(spans.lane)
     end = float(spans.end_ms.max()) if len(spans) else 1.0
     early = float(spans.start_ms.min()) if len(spans) else 0.0
-    band = 0.04 * max(end, 1e-3) if early < 0 else 0.0  # carried-over work squeezed into this band before 0
+    band = 0.04 * max(end, 1e-3) if early < 0 else 0.0  # work carried over from the step before, squeezed in
     extent = end + band
     loss_layers = spans.layer[spans.phase == "loss"]
     head = int(loss_layers.max()) if len(loss_layers) else None  # the head unit's index (L), where the loss ran
@@ -88,12 +94,12 @@ def timeline(spans: pd.DataFrame, *, stalls: pd.DataFrame | None = None, title: 
     for phase in phases:
         g = work[work.phase == phase]
         bars = _bars(g, y=g.lane, name=label(phase, PHASE_LABELS), color=PHASE_COLORS.get(phase, OTHER_COLOR),
-                     label_ms=0.015 * extent, from_ms=-band, head=head)
+                     label_ms=0.015 * extent, early=early, band=band, head=head)
         fig.add_trace(bars.update(legendgroup=phase))
     if waits.any():
         g = spans[waits]
-        bars = _bars(g, y=g.lane, name=WAIT_LABEL, color=WAIT_COLOR, label_ms=0.015 * extent, from_ms=-band,
-                     head=head)
+        bars = _bars(g, y=g.lane, name=WAIT_LABEL, color=WAIT_COLOR, label_ms=0.015 * extent, early=early,
+                     band=band, head=head)
         fig.add_trace(bars.update(legendgroup="wait", marker_pattern=dict(shape=WAIT_PATTERN, fgcolor=STALL_COLOR,
                                                                           fillmode="overlay", size=6)))
     if band:
@@ -141,7 +147,7 @@ def buffers(slots: pd.DataFrame, *, end_ms: float | None = None, title: str | No
     slots_present = [(k, i) for k in kinds for i in sorted(set(seg[seg.kind == k]["index"]))]
     rows = [f"{k}[{i}]" for k, i in slots_present]
     seg = seg.assign(row=[f"{k}[{i}]" for k, i in zip(seg.kind, seg["index"])],
-                     layer=[("" if pd.isna(ly) else int(ly)) for ly in seg.layer])  # _bars words -1
+                     layer=[("" if pd.isna(ly) else int(ly)) for ly in seg.layer])
     extent = float(seg.end_ms.max() - seg.start_ms.min()) if len(seg) else 1.0
     fig = go.Figure()
     for state in [s for s in STATE_COLORS if s != "free"] + sorted(set(seg.state) - set(STATE_COLORS)):
