@@ -211,6 +211,7 @@ def test_memory_on_the_cpu_has_no_device_panel_and_reads_the_store_in_mib_from_z
     names = [t.name for t in fig.data]
     assert names == ["fp32 master weights", "gradients", "AdamW 1st moment", "AdamW 2nd moment"]  # no zeros, no RSS
     assert fig.layout.yaxis.title.text == "MiB" and fig.layout.yaxis.rangemode == "tozero"
+    assert {t.legendgrouptitle.text for t in fig.data} == {"host (MiB)"}  # the legend says the unit too
     assert sum(t.y[0] for t in fig.data) == pytest.approx(4.0)
     plain = viz.memory(counters)  # without the store: RSS as a line, still from 0
     assert [t.name for t in plain.data] == ["host RSS (whole process)"] and plain.layout.yaxis.rangemode == "tozero"

@@ -222,7 +222,7 @@ def memory(counters: pd.DataFrame, *, host_bytes: dict[str, float] | None = None
         for name, key in zip(dev_wide.columns, keys):
             fig.add_trace(go.Scatter(x=dev_wide.index, y=dev_wide[name] / scale, name=label(key, MEMORY_LABELS),
                                      stackgroup="device", mode="lines", line_shape="hv", line_color=colors[key],
-                                     fillcolor=colors[key], legendgroup="device", legendgrouptitle_text="device"),
+                                     fillcolor=colors[key], legendgroup="device", legendgrouptitle_text=f"device ({unit})"),
                           row=1, col=1)
         fig.update_yaxes(title_text=unit, rangemode="tozero", row=1, col=1)
         row = 2
@@ -234,12 +234,12 @@ def memory(counters: pd.DataFrame, *, host_bytes: dict[str, float] | None = None
     for key, v in store.items():
         fig.add_trace(go.Scatter(x=x, y=[v / scale] * 2, name=label(key, MEMORY_LABELS), stackgroup="host",
                                  mode="lines", line_shape="hv", line_color=colors[key], fillcolor=colors[key],
-                                 legendgroup="host", legendgrouptitle_text="host"), row=row, col=1)
+                                 legendgroup="host", legendgrouptitle_text=f"host ({unit})"), row=row, col=1)
     for name, g in host.groupby("name", sort=True):
         g = g.sort_values("t_ms")
         fig.add_trace(go.Scatter(x=g.t_ms, y=g.value / scale, name=label(name, MEMORY_LABELS), mode="lines",
                                  line_shape="hv", line_color=colors[name], legendgroup="host",
-                                 legendgrouptitle_text="host"), row=row, col=1)
+                                 legendgrouptitle_text=f"host ({unit})"), row=row, col=1)
     fig.update_yaxes(title_text=unit, rangemode="tozero", row=row, col=1)
     fig.update_xaxes(title_text="time since the step began (ms)", row=row, col=1)
     fig.update_layout(title=title or "memory over one step", height=300 + 240 * (row - 1),
