@@ -262,7 +262,7 @@ class Session:
         from .view import viz
 
         df = self._last_trace().to_dataframe()
-        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane: {self!r}")
+        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane")
 
     def plot_buffers(self):
         """Plotly figure: occupancy of every device weight and gradient slot over the last step."""
@@ -271,10 +271,11 @@ class Session:
         return viz.buffers(self._last_trace().slots_dataframe())
 
     def plot_memory(self):
-        """Plotly figure: host and device memory by category over the last step."""
+        """Plotly figure: device memory by category over the last step and the host store's bytes by category."""
         from .view import viz
 
-        return viz.memory(self._last_trace().counters_dataframe())
+        store = {k: v for k, v in self.store.bytes_report().items() if k not in ("total", "params", "bytes_per_param")}
+        return viz.memory(self._last_trace().counters_dataframe(), host_bytes=store)
 
     def history_dataframe(self):
         """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s, and a column
@@ -564,8 +565,11 @@ class Session:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
         bytes of the units placed there (see ``placement``); ``fp32_moment_params`` the parameters whose Adam
         moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which)."""
-        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30),
-                "fp32_moment_params": self.store.fp32_moment_params()}
+        from .view.tables import MemoryReport  # a dict; in a notebook, a table in MiB / GiB
+
+        return MemoryReport({**self.store.bytes_report(),
+                             "device_resident": float(self.placement.device_GiB.sum() * 2**30),
+                             "fp32_moment_params": self.store.fp32_moment_params()})
 
     @property
     def activations(self) -> dict:

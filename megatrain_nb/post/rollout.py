@@ -92,7 +92,7 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
 def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int = 4, prompts_per_step: int = 2,
                max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
                epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo", scale_rewards: bool = True,
-               tokenizer=None, cache_weights: bool | None = None, seed: int = 0, progress: bool = True,
+               tokenizer=None, cache_weights: bool | None = None, seed: int = 0, progress=True,
                on_step: Callable[[dict], None] | None = None, kl_ratio_weighted: bool = True):
     """GRPO, on-policy: per step, roll out, score, and take one ``losses.grpo`` step (see ``Session.train_grpo``).
 
@@ -100,7 +100,8 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
     ``Session.history_dataframe`` and the dashboard's history figure, next to the hook's kl and
     clip_ratio); the bar shows reward, KL and clip fraction. ``on_step(row)``, when given, is called
     after each step with that step's row of the returned DataFrame (``training.train_grpo`` draws the
-    dashboard there).
+    dashboard there). ``progress``: True / False for a tqdm bar or none, or a tqdm-like bar to update
+    (``training.train_grpo`` passes the one under the dashboard's header); it is closed at the end.
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -121,7 +122,8 @@ def train_grpo(session, prompts: list, reward_fn, *, steps: int, group_size: int
     g = torch.Generator().manual_seed(seed)
     order: list[int] = []
     rows = []
-    bar = tqdm(total=steps, desc="grpo", unit="step", dynamic_ncols=True, disable=not progress)
+    bar = progress if not isinstance(progress, bool) else tqdm(total=steps, desc="grpo", unit="step",
+                                                                dynamic_ncols=True, disable=not progress)
     try:
         for k in range(steps):
             if len(order) < prompts_per_step:  # a fresh permutation of the prompts each epoch
