@@ -131,6 +131,7 @@ class AdamWorker:
         self.early: Callable[[int, int, float, float], bool] | None = None  # Note: [Early rows] (the engine's)
         self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
         self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
+        self.consumed: Callable[[int], None] | None = None  # a unit's gradients are read or skipped (Note: [Gradient ring])
         self.follower = None
         if shared is not None:
             from ..host.shared_store import Follower
@@ -280,6 +281,8 @@ class AdamWorker:
                 self.update(u, cfg["lr"], scale)
                 applied += 1
             done.add(u)
+            if self.consumed is not None:
+                self.consumed(u)  # its gradient buffer may be refilled (Note: [Gradient ring] in grad_ring.py)
             with self.cond:
                 self._processed(u)
         if not cfg["gate"]:
