@@ -103,7 +103,7 @@ class HostAdamW:
         state, group = opt.state[p], opt.param_groups[0]
         n, c = g.numel(), self.chunk_numel
         if self._scratch is None or self._scratch.numel() < min(n, c):
-            self._scratch = torch.empty(min(max(x.layout.numel for x in self.store.units.values()), c))
+            self._scratch = torch.empty(min(max(x.master.numel() for x in self.store.units.values()), c))
         step = state["step"]
         for a in range(0, n, c):
             b = min(n, a + c)
