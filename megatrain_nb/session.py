@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, OptimConfig
-from .host import shared_store
+from .host import grad_ring, shared_store
 from .host.collective_save import one_writer
 from .step.distributed import local_device
 from .step.engine import Engine
@@ -56,7 +56,7 @@ class Session:
         if torch.device(self.engine_cfg.device).type == "cuda":
             cuda_allocator()  # Note: [Allocator] in preflight.py: fragmentation made the auto search's trials fail
         check(self.arch, self.engine_cfg, optimizer_state=self.optim_cfg.optimizer_state,
-              keep_fp32=self.optim_cfg.compact_keep_fp32)  # before allocating: refuse with the numbers and the setting to change
+              keep_fp32=self.optim_cfg.compact_keep_fp32, grad_clip=self.optim_cfg.grad_clip)  # before allocating: refuse with the numbers and the setting to change
         pin, cast = resolve_pinning(self.engine_cfg, self.arch, optimizer_state=self.optim_cfg.optimizer_state)
         resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast,  # engine_cfg keeps "auto"
                                        weight_slots=resolve_weight_slots(self.engine_cfg, self.arch),
@@ -71,7 +71,11 @@ class Session:
 
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
         shared = shared_store.attach(resolved.share_host_store, cuda=torch.device(resolved.device).type == "cuda")
+        slabs = grad_ring.slab_reason(enabled=resolved.grad_ring, grad_clip=self.optim_cfg.grad_clip,
+                                      overlap_optimizer=resolved.overlap_optimizer, nonfinite=resolved.nonfinite,
+                                      pass_batch_size=resolved.pass_batch_size, shared=shared is not None)
         self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
+                               slabs=slabs, pin_ring=torch.device(resolved.device).type == "cuda",  # Note: [Gradient ring]
                                pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement),
                                shared=shared,  # data parallel: one store per machine (shared_store.py)
                                optimizer_state=self.optim_cfg.optimizer_state, keep_fp32=self.optim_cfg.compact_keep_fp32)
@@ -564,12 +568,15 @@ class Session:
     def memory_report(self) -> dict:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
         bytes of the units placed there (see ``placement``); ``fp32_moment_params`` the parameters whose Adam
-        moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which)."""
+        moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which);
+        ``grad`` the gradient slabs' bytes and ``grad_ring`` the ring's, ``gradients`` which holds them and why,
+        in words (Note: [Gradient ring] in host/grad_ring.py)."""
         from .view.tables import MemoryReport  # a dict; in a notebook, a table in MiB / GiB
 
         return MemoryReport({**self.store.bytes_report(),
                              "device_resident": float(self.placement.device_GiB.sum() * 2**30),
-                             "fp32_moment_params": self.store.fp32_moment_params()})
+                             "fp32_moment_params": self.store.fp32_moment_params(),
+                             "gradients": self.store.gradients})
 
     @property
     def activations(self) -> dict:

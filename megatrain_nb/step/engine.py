@@ -99,6 +99,8 @@ class Engine:
         self.adam.early = functools.partial(embedding.early_rows, self)  # embedding.py
         self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
         self.adam.guard = self._state_ok  # Note: [Non-finite state] in state_check.py
+        if store.ring is not None:  # Note: [Gradient ring] in grad_ring.py: a buffer is free once its update read it
+            self.adam.consumed = store.ring.release
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
@@ -232,6 +234,8 @@ class Engine:
         self.offload.reset()
         self.attn_cache.clear()  # the failed step's backward will not come for them
         self.pass_, self.carry = passes.ONE, passes.Carry()  # the failed step's passes are dropped whole
+        if self.store.ring is not None:
+            self.store.ring.reset()  # no copy out is in flight now (the unpacker drained, the device synchronized)
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int, hook) -> dict:
@@ -260,6 +264,8 @@ class Engine:
         # nothing applied, and the batch runs again as the best candidate so far
         gate = du.gate or du.search.phase in ("C1", "B1")
         self._gated = gate
+        if self.store.ring is not None:  # Note: [Gradient ring]: gated steps and passes hold every gradient at once
+            self.store.ring.spill = gate or len(groups) > 1
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         du.begin(gate)
@@ -573,7 +579,7 @@ class Engine:
                         plan["cast"].add(s)
                     gi ^= 1
                 else:
-                    segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
+                    segs = self.store.copies_out(i, [(0, layout.numel, self.store.grad_dst(i))])  # shared: the owner's
                     self.gslot_box[gi], landed = self.io.grads(i, g, segs, done, "bwd", land=self.pass_.final)
                     if not self.pass_.final:  # Note: [Passes]: the next pass takes it back in (passes.preload)
                         self.carry.out[i] = (self.gslot_box[gi], landed)

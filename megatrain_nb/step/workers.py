@@ -132,6 +132,7 @@ class AdamWorker:
         self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
         self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
         self.guard: Callable[[int], bool] | None = None  # whether a landing unit's state can take its update
+        self.consumed: Callable[[int], None] | None = None  # a unit's gradients are read or skipped (Note: [Gradient ring])
         self.follower = None
         if shared is not None:
             from ..host.shared_store import Follower
@@ -286,6 +287,8 @@ class AdamWorker:
                 self.update(u, cfg["lr"], scale)
                 applied += 1
             done.add(u)
+            if self.consumed is not None:
+                self.consumed(u)  # its gradient buffer may be refilled (Note: [Gradient ring] in grad_ring.py)
             with self.cond:
                 self._processed(u)
         if not cfg["gate"]:
