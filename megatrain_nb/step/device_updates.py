@@ -692,17 +692,32 @@ class DeviceUpdates:
         """Compute stream, right after ``unit``'s norm is written: a resident unit whose state would write
         non-finite weights gets a NaN norm, so the step skips it as a non-finite gradient, on the device and
         in the report alike (Note: [Non-finite state] in state_check.py). No host sync."""
-        r = self.opt.of.get(unit)
-        if r is None:
+        ok = self._resident_ok(unit)
+        if ok is None:
             return
-        a, b = r.seg(unit)
-        if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
-            ok = state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
-        else:
-            ok = state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
         norm = self.norm_dev[unit + 1]
         norm.copy_(torch.where(ok, norm, float("nan")))
         self.state_ok[unit] = ok
+
+    def check_before_sum(self, unit: int, g: torch.Tensor) -> None:
+        """Compute stream, data parallel, before ``unit``'s gradient ``g`` (compute dtype, on the device) is summed
+        over ranks: a resident unit whose state fails the check poisons its first element with NaN, so that the
+        sum, its norm and every rank's verdict are non-finite (Note: [State verdicts] in distributed.py). No
+        host sync; this rank reports the unit, the others a non-finite gradient."""
+        ok = self._resident_ok(unit)
+        if ok is not None:
+            g[:1].copy_(torch.where(ok, g[:1], float("nan")))
+            self.state_ok[unit] = ok
+
+    def _resident_ok(self, unit: int) -> torch.Tensor | None:
+        """Compute stream: 0-dim bool, resident ``unit``'s state passes the check; None where it is not resident."""
+        r = self.opt.of.get(unit)
+        if r is None:
+            return None
+        a, b = r.seg(unit)
+        if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
+            return state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
+        return state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
 
     def bad_state(self, units) -> list[int]:
         """Driver, for a skipped step's report only: which of ``units`` failed ``check_state`` this step (reads

@@ -58,7 +58,11 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> bool:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/distributed.md)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s or TIMEOUT_S))
+    _joined["timeout_s"] = timeout_s or TIMEOUT_S
     return True
+
+
+_joined = {"timeout_s": TIMEOUT_S}  # init's timeout: the state-verdict group waits as long (Note: [State verdicts])
 
 
 def world() -> tuple[int, int]:
@@ -159,6 +163,8 @@ class DataParallel:
         self.stream = torch.cuda.Stream(dev.device) if dev.cuda else None  # gradient all-reduces
         self.tokens: list[int] = []  # this step: tokens of each rank, in rank order
         self.ids: torch.Tensor | None = None  # (sum(tokens),) long, host: every rank's token ids, in rank order
+        self.verdicts = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_joined["timeout_s"]))
+        # Note: [State verdicts]: the unpacker's own group, on the host
 
     def begin(self, mbs: list[dict], n_valid: int) -> int:
         """Driver, before the step: returns the global supervised-token count; keeps every rank's ids.
@@ -206,6 +212,22 @@ class DataParallel:
             self.sum_(g, "a gradient all-reduce")
             norm.copy_(grad_norm(g[:n]))
             return dev.record(self.stream)
+
+    def all_ok(self, ok: bool, what: str) -> bool:
+        """Unpacker, as a host unit lands: whether every rank's ``ok`` holds (its state check, Note: [Non-finite
+        state] in state_check.py). Blocks that thread until every rank has landed the unit.
+
+        Note: [State verdicts] a unit's state check is a rank's own (a shared store's owner alone checks it;
+        a rank's own store may differ), but its verdict must be every rank's: ranks that skip apart would
+        no longer apply the same updates. The gradients are summed before any rank lands them, so every
+        rank's unpacker lands the same host units, in the driver's op order, with the same norms: each
+        unit it checks is agreed there, in that order, on a gloo group of its own (the driver's collectives
+        go on meanwhile on the default group; 4 bytes a unit, host memory). A resident unit's verdict goes
+        into its gradient before the sum instead (``DeviceUpdates.check_before_sum``): no collective."""
+        t = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        with _failing(what):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.verdicts)
+        return int(t[0]) == 0
 
     def rows(self, dE: torch.Tensor) -> torch.Tensor:
         """Current stream: every rank's embedding-row gradients, in rank order.
