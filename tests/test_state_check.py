@@ -326,3 +326,36 @@ def test_a_bad_streamed_unit_raises_under_nonfinite_raise():
         assert all(_same(before[u], after[u]) for u in before)
     finally:
         s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("lane", ["h2d", "compute"])
+def test_cuda_a_bad_streamed_unit_is_checked_after_its_state_arrives(kind, lane):
+    """On CUDA, a delay on the copy-in stream (or on the compute stream): a check that did not wait for the
+    state's copy would read the state slot's last contents (a good state) and let the bad one update; a
+    report that did not wait for the check would read a finite norm."""
+    s = _session(kind, device="cuda", placement={0: "device", 1: "device", 2: "device"})
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        assert set(s.engine.dev_opt.streamed) >= {0, 1, 2}
+        keep = s.store.units[1].exp_avg_sq.clone()
+        _corrupt(s, 1, math.nan)
+        before = _state(s)
+        s.engine.delays = {lane: 200_000_000}  # GPU cycles (~0.1 s) before each copy in / each layer's backward
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[1\]"):
+            assert s.step(batches[1]).skipped
+        s.engine.drain()
+        after = _state(s)
+        assert _same(before[1], after[1]) and _same(before[0], after[0])
+        s.store.units[1].exp_avg_sq.copy_(keep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not s.step(batches[2]).skipped
+        s.engine.drain()
+        assert all(torch.isfinite(x.master).all() for x in s.store.units.values())
+    finally:
+        s.close()
