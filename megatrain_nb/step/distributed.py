@@ -3,9 +3,9 @@
 Owns: joining a process group from torchrun's environment (``init``), the device of each rank
 (``local_device``), and the collectives of a data-parallel step (``DataParallel``): the global count
 of supervised tokens, the all-reduce of each unit's gradients as its backward ends (before anything
-crosses to the host), the loss sum, the gather of the embedding's row gradients, and the agreement
-of placement measurements, so that every rank takes the same decisions. Its errors say which rank
-failed and that the last checkpoint is intact.
+crosses to the host), the loss sum, the gather of the embedding's row gradients, the agreement
+of placement measurements and of optimizer-state verdicts (Note: [State verdicts]), so that every rank
+takes the same decisions. Its errors say which rank failed and that the last checkpoint is intact.
 Does not own: the step (engine.py calls ``DataParallel`` at the points named in its Note: [Data
 parallel]), launching processes (torchrun, or ``torch.multiprocessing``), sharding the data (each
 caller passes its own rows; ``strided`` is the helper), nor the host store: the ranks of a machine
