@@ -288,3 +288,66 @@ def test_two_gpus_equal_one_gpu_with_all_rows(hf_dir, tmp_path):
             _assert_close(got, dict(want, masters={u: w.cpu() for u, w in want["masters"].items()}),
                           f"{name}, GPU rank {r}", tol=1e-5)
         assert ranks[0][name]["losses"] == ranks[1][name]["losses"]
+
+
+# ---- a bad optimizer state on one rank: every rank skips (Note: [State verdicts] in distributed.py) ----------
+VERDICTS = {  # name -> (settings, unit, where): the state rank 1 alone corrupts before the second step
+    "shared_host": (dict(placement="host"), 2, "host"),  # the head: its owner alone checks it
+    "private_host": (dict(placement="host", share_host_store=False), 2, "host"),  # rank 0's copy is good
+    "resident": (dict(placement={0: "resident", 1: "resident"}), 1, "resident"),  # rank 0's copy is good
+}
+
+
+def _verdict_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
+    """Each scenario: a step, rank 1 corrupts a unit's exp_avg_sq, a step (both must skip), repaired, a step."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from megatrain_nb import Session
+
+    _join(rank, world, tmp, timeout_s=30)
+    out = {}
+    b = _batches()
+    for name, (settings, unit, where) in VERDICTS.items():
+        s = Session.from_pretrained(d, **BASE, **settings)
+        s.step(_shard(b[0], rank, world))
+        s.engine.drain()
+        if where == "host":
+            slab, at = s.store.units[unit].exp_avg_sq, 7
+        else:
+            r = s.engine.dev_opt.of[unit]
+            slab, at = r.exp_avg_sq, r.seg(unit)[0] + 5
+        keep = float(slab[at])
+        dist.barrier()  # every rank has drained: rank 1's write is the only change
+        if rank == 1:
+            slab[at] = -1.0
+        dist.barrier()
+        before = _masters(s)[unit]
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            skipped = s.step(_shard(b[1], rank, world)).skipped
+        same = torch.equal(_masters(s)[unit], before)
+        dist.barrier()
+        if rank == 1:
+            slab[at] = keep
+        dist.barrier()
+        again = s.step(_shard(b[2], rank, world)).skipped
+        out[name] = dict(skipped=skipped, same=same, again=again, warned=" ".join(str(w.message) for w in got),
+                         masters=_masters(s))
+        s.close()
+    torch.save(out, tmp / f"rank{rank}.pt")
+
+
+def test_a_bad_state_on_one_rank_skips_the_step_on_every_rank(hf_dir, tmp_path):
+    codes = _spawn(_verdict_rank, tmp_path, hf_dir("llama"), timeout_s=150)
+    assert codes == [0] * WORLD, f"ranks exited with {codes}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name, (_, unit, where) in VERDICTS.items():
+        for r, got in enumerate(ranks):
+            x = got[name]
+            assert x["skipped"] and x["same"] and not x["again"], (name, r, x["warned"])
+            named = f"optimizer state of units [{unit}]" in x["warned"]
+            assert named or (where == "resident" and r == 0), (name, r, x["warned"])  # resident: rank 1 names it
+        for u, m in ranks[0][name]["masters"].items():  # the ranks still apply the same updates
+            assert torch.equal(m, ranks[1][name]["masters"][u]), (name, u)

@@ -234,3 +234,128 @@ def test_cuda_state_ok_decides_on_the_device():
         t[where][77] = value
         ok = state_check.state_ok(*t)
         assert ok.device.type == "cuda" and not bool(ok), (where, value)
+
+
+# ---- "device" units: their state checked on the stream it arrives on (Note: [Streamed state check]) ----------
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("value", [-1.0, math.nan])
+def test_a_bad_streamed_unit_is_skipped_with_nothing_written(kind, value):
+    """Layer 1 placed "device", ungated: its state comes in during the step; a bad one is not updated, the
+    units after it in the optimizer stream's order (layer 0, "device" too) neither, the step is skipped and
+    names it. Fixed, training goes on and the skipped unit's step count catches up with no gap."""
+    s = _session(kind, placement={0: "device", 1: "device"})
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        assert set(s.engine.dev_opt.streamed) >= {0, 1} and not s.engine.device_updates.gate
+        if kind != "fp32":
+            assert s.store.units[1].compact is not None  # the layer's moments are compact indeed
+        keep = s.store.units[1].exp_avg_sq.clone()
+        _corrupt(s, 1, value)
+        before = _state(s)
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[1\]"):
+            r = s.step(batches[1])
+        s.engine.drain()
+        assert r.skipped and s.skipped_steps == 1 and math.isfinite(r.loss)
+        after = _state(s)
+        for u in (1, 0):  # the bad one, and the streamed unit whose update follows it
+            assert _same(before[u], after[u]), u
+        s.store.units[1].exp_avg_sq.copy_(keep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            r = s.step(batches[2])
+        s.engine.drain()
+        assert not r.skipped and all(torch.isfinite(x.master).all() for x in s.store.units.values())
+        for u in (0, 1):
+            assert s.engine.optim.steps_done(u) == before[u][3] + 1, u
+            assert not _same(before[u], _state(s)[u]), u
+    finally:
+        s.close()
+
+
+def test_a_bad_streamed_head_is_skipped_with_nothing_written():
+    """The head group placed "device" (Note: [Streamed head]): its state is checked where it arrives too, and,
+    first on the optimizer stream, its verdict skips the "device" layers' updates after it."""
+    s = _session("fp32", placement={0: "device", 1: "device", 2: "device"})
+    try:
+        batches = make_batches(VOCAB, 2)
+        s.step(batches[0])
+        s.engine.drain()
+        assert s.engine.device_updates.head_streamed
+        s.store.units[2].exp_avg_sq[3] = -1.0
+        before = _state(s)
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[2\]"):
+            assert s.step(batches[1]).skipped
+        s.engine.drain()
+        after = _state(s)
+        assert all(_same(before[u], after[u]) for u in (0, 1, 2))
+    finally:
+        s.close()
+
+
+def test_a_good_streamed_state_trains_as_before():
+    """The check changes nothing where the state is good: "device" layers equal "host" ones bit for bit."""
+    batches = make_batches(VOCAB, 3)
+    out = []
+    for placement in ({0: "device", 1: "device"}, "host"):
+        s = _session("fp32", placement=placement)
+        try:
+            for b in batches:
+                assert not s.step(b).skipped
+            s.engine.drain()
+            out.append(_state(s))
+        finally:
+            s.close()
+    assert all(torch.equal(out[0][u][0], out[1][u][0]) for u in out[1])
+
+
+def test_a_bad_streamed_unit_raises_under_nonfinite_raise():
+    """nonfinite="raise" gates the step: the "device" unit updates on the host, where its landing is checked."""
+    s = _session("fp32", placement={0: "device", 1: "device"}, nonfinite="raise")
+    try:
+        batches = make_batches(VOCAB, 2)
+        s.step(batches[0])
+        s.engine.drain()
+        _corrupt(s, 1, -1.0)
+        before = _state(s)
+        with pytest.raises(FloatingPointError, match=r"optimizer state of units \[1\].*no update was applied"):
+            s.step(batches[1])
+        s.engine.drain()
+        after = _state(s)
+        assert all(_same(before[u], after[u]) for u in before)
+    finally:
+        s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("lane", ["h2d", "compute"])
+def test_cuda_a_bad_streamed_unit_is_checked_after_its_state_arrives(kind, lane):
+    """On CUDA, a delay on the copy-in stream (or on the compute stream): a check that did not wait for the
+    state's copy would read the state slot's last contents (a good state) and let the bad one update; a
+    report that did not wait for the check would read a finite norm."""
+    s = _session(kind, device="cuda", placement={0: "device", 1: "device", 2: "device"})
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        assert set(s.engine.dev_opt.streamed) >= {0, 1, 2}
+        keep = s.store.units[1].exp_avg_sq.clone()
+        _corrupt(s, 1, math.nan)
+        before = _state(s)
+        s.engine.delays = {lane: 200_000_000}  # GPU cycles (~0.1 s) before each copy in / each layer's backward
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[1\]"):
+            assert s.step(batches[1]).skipped
+        s.engine.drain()
+        after = _state(s)
+        assert _same(before[1], after[1]) and _same(before[0], after[0])
+        s.store.units[1].exp_avg_sq.copy_(keep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not s.step(batches[2]).skipped
+        s.engine.drain()
+        assert all(torch.isfinite(x.master).all() for x in s.store.units.values())
+    finally:
+        s.close()

@@ -1,7 +1,7 @@
 """Whether a unit's optimizer state can take an AdamW step: a finite master and moments, ``exp_avg_sq >= 0``.
 
-Owns: ``state_ok`` and ``finite`` (tensors on any device; a 0-dim bool, no host sync) and ``unit_ok`` (a host store unit,
-fp32 or compact moments; a Python bool).
+Owns: ``state_ok``, ``slabs_ok`` (fp32 or compact slabs) and ``finite`` (tensors on any device; a 0-dim bool, no
+host sync) and ``unit_ok`` (a host store unit, fp32 or compact moments; a Python bool).
 Does not own: when the check runs (the Adam worker's ``guard`` at each host unit's landing, workers.py; a
 resident unit's on the device, ``DeviceUpdates.check_state``), nor what a failed check does (the step is
 skipped as for a non-finite gradient).
@@ -19,8 +19,9 @@ to finite values): measured on the 2-core test host at about half of one fused A
 every term is, barring an overflow of the sum itself, which a second, exact test then settles.
 A resident unit's state is checked on the compute stream right after its norm is written, and a bad one
 writes NaN into that norm before its copy to the host (no sync); a group whose moments are still coming in
-(Note: [Late moments]) has only its master checked in that step. Not covered: a "device" unit's state
-streaming through for its update (placement "stream"; gated steps update those units on the host, checked).
+(Note: [Late moments]) has only its master checked in that step. A "device" unit's state (placement
+"stream") is checked where it arrives, on the optimizer stream, before its update (Note: [Streamed state
+check] in device_updates.py; gated steps update those units on the host, checked at landing).
 """
 from __future__ import annotations
 
@@ -70,8 +71,22 @@ def compact_ok(lay: compact_state.Layout, exp_avg: torch.Tensor, exp_avg_sq: tor
     return finite(ms) & finite(m32) & _nonnegfinite(vs) & _nonnegfinite(v32)
 
 
+def slabs_ok(lay: compact_state.Layout | None, master: torch.Tensor, exp_avg: torch.Tensor,
+             exp_avg_sq: torch.Tensor) -> torch.Tensor:
+    """Whether one unit's state as the host store lays it out can take an AdamW step (Note: [Non-finite state]).
+
+    Args:
+        lay: the unit's compact layout (``Unit.compact``), or None for fp32 moments.
+        master: (n,) fp32. exp_avg, exp_avg_sq: (n,) fp32, or a compact moment's slab (its words, Note:
+            [Compact slab]); any device: the host store's or a streamed-in copy of them.
+    Returns:
+        0-dim bool on their device (no host sync on CUDA).
+    """
+    if lay is None:
+        return state_ok(master, exp_avg, exp_avg_sq)
+    return finite(master) & compact_ok(lay, exp_avg, exp_avg_sq)
+
+
 def unit_ok(unit) -> bool:
     """Whether a host store unit (``host_store.Unit``) can take an AdamW step (Note: [Non-finite state])."""
-    if unit.compact is None:
-        return bool(state_ok(unit.master, unit.exp_avg, unit.exp_avg_sq))  # host tensors: no sync
-    return bool(finite(unit.master) & compact_ok(unit.compact, unit.exp_avg, unit.exp_avg_sq))
+    return bool(slabs_ok(unit.compact, unit.master, unit.exp_avg, unit.exp_avg_sq))  # host tensors: no sync

@@ -23,7 +23,7 @@ import torch
 
 from ..machine import placement as placing
 from ..host import split_master, state_check
-from ..host.optim import DeviceAdamW, grad_norm
+from ..host.optim import DeviceAdamW, grad_norm, state_slices
 from .late_moments import LateMoments
 from ..machine.budget import device_total, memory_total
 from .transfers import PendingLoad
@@ -55,6 +55,7 @@ class DeviceUpdates:
         self.sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
         self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
         self.state_ok: dict[int, torch.Tensor] = {}  # this step's check_state verdicts (Note: [Non-finite state])
+        self.state_bad: torch.Tensor | None = None  # 0-dim bool, optimizer stream only: a streamed unit's state failed
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
         self.writes: list[Box] = []  # state write-backs' landings that no step has waited for (Note: [Late write-backs])
@@ -395,6 +396,11 @@ class DeviceUpdates:
         self.t_start = time.perf_counter()
         overlap = bool(self.opt.groups or self.opt.streamed) and not gate  # Note: [Device updates]
         self.bad = torch.zeros((), dtype=torch.bool, device=self.dev.device) if overlap else None
+        if overlap and self.opt.streamed:  # Note: [Streamed state check]: made once, never freed, zeroed in order
+            if self.state_bad is None:
+                self.state_bad = torch.zeros((), dtype=torch.bool, device=self.dev.device)
+            with self.dev.on(self.dev.optim):
+                self.state_bad.zero_()  # after the last step's streamed updates read it, on their stream
         self.seen, self.updated, self.norms = set(), None, {}
         self.state_ok = {}  # unit -> 0-dim bool on the device: its resident state passed check_state this step
 
@@ -431,6 +437,8 @@ class DeviceUpdates:
             if dev.cuda:
                 found.record_stream(dev.optim)  # made on compute, read on optim: keep its memory until then
             self.late.wait(r.units, dev.optim)  # Note: [Late moments]
+            if self.opt.streamed and self.dp is None:  # Note: [Streamed state check]: one found before it
+                found = torch.maximum(found, self.state_bad.float())
             tok = self.rec.cuda_begin("device-adam", "adam", r.units[0], "optim", r.master.numel() * 16, dev.optim)
             self.opt.update(lr, groups=[r.units], found_inf=found)
             self.rec.cuda_end(tok, dev.optim)
@@ -449,8 +457,8 @@ class DeviceUpdates:
         read the gradients, its value the event after the update (and the refill).
         """
         state = self.sslots[j][:(4 if i in self.store.split else 3) * g.numel()]  # [R | D] last: Note: [Split master]
-        updated = self._update_in_state((i,), state, [g], done, loaded, lr, weights)
-        self.norms[i] = norm = self.io.read_norm(i, done)  # for the step's report; the write-back lands with it
+        checked, updated = self._update_in_state((i,), state, [g], done, loaded, lr, weights)
+        self.norms[i] = norm = self.io.read_norm(i, checked)  # for the step's report; the write-back lands with it
         _, landed = self.io.grads(i, state, self._write_segments((i,)), updated, "bwd", op="state-out",
                                   enqueued=written, step=step, host_fn=norm.get)  # fills ``written``: the
         self.writes.append(landed)  # state slot's next load waits for it, as the unit's next load for ``landed``
@@ -460,7 +468,8 @@ class DeviceUpdates:
                          weights: torch.Tensor | None):
         """Driver: ``units``' AdamW on the optimizer stream, in their streamed-in ``state``, once the gradients
         (``done``) and the state's load (``loaded``) are there; casts the new master into ``weights`` (a slot
-        that keeps them into the next step, Note: [Held weights]), if given. Returns the event after it."""
+        that keeps them into the next step, Note: [Held weights]), if given. Returns (the event after their
+        state check, which wrote its verdict into the last unit's norm; the event after the update)."""
         dev, n = self.dev, sum(self.store.units[u].layout.numel for u in units)
         found = self.bad.float()  # made on compute, read on optim (see landed)
         verdict = dev.record(dev.compute)  # after ``found``: ``done`` was recorded before landed() wrote the verdict
@@ -475,6 +484,8 @@ class DeviceUpdates:
             split = units[0] in self.store.split  # a layer (never the head group)
             if split:
                 self._join_state(units[0], state, weights)
+            found = self._check_streamed(units, state, found)  # Note: [Streamed state check]
+            checked = dev.record(dev.optim)
             self.opt.update_streamed(units, state, grads, lr, found)
             if weights is not None:
                 weights[:n].copy_(state[:n])  # the cast a load would do: the next step loads nothing of them
@@ -482,7 +493,35 @@ class DeviceUpdates:
                 split_master.split_into(state[:n], *split_master.planes(state[3 * n:4 * n]), state[2 * n:3 * n])
             self.rec.cuda_end(tok, dev.optim)
             self.updated = updated = dev.record(dev.optim)
-        return updated
+        return checked, updated
+
+    def _check_streamed(self, units: tuple[int, ...], state: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+        """Optimizer stream, ``units``' state just in (joined): the update's ``found_inf`` (0-dim fp32) with their
+        verdict and every earlier streamed unit's this step; a bad state's NaN goes into the last unit's norm.
+
+        Note: [Streamed state check] a "device" unit's state comes in during the step (Note: [Streamed updates]
+        in placement.py), after its gradient's norm has gone into the compute stream's verdict (``bad``), so
+        it is checked where it arrives: on the optimizer stream, after its copy (and a split master's join),
+        before its update. A failed check skips that update through the kernel's ``found_inf`` (the compact
+        kernel's ``ok`` path), and those of the streamed units after it through ``state_bad``, a flag the
+        optimizer stream alone reads and writes (and, in one process, the resident groups' updates that
+        follow on that stream); the compute stream never waits for a state copy. The unit's norm becomes NaN
+        there, and the step's report reads it after the check (``read_norm`` waits for it): the step is
+        skipped and the unit named as for a resident unit. Host units that land before the streamed unit's
+        write-back keep their updates (Note: [Non-finite gradients]'s overlapped rule). Under data parallel
+        the verdict is this rank's own (its norm was summed over ranks before the state came in): the rank
+        skips its streamed updates, and reports the unit; the resident groups do not read it, so that ranks
+        keep identical resident copies. The head group's verdict is reported under its last unit."""
+        segs = state_slices(self.store, units, state)
+        ok = None
+        for u, p, m, v in segs:
+            one = state_check.slabs_ok(self.store.units[u].compact, p, m, v)
+            ok = one if ok is None else ok & one
+        torch.logical_or(self.state_bad, ~ok, out=self.state_bad)
+        norm = self.norm_dev[units[-1] + 1]  # the compute stream read it before ``verdict``: ordered after that
+        norm.copy_(torch.where(ok, norm, float("nan")))
+        self.state_ok[units[-1]] = ok  # made on this stream; read only after the norm's read-back (bad_state)
+        return torch.maximum(found, self.state_bad.float())
 
     def _join_state(self, i: int, state: torch.Tensor, weights: torch.Tensor | None) -> None:
         """Optimizer stream: a split layer's fp32 master into ``state[:n]`` from the [R | D] planes at
@@ -599,8 +638,8 @@ class DeviceUpdates:
         units = self.head_units
         n_head = self.store.units[self.L].layout.numel
         grads = [g[:n_head]] + ([self.hgrad] if self.arch.tied else [])  # the head's share; the embedding's, fp32
-        updated = self._update_in_state(units, self.hstate, grads, done, self.hload, lr, weights)
-        self.norms[units[-1]] = norm = self.io.read_norm(units[-1], done)  # for the step's report, as a layer's
+        checked, updated = self._update_in_state(units, self.hstate, grads, done, self.hload, lr, weights)
+        self.norms[units[-1]] = norm = self.io.read_norm(units[-1], checked)  # for the step's report, as a layer's
         _, self.head_written = self.io.grads(units[-1], self.hstate, self._write_segments(units), updated, "bwd",
                                              op="state-out", enqueued=self.hstate_box, step=step,
                                              host_fn=norm.get)  # the next state load waits for it
@@ -653,17 +692,32 @@ class DeviceUpdates:
         """Compute stream, right after ``unit``'s norm is written: a resident unit whose state would write
         non-finite weights gets a NaN norm, so the step skips it as a non-finite gradient, on the device and
         in the report alike (Note: [Non-finite state] in state_check.py). No host sync."""
-        r = self.opt.of.get(unit)
-        if r is None:
+        ok = self._resident_ok(unit)
+        if ok is None:
             return
-        a, b = r.seg(unit)
-        if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
-            ok = state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
-        else:
-            ok = state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
         norm = self.norm_dev[unit + 1]
         norm.copy_(torch.where(ok, norm, float("nan")))
         self.state_ok[unit] = ok
+
+    def check_before_sum(self, unit: int, g: torch.Tensor) -> None:
+        """Compute stream, data parallel, before ``unit``'s gradient ``g`` (compute dtype, on the device) is summed
+        over ranks: a resident unit whose state fails the check poisons its first element with NaN, so that the
+        sum, its norm and every rank's verdict are non-finite (Note: [State verdicts] in distributed.py). No
+        host sync; this rank reports the unit, the others a non-finite gradient."""
+        ok = self._resident_ok(unit)
+        if ok is not None:
+            g[:1].copy_(torch.where(ok, g[:1], float("nan")))
+            self.state_ok[unit] = ok
+
+    def _resident_ok(self, unit: int) -> torch.Tensor | None:
+        """Compute stream: 0-dim bool, resident ``unit``'s state passes the check; None where it is not resident."""
+        r = self.opt.of.get(unit)
+        if r is None:
+            return None
+        a, b = r.seg(unit)
+        if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
+            return state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
+        return state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
 
     def bad_state(self, units) -> list[int]:
         """Driver, for a skipped step's report only: which of ``units`` failed ``check_state`` this step (reads

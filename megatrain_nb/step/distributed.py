@@ -3,9 +3,9 @@
 Owns: joining a process group from torchrun's environment (``init``), the device of each rank
 (``local_device``), and the collectives of a data-parallel step (``DataParallel``): the global count
 of supervised tokens, the all-reduce of each unit's gradients as its backward ends (before anything
-crosses to the host), the loss sum, the gather of the embedding's row gradients, and the agreement
-of placement measurements, so that every rank takes the same decisions. Its errors say which rank
-failed and that the last checkpoint is intact.
+crosses to the host), the loss sum, the gather of the embedding's row gradients, the agreement
+of placement measurements and of optimizer-state verdicts (Note: [State verdicts]), so that every rank
+takes the same decisions. Its errors say which rank failed and that the last checkpoint is intact.
 Does not own: the step (engine.py calls ``DataParallel`` at the points named in its Note: [Data
 parallel]), launching processes (torchrun, or ``torch.multiprocessing``), sharding the data (each
 caller passes its own rows; ``strided`` is the helper), nor the host store: the ranks of a machine
@@ -59,7 +59,11 @@ def init(*, backend: str | None = None, timeout_s: float | None = None) -> bool:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (docs/distributed.md)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s or TIMEOUT_S))
+    _joined["timeout_s"] = timeout_s or TIMEOUT_S
     return True
+
+
+_joined = {"timeout_s": TIMEOUT_S}  # init's timeout: the state-verdict group waits as long (Note: [State verdicts])
 
 
 def world() -> tuple[int, int]:
@@ -162,6 +166,8 @@ class DataParallel:
         self.tokens: list[int] = []  # this step: tokens of each rank, in rank order
         self.ids: torch.Tensor | None = None  # (sum(tokens),) long, host: every rank's token ids, in rank order
         self.saves = Turns(self.rank, self.size)  # who writes a save (Note: [One writer] in collective_save.py)
+        self.verdicts = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_joined["timeout_s"]))
+        # Note: [State verdicts]: the unpacker's own group, on the host
 
     def begin(self, mbs: list[dict], n_valid: int) -> int:
         """Driver, before the step: returns the global supervised-token count; keeps every rank's ids.
@@ -211,6 +217,22 @@ class DataParallel:
             self.sum_(g, "a gradient all-reduce")
             norm.copy_(grad_norm(g[:n]))
             return dev.record(self.stream)
+
+    def all_ok(self, ok: bool, what: str) -> bool:
+        """Unpacker, as a host unit lands: whether every rank's ``ok`` holds (its state check, Note: [Non-finite
+        state] in state_check.py). Blocks that thread until every rank has landed the unit.
+
+        Note: [State verdicts] a unit's state check is a rank's own (a shared store's owner alone checks it;
+        a rank's own store may differ), but its verdict must be every rank's: ranks that skip apart would
+        no longer apply the same updates. The gradients are summed before any rank lands them, so every
+        rank's unpacker lands the same host units, in the driver's op order, with the same norms: each
+        unit it checks is agreed there, in that order, on a gloo group of its own (the driver's collectives
+        go on meanwhile on the default group; 4 bytes a unit, host memory). A resident unit's verdict goes
+        into its gradient before the sum instead (``DeviceUpdates.check_before_sum``): no collective."""
+        t = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        with _failing(what):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.verdicts)
+        return int(t[0]) == 0
 
     def rows(self, dE: torch.Tensor) -> torch.Tensor:
         """Current stream: every rank's embedding-row gradients, in rank order.

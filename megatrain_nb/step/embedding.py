@@ -66,7 +66,8 @@ def backward(eng: Engine, mbs, st: dict, gs: list) -> Box:
         return Box(ready=True)
     dE, ids = eng.carry.all_rows(dE, ids)  # every pass's, in order, as one pass's micro-batches
     if eng.dp is not None:  # every rank's rows and ids, in rank order (Note: [Data parallel])
-        dE, ids = eng.dp.rows(dE), eng.dp.ids
+        eng.device_updates.check_before_sum(-1, dE)  # a resident embedding's state verdict: every rank's (Note:
+        dE, ids = eng.dp.rows(dE), eng.dp.ids  # [State verdicts] in distributed.py)
     du = eng.device_updates
     if -1 in eng.dev_opt.of:
         dE = dE.float()

@@ -164,10 +164,11 @@ class Engine:
         self.device_updates.host_updated(unit, time.perf_counter() - t0)  # what "stream" balances PCIe against
 
     def _state_ok(self, unit: int) -> bool:
-        """Unpacker, as ``unit`` lands: its host state can take this process's update (others' are theirs)."""
-        if self.adam.noop(unit) or not self.store.owns(unit) or unit in self.store.split:
-            return True
-        return state_check.unit_ok(self.store.units[unit])
+        """Unpacker, as ``unit`` lands: its host state can take its update, on every rank (Note: [State verdicts])."""
+        if self.adam.noop(unit):
+            return True  # the device updates it: checked there
+        ok = not self.store.owns(unit) or unit in self.store.split or state_check.unit_ok(self.store.units[unit])
+        return ok if self.dp is None else self.dp.all_ok(ok, f"unit {unit}'s state verdict")
 
     def _ready(self, box: Box) -> None:
         """Make the compute stream wait for a load (host waits only until its copies are enqueued)."""
@@ -346,7 +347,8 @@ class Engine:
         goes to ``norm_dev``. Under data parallel ``g`` is summed over ranks first, on a side stream on CUDA.
         Returns the event after which ``g`` and its norm are final: what copies and updates wait for."""
         if self.dp is not None:
-            return self.dp.grads(g, self.norm_dev[unit + 1], n, done)
+            self.device_updates.check_before_sum(unit, g[:n])  # Note: [State verdicts] in distributed.py
+            return self.dp.grads(g, self.norm_dev[unit + 1], n, self.dev.record(self.dev.compute))  # after it
         self.norm_dev[unit + 1].copy_(grad_norm(g[:n]))
         self.device_updates.check_state(unit)  # Note: [Non-finite state]: a resident unit's, before ``done``
         return self.dev.record(self.dev.compute)
