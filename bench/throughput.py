@@ -93,6 +93,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-step", type=int, nargs="+", default=None,
                     help="debug: run these steps (0-based, warm-up ones count) of each batch under torch.profiler; print "
                          "the ops that took the most host time and, with --save-trace, save its Chrome trace there")
+    ap.add_argument("--device-memory", default=None, help="EngineConfig.device_memory, e.g. 24GiB (a smaller card, emulated)")
+    ap.add_argument("--host-memory", default=None, help="EngineConfig.host_memory, e.g. 64GiB (a smaller host, emulated)")
+    ap.add_argument("--grad-ring", choices=("on", "off"), default="on", help="EngineConfig.grad_ring (default on)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s (faulthandler; a 14B run "
@@ -141,7 +144,8 @@ def main(argv=None) -> None:
                             pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
                             offload_checkpoints=a.offload_checkpoints, placement=a.placement,
-                            optimizer_state=a.optimizer_state,
+                            optimizer_state=a.optimizer_state, device_memory=a.device_memory,
+                            host_memory=a.host_memory, grad_ring=a.grad_ring == "on",
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])
     init_s = time.perf_counter() - t0
     rep = s.memory_report()
@@ -216,6 +220,8 @@ def main(argv=None) -> None:
                        model_tflops=round(6 * N * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
                        recomputed_layers=r.recomputed_layers,
                        peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                       peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
+                       device_memory=a.device_memory, host_memory=a.host_memory, grad_ring=a.grad_ring,
                        host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                        host_rss_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
                        optimizer_state=a.optimizer_state,
