@@ -308,7 +308,7 @@ def test_gpu_lean_same_step_lower_peak():
     for on in (False, True):
         torch.cuda.empty_cache()
         s = Session.from_config(cfg, seed=0, device="cuda", lr=lr, checkpoint_every=0, placement="host",
-                                lean_activations=on)
+                                lean_activations=on, grad_ring=False)  # slabs: the gradients are compared
         torch.cuda.reset_peak_memory_stats()
         loss = s.step({"input_ids": ids}).loss
         s.engine.drain()

@@ -135,6 +135,8 @@ def cap_device(device, budget: int | None) -> float | None:
     device = torch.device(device)
     if budget is None or device.type != "cuda":
         return None
+    if device.index is None:  # "cuda": the current device (set_per_process_memory_fraction wants an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if budget >= total:
         return None
