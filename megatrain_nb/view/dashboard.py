@@ -237,7 +237,8 @@ def compose(figs: list[go.Figure], *, title: str = "") -> go.Figure:
                                   title_text=(lay.get("legend") or {}).get("title", {}).get("text"))
         row += len(ys)
     out.update_layout(title=title, height=int(sum(b[5] for b in blocks) + 80), barmode="overlay",
-                      margin=dict(l=10, r=10, t=90, b=40), showlegend=True)
+                      margin=dict(l=10, r=10, t=90 + 24 * title.count("<br>"), b=40),  # a header line each
+                      showlegend=True)
     return out
 
 

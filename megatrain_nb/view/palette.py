@@ -47,14 +47,15 @@ MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "act
                  "resident": "units resident on the device", "resident_state": "units resident on the device",
                  "state_slots": "streamed units' state slots", "head_state": "streamed head group's state",
                  # Session.memory_report / HostStore.bytes_report
-                 "master": "fp32 master weights", "grad": "gradients", "exp_avg": "AdamW 1st moment",
+                 "master": "fp32 master weights", "grad": "gradients", "grad_ring": "gradient ring (host buffers)",
+                 "exp_avg": "AdamW 1st moment",
                  "exp_avg_sq": "AdamW 2nd moment", "shadow": "pinned compute-dtype copy",
                  "device_resident": "units resident on the device"}
 # One colour per category above (keys of one label share it). Families: weights blue, gradients orange,
 # optimizer state green, activations purple/pink, transfers brown, runtime and reserves grey.
 MEMORY_COLORS = {"master_fp32": "#08306B", "master": "#08306B", "weights": "#2171B5", "weight_slots": "#6BAED6",
                  "head_slots": "#9ECAE1", "embedding_rows": "#17BECF", "shadow": "#393B79",
-                 "grads": "#D94801", "grad": "#D94801", "grad_slots": "#FDAE6B", "embedding_grad_rows": "#FFD8A8",
+                 "grads": "#D94801", "grad": "#D94801", "grad_ring": "#F16913", "grad_slots": "#FDAE6B", "embedding_grad_rows": "#FFD8A8",
                  "adam_moments": "#006D2C", "exp_avg": "#41AB5D", "exp_avg_sq": "#A1D99B",
                  "resident": "#BCBD22", "resident_state": "#BCBD22", "device_resident": "#BCBD22",
                  "state_slots": "#8CA252", "head_state": "#CEDB9C",
