@@ -1,7 +1,7 @@
 """One host store per machine (shared_store.py): ranks of one machine share the masters and moments.
 
 CPU, gloo, fp32, ranks started with ``torch.multiprocessing`` (spawn) on this one machine, so they
-share one store (the default under data parallel). tests/test_distributed.py's scenarios run with it
+share one store (the default under data parallel). tests/step/test_distributed.py's scenarios run with it
 too (and one with ``share_host_store=False``); here: 3 ranks equal to one process, the store really
 being one copy (one /dev/shm file, writes seen without a copy, host bytes), a checkpoint of 3 ranks
 resumed on 3 bit for bit and on 2 and 1 to tolerance, a dying owner, and the follower's bounded wait.

@@ -1,7 +1,7 @@
 """Data parallel (distributed.py): N ranks with b rows each train as one process with N*b rows.
 
 CPU, gloo, fp32, 2 ranks started with ``torch.multiprocessing`` (spawn) on a FileStore; on this one
-machine they share one host store (shared_store.py; tests/test_shared_store.py), except the
+machine they share one host store (shared_store.py; tests/host/test_shared_store.py), except the
 scenario with ``share_host_store=False``. One spawn
 runs every scenario (dense and MoE, the placements, a checkpoint and its resume) and saves what
 each rank saw; the tests compare it with single-process Sessions. Tolerance 1e-6 relative (the
