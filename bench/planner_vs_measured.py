@@ -14,7 +14,7 @@ both sides, 6 * N(all parameters) * tokens / step time. Peak GPU memory: the pla
 device category (its 2 GiB reserve included) against torch.cuda.max_memory_allocated.
 
 Second table: each lane's work in one step, planner vs the row's own recorded trace
-(tests/data/trace_*.json.gz whose meta step_s equals the row's), to show which rate is off.
+(tests/fixtures/trace_*.json.gz whose meta step_s equals the row's), to show which rate is off.
 Third table: step time under planner variants: packing (the pinning modelled before cast_on_device),
 as run (the prediction: `Plan.step_ms`, one step from cold), the same settings in the steady state
 (`Plan.steady_step_ms`: steps back to back, each load waiting for its unit's previous update, the
@@ -44,7 +44,7 @@ from megatrain_nb.view.trace import Trace, find_stalls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "h200-2026-11-29-host-path.jsonl"
-TRACES = ROOT / "tests" / "data"
+TRACES = ROOT / "tests" / "fixtures"
 _GIB = float(1 << 30)
 LANES = ("compute", "h2d", "d2h", "host-adam", "host-unpack")
 

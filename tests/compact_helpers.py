@@ -2,7 +2,7 @@
 tokenizer trained on them, fixed batches of token windows and a small Llama config sized so that most of its
 tensors have 4096 values or more (the ones a compact ``optimizer_state`` quantizes).
 
-Used by tests/test_compact_finetune.py and notebooks/01_memory_hierarchy.ipynb; nothing is downloaded.
+Used by tests/host/test_compact_finetune.py and notebooks/01_memory_hierarchy.ipynb; nothing is downloaded.
 """
 from __future__ import annotations
 

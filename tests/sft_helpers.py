@@ -61,3 +61,16 @@ def chats(n: int) -> list[dict]:
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
+
+
+def word_tokenizer(d):
+    """A word-level tokenizer of "<pad> <s> </s> <unk> what is two" saved into ``d``; returns ``d``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate("<pad> <s> </s> <unk> what is two".split())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(str(d))
+    return d

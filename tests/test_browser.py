@@ -3,7 +3,7 @@
 Python tests pass while the page a person sees can be broken: a frontend extension missing, a renderer
 that does not match, a widget that never updates, a figure with nothing drawn. Here JupyterLab serves
 copies of `notebooks/00_quickstart.ipynb` (trains with the progress bar and the live dashboard) and
-`notebooks/02_overlap_stalls.ipynb` (figures of the recorded H200 traces in tests/data) on 127.0.0.1
+`notebooks/02_overlap_stalls.ipynb` (figures of the recorded H200 traces in tests/fixtures) on 127.0.0.1
 with a token; Debian's Chromium, driven by Playwright, opens each, runs all cells from the Run menu and
 reads the DOM: no error output and no stderr output (no warning wall), the progress bar at its end, the
 dashboard's numbers changing while training runs, the live dashboard replaced by its static figure when
@@ -128,12 +128,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab on 127.0.0.1 with a token, serving a copy of notebooks/ and tests/data/ (so the
+    """JupyterLab on 127.0.0.1 with a token, serving a copy of notebooks/ and tests/fixtures/ (so the
     run never writes outputs into the repository), with fresh config, settings and workspace dirs."""
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "root"
     shutil.copytree(REPO / "notebooks", root / "notebooks")
-    shutil.copytree(REPO / "tests" / "data", root / "tests" / "data")  # 02 reads ../tests/data
+    shutil.copytree(REPO / "tests" / "fixtures", root / "tests" / "fixtures")  # 02 reads ../tests/fixtures
     for name, value in SETTINGS.items():
         path = tmp / "settings" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)

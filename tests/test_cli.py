@@ -71,9 +71,9 @@ def test_train_saves_a_model_transformers_loads(tiny_model, jsonl, tmp_path, cap
 def test_train_copies_the_tokenizer(tiny_model, jsonl, tmp_path):
     from transformers import AutoTokenizer
 
-    from test_data import _word_tokenizer
+    from sft_helpers import word_tokenizer
 
-    _word_tokenizer(tiny_model)
+    word_tokenizer(tiny_model)
     out = tmp_path / "out"
     assert main(["train", "--model", str(tiny_model), "--data", str(jsonl), "--steps", "1", "--batch", "2",
                  "--seq", "16", "--out", str(out), "--device", "cpu", "--checkpoint-every", "1"]) == 0

@@ -11,68 +11,12 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+from transformers import AutoModelForCausalLM
 
-from conftest import (BATCH, SEQ, VOCAB, families, load_reference, make_batches, record, rel_scalar,
-                      train_reference, train_session, weight_diffs)
+from conftest import (VOCAB, families, load_reference, make_batches, record, rel_scalar, train_reference, train_session,
+                      weight_diffs)
+from helpers import BETAS, EPS, LR, NOISE_ONLY, TOL, compare
 from megatrain_nb import Session
-
-TOL = 1e-5
-LR, BETAS, EPS = 2e-3, (0.9, 0.95), 1e-7
-# Note: [Key bias] the gradient of a k_proj bias is exactly zero (softmax ignores a constant added to
-# every score of a query); what autograd returns is rounding noise, which Adam turns into steps of
-# noise/(|noise|+eps) * lr. Two correct implementations then differ by noise, so these tensors are
-# held to an absolute bound of lr per step instead of the relative tolerance.
-NOISE_ONLY = ("self_attn.k_proj.bias",)
-
-
-def compare(d, family, tmp_path, *, steps=5, batch=BATCH, seq=SEQ, pad=False, weight_decay=0.0, grad_clip=None,
-            schedule=None, **engine) -> dict:
-    """Train a Session from ``d`` and the HF reference on the same batches; assert and record the diffs.
-
-    ``schedule``: (lr_schedule, warmup_steps, total_steps) or None (constant).
-    """
-    settings = dict(device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay,
-                    grad_clip=grad_clip, **engine)
-    make_sched = None
-    if schedule is not None:
-        name, warm, total = schedule
-        settings.update(lr_schedule=name, warmup_steps=warm, total_steps=total)
-        hf = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}[name]
-        make_sched = lambda opt: hf(opt, warm, total)  # noqa: E731
-    s = Session.from_pretrained(d, **settings)
-    try:
-        ref = load_reference(d, s.arch.model.config._attn_implementation)
-        pad_id = (s.config.pad_token_id or 0) if pad else None
-        batches = make_batches(VOCAB, steps, batch=batch, seq=seq, pad_id=pad_id)
-        got = train_session(s, batches)
-        lrs = [r.lr for r in s.history]
-        want, norms, ref_lrs = train_reference(ref, batches, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay,
-                                               grad_clip=grad_clip, schedule=make_sched)
-        out = tmp_path / "trained"
-        s.save_pretrained(out)
-    finally:
-        s.close()
-    loss_diff = max(rel_scalar(a, b) for a, b in zip(got, want))
-    assert loss_diff <= TOL, f"{family}: losses {got} vs reference {want}"
-    assert lrs == pytest.approx(ref_lrs, rel=1e-12, abs=1e-15), "StepResult.lr differs from the reference's lr"
-    diffs = weight_diffs(out, ref)
-    ref_sd = ref.state_dict()
-    saved = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
-    checked, noise_gap = {}, 0.0
-    for name, dw in diffs.items():
-        if name.endswith(NOISE_ONLY):
-            gap = (saved[name] - ref_sd[name]).abs().max().item()
-            assert gap <= LR * steps, f"{family}: {name} moved {gap} away from the reference"
-            noise_gap = max(noise_gap, gap)
-        else:
-            checked[name] = dw
-    worst = max(checked, key=checked.get)
-    assert checked[worst] <= TOL, f"{family}: {worst} rel diff {checked[worst]:.2e}; all over tol: " + \
-        str({k: f"{v:.1e}" for k, v in checked.items() if v > TOL})
-    record(family, loss_diff, checked[worst], noise_gap)
-    return dict(losses=got, ref_losses=want, norms=norms, loss_diff=loss_diff, weight_diff=checked[worst])
-
 
 # ---- every family, default settings ------------------------------------------------------------
 def test_default_settings(hf_dir, family, tmp_path):

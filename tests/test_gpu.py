@@ -5,45 +5,26 @@ docs/benchmarks.md.
 """
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
+from helpers import GPU_MIXED, gpu_batches, gpu_config, gpu_run
 from megatrain_nb import Session
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _config(layers=4, attn="sdpa", tied=False):
-    c = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
-                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                    tie_word_embeddings=tied)
-    c._attn_implementation = attn
-    return c
-
-
 @pytest.fixture
 def model_dir(tmp_path):
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config()).save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(gpu_config()).save_pretrained(tmp_path)
     return tmp_path
 
 
-def _batches(n, B=4, T=128, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 1024, (B, 16), generator=g)
-    out = []
-    for _ in range(n):  # a learnable repeat-the-motif task, so the loss moves
-        ids = base.repeat(1, T // 16)
-        ids[:, ::7] = torch.randint(0, 1024, ids[:, ::7].shape, generator=g)
-        out.append(ids)
-    return out
-
-
-MIXED = {-1: "resident", 1: "resident", 3: "resident"}  # embedding, two layers; the (untied) head on the host
 STREAMED = {0: "device", 2: "device", 3: "resident"}  # state streamed through for two layers
 STREAMED_HEAD = {-1: "device", 0: "device", 2: "device", 4: "device"}  # and a tied head group (Note: [Streamed head])
 
 
-@pytest.mark.parametrize("placement", ["host", "auto", "stream", {u: "resident" for u in range(-1, 5)}, MIXED, STREAMED])
+@pytest.mark.parametrize("placement", ["host", "auto", "stream", {u: "resident" for u in range(-1, 5)}, GPU_MIXED, STREAMED])
 def test_bf16_stream_matches_native_autocast(model_dir, placement):
     """One step: weights agree to bf16 rounding. 20 steps: loss curves within 2%.
 
@@ -58,7 +39,7 @@ def test_bf16_stream_matches_native_autocast(model_dir, placement):
     opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0)
     s = Session.from_pretrained(model_dir, device="cuda", lr=lr, checkpoint_every=None, placement=placement)
     ref_losses, our_losses = [], []
-    for k, ids in enumerate(_batches(20)):
+    for k, ids in enumerate(gpu_batches(20)):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = ref(input_ids=ids.cuda(), labels=ids.cuda()).loss
         loss.backward()
@@ -91,21 +72,11 @@ def test_bf16_stream_matches_native_autocast(model_dir, placement):
 def test_bf16_stream_of_a_tied_model_matches_native_autocast(tmp_path):
     """Placement "stream" with a tied embedding: the head group streams, its rows come from the head slot."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(tied=True)).save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(gpu_config(tied=True)).save_pretrained(tmp_path)
     test_bf16_stream_matches_native_autocast(tmp_path, "stream")
 
 
-def _run(model_dir, delays, steps=3, **kw):
-    s = Session.from_pretrained(model_dir, device="cuda", lr=1e-3, **kw)
-    s.engine.delays = delays
-    losses = [s.step({"input_ids": ids}).loss for ids in _batches(steps, seed=1)]
-    s.engine.drain()
-    weights = [s.store.units[u].master.clone() for u in s.store.order]
-    s.close()
-    return losses, weights
-
-
-@pytest.mark.parametrize("placement", ["host", MIXED, STREAMED, STREAMED_HEAD])
+@pytest.mark.parametrize("placement", ["host", GPU_MIXED, STREAMED, STREAMED_HEAD])
 @pytest.mark.parametrize("lane,delay", [("h2d", 20_000_000), ("compute", 20_000_000), ("d2h", 20_000_000),
                                         ("host-pack", 0.02), ("host-unpack", 0.02), ("host-adam", 0.02)])
 def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay, placement):
@@ -114,11 +85,11 @@ def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay, pl
     the tied head group streamed, its state's lanes and the rows gathered from the head slot."""
     torch.manual_seed(0)
     tied = placement is STREAMED_HEAD  # an untied embedding does not stream
-    AutoModelForCausalLM.from_config(_config(attn="eager", tied=tied)).save_pretrained(tmp_path)
-    base_l, base_w = _run(tmp_path, {}, checkpoint_every=2, placement=placement)
-    again_l, again_w = _run(tmp_path, {}, checkpoint_every=2, placement=placement)
+    AutoModelForCausalLM.from_config(gpu_config(attn="eager", tied=tied)).save_pretrained(tmp_path)
+    base_l, base_w = gpu_run(tmp_path, {}, checkpoint_every=2, placement=placement)
+    again_l, again_w = gpu_run(tmp_path, {}, checkpoint_every=2, placement=placement)
     assert base_l == again_l and all(torch.equal(a, b) for a, b in zip(base_w, again_w)), "not deterministic"
-    l, w = _run(tmp_path, {lane: delay}, checkpoint_every=2, placement=placement)
+    l, w = gpu_run(tmp_path, {lane: delay}, checkpoint_every=2, placement=placement)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))
 
@@ -126,10 +97,10 @@ def test_deliberate_delays_leave_results_bit_identical(tmp_path, lane, delay, pl
 def test_kept_activations_equal_recompute(tmp_path):
     """Keeping a layer's graph (weights re-bound through SlotRefs) equals recomputing it, bitwise."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
-    a = _run(tmp_path, {}, checkpoint_every=0)
-    b = _run(tmp_path, {}, checkpoint_every=1)
-    c = _run(tmp_path, {}, checkpoint_every=3)
+    AutoModelForCausalLM.from_config(gpu_config(attn="eager")).save_pretrained(tmp_path)
+    a = gpu_run(tmp_path, {}, checkpoint_every=0)
+    b = gpu_run(tmp_path, {}, checkpoint_every=1)
+    c = gpu_run(tmp_path, {}, checkpoint_every=3)
     assert a[0] == b[0] == c[0]
     assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a[1], b[1], c[1]))
 
@@ -145,7 +116,7 @@ def test_early_rows_train_bit_identical_to_waiting_for_the_embedding(model_dir, 
             s.engine.early.on = early
             s.engine.delays = {"host-adam": 0.1}  # 0.02 s left the embedding's update ahead of its rows now and
             # then (on the H200: 0 or 2 of 3 steps served early, with and without split masters)
-            losses = [s.step({"input_ids": ids}).loss for ids in _batches(4, seed=2)]
+            losses = [s.step({"input_ids": ids}).loss for ids in gpu_batches(4, seed=2)]
             s.engine.drain()
             runs[early] = (losses, s.engine.early.count, [s.store.units[u].master.clone() for u in s.store.order])
         finally:
@@ -161,13 +132,13 @@ def test_split_masters_train_bitwise_equal_on_cuda(tmp_path, slots):
     layer keeps its weight slot, both planes with two slots) train bit for bit as fp32 masters, the tied head
     group streamed beside them; and their state loads carry 10 bytes a parameter where R is held."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(tied=True)).save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(gpu_config(tied=True)).save_pretrained(tmp_path)
     runs = {}
     for split in (False, True):
         s = Session.from_pretrained(tmp_path, device="cuda", lr=1e-3, weight_decay=0.1, placement=STREAMED_HEAD,
                                     split_master=split, weight_slots=4 if slots is None else slots)
         try:
-            losses = [s.step({"input_ids": ids}).loss for ids in _batches(4, seed=3)]
+            losses = [s.step({"input_ids": ids}).loss for ids in gpu_batches(4, seed=3)]
             df = s.trace.to_dataframe()
             assert s.store.split == ({0, 2} if split else set())
             s.engine.drain()
@@ -187,9 +158,9 @@ def test_deliberate_delays_with_split_masters_and_held_weights(tmp_path, lane, d
     """Note: [Split master] where D alone comes in: the join reads the held weight slot on the optimizer
     stream, so a missing wait (the slot refilled or its R read too early) would change the result."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
-    base_l, base_w = _run(tmp_path, {}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
-    l, w = _run(tmp_path, {lane: delay}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
+    AutoModelForCausalLM.from_config(gpu_config(attn="eager")).save_pretrained(tmp_path)
+    base_l, base_w = gpu_run(tmp_path, {}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
+    l, w = gpu_run(tmp_path, {lane: delay}, checkpoint_every=2, placement=STREAMED, weight_slots=4)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))
 
@@ -231,20 +202,20 @@ def test_mapped_reads_bypass_the_copy_engine_and_are_exact(model_dir):
             x = float(src.cpu())  # the fp32 value (1e-42 is a subnormal: 1.0005e-42)
             got = io._read(src, io.norm_host[1:2], None, io.norm_mapped[1:2])
             assert (math.isnan(got) and math.isnan(x)) or (got == x and math.copysign(1, got) == math.copysign(1, x))
-        r = [s.step({"input_ids": ids}) for ids in _batches(2, seed=4)]
+        r = [s.step({"input_ids": ids}) for ids in gpu_batches(2, seed=4)]
         assert all(math.isfinite(x.grad_norm) and x.grad_norm > 0 for x in r)
     finally:
         s.close()
 
 
 @pytest.mark.parametrize("state", ["int8", "int4"])
-@pytest.mark.parametrize("placement", ["auto", "stream", "host", MIXED, STREAMED])
+@pytest.mark.parametrize("placement", ["auto", "stream", "host", GPU_MIXED, STREAMED])
 def test_compact_optimizer_state_trains_within_noise_of_fp32(model_dir, state, placement):
     """optimizer_state int8 / int4 under every placement: 20 steps within 2% of the fp32 run's losses, and the
     unit's moments stay compact on the host (its slabs are their codes' words, Note: [Compact slab])."""
     def run(st):
         s = Session.from_pretrained(model_dir, device="cuda", lr=1e-4, placement=placement, optimizer_state=st)
-        losses = [s.step({"input_ids": ids}).loss for ids in _batches(20)]
+        losses = [s.step({"input_ids": ids}).loss for ids in gpu_batches(20)]
         frame, rep = s.placement, s.memory_report()
         s.close()
         return losses, frame, rep
@@ -263,12 +234,12 @@ def test_compact_optimizer_state_trains_within_noise_of_fp32(model_dir, state, p
 def test_deliberate_delays_with_compact_state_leave_results_bit_identical(tmp_path, lane, delay):
     """Streamed compact state: a missing wait around its load, update or write-back would change the result."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(gpu_config(attn="eager")).save_pretrained(tmp_path)
     kw = dict(checkpoint_every=2, placement=STREAMED, optimizer_state="int8")
-    base_l, base_w = _run(tmp_path, {}, **kw)
-    again_l, again_w = _run(tmp_path, {}, **kw)
+    base_l, base_w = gpu_run(tmp_path, {}, **kw)
+    again_l, again_w = gpu_run(tmp_path, {}, **kw)
     assert base_l == again_l and all(torch.equal(a, b) for a, b in zip(base_w, again_w)), "not deterministic"
-    l, w = _run(tmp_path, {lane: delay}, **kw)
+    l, w = gpu_run(tmp_path, {lane: delay}, **kw)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))
 

@@ -14,7 +14,7 @@ alone: 10 bytes a parameter in instead of 12 (its weights, when loaded, 2 instea
 [-2**15, 2**15]: one value too many for 16 bits. +2**15 (a tie that rounded down to an even R) is
 stored as -2**15 with the sign bit of the parameter's exp_avg_sq set; that moment is never negative,
 so the sign bit is free, and joining clears it. The codec is exact: joining gives the fp32 bits back
-(``tests/test_split_master.py``), so every placement trains as before, bitwise. On CUDA each direction is one Triton kernel (a pass of
+(``tests/host/test_split_master.py``), so every placement trains as before, bitwise. On CUDA each direction is one Triton kernel (a pass of
 16 bytes an element): in torch's elementwise ops the codec took ~12 passes, and beside the backward at
 3B x 4 it slowed the compute stream by 7% (H200, 2026-12-02: busy 97.4% of an 889 ms step, against 95.4% of 830
 without the split); the CPU runs the same arithmetic in torch ops, and ``tests/test_gpu.py`` holds the

@@ -22,7 +22,7 @@ backward, no matmul; and host time: each norm's backward is a nested autograd ca
 2-core CPU), which ``GatedDown`` avoids for silu and gelu by running the same aten backward kernels
 autograd runs (``act_grad_of``; any other activation goes through autograd).
 Gradients are made by the same kernels on the same tensors as HF's: bitwise in bf16 (the compute
-dtype on CUDA; tests/test_lean.py, CPU); in fp32 a norm's input gradient sums its three terms in
+dtype on CUDA; tests/step/test_lean.py, CPU); in fp32 a norm's input gradient sums its three terms in
 another order (rel ~1e-7). Low-precision weight grads come out of one matmul in the compute dtype, as
 autograd's, and accumulate into the engine's flat grad buffer as HF's do.
 """

@@ -14,7 +14,7 @@ activations wait for the backward together: it saves no activation memory. ``pas
 runs the batch as passes of that many rows, each a whole forward and backward, so the activations
 are one pass's; the gradients add up over the passes and the step's one update follows the last.
 The sum is the one ``micro_batch_size`` makes, in the same dtype; with one micro-batch a pass, in the
-same order too (on the CPU in fp32, bit for bit: ``tests/test_passes.py``), and with several, each pass's
+same order too (on the CPU in fp32, bit for bit: ``tests/step/test_passes.py``), and with several, each pass's
 micro-batches summed first:
   - a resident unit's gradients stay in its device buffer, which only the first pass zeroes;
   - the head group's stay in the head's grad slot (the layers do not share it), zeroed by the first pass

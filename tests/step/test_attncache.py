@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import families, make_batches, make_config
+from helpers import QWEN25_7B, compare
 from megatrain_nb import Session
 from megatrain_nb.step.attncache import AttentionCache, entry_bytes
 from megatrain_nb.machine.longcontext import (DEVICE_RESERVE, KEEP_SHARE, LONG_SHARE, MAX_BLOCK, Checkpoints, PlacementError, backward_peak,
@@ -15,8 +16,6 @@ from megatrain_nb.machine.longcontext import (DEVICE_RESERVE, KEEP_SHARE, LONG_S
                                       place_checkpoints)
 from megatrain_nb.machine.shape import model_shape
 from megatrain_nb.machine.planner import plan
-from test_equivalence import compare
-from test_planner import QWEN25_7B
 
 
 def _qkv(dtype, heads=4, kv_heads=2, T=24, D=8, seed=0):
@@ -290,7 +289,7 @@ def test_layer_memory_bench_counts_the_cache_as_the_estimate_on_the_cpu(tmp_path
     argv = sys.argv
     sys.argv = ["layer_memory.py", "--device", "cpu", "--shape", "tiny", "--seq", "512", "--rows", "128", "--out", str(out)]
     try:
-        runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1] / "bench" / "layer_memory.py"), run_name="__main__")
+        runpy.run_path(str(__import__("pathlib").Path(__file__).parents[2] / "bench" / "layer_memory.py"), run_name="__main__")
     finally:
         sys.argv = argv
     (row,) = [json.loads(ln) for ln in out.read_text().splitlines()]

@@ -12,48 +12,22 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_batches, train_session
+from helpers import LR, compare, head_unit, losses_under
 from megatrain_nb import Session
 from megatrain_nb.host.optim import DeviceAdamW
 from megatrain_nb.step.late_moments import LateMoments
-from test_equivalence import LR, compare
-from test_placement import _head, _losses
+from step_helpers import slow_nan
 
 
 @pytest.fixture
 def slow_nan_moments(monkeypatch):
-    return _slow_nan(monkeypatch)
-
-
-def _slow_nan(monkeypatch) -> list:
-    """Every upload sleeps first; a group arrives with NaN moments until its upload writes them. Returns
-    the list of (group, whether its upload had finished) at each wait for it."""
-    monkeypatch.setattr(LateMoments, "delay", 0.05)
-    add = DeviceAdamW.add
-
-    def nan_add(self, units, upload=None, moments=True):
-        r = add(self, units, upload, moments)
-        if not moments:
-            r.exp_avg.fill_(float("nan"))
-            r.exp_avg_sq.fill_(float("nan"))
-        return r
-
-    monkeypatch.setattr(DeviceAdamW, "add", nan_add)
-    seen = []
-    wait = LateMoments.wait
-
-    def spy(self, g, stream):
-        if g in self.pending:
-            seen.append((g, self.pending[g].done))
-        return wait(self, g, stream)
-
-    monkeypatch.setattr(LateMoments, "wait", spy)
-    return seen
+    return slow_nan(monkeypatch)
 
 
 @pytest.mark.parametrize("family,gated", [("llama", False), ("llama_tied", False), ("llama", True)])
 def test_updates_wait_for_moments_that_come_late(hf_dir, tmp_path, slow_nan_moments, family, gated):
     d = hf_dir(family)
-    L_ = _head(d)
+    L_ = head_unit(d)
     compare(d, family, tmp_path, steps=3, grad_clip=0.5 if gated else None,
             placement={u: "resident" for u in range(-1, L_ + 1)})
     assert slow_nan_moments, "no update waited for a group's moments"
@@ -65,10 +39,10 @@ def _failing_copies(hf_dir, monkeypatch, fails) -> tuple:
     ``fails(group, failures so far, the head's unit)``. Returns (session, batches, the losses of a run with
     no failure, the failures: (group, thread name), the head's unit)."""
     d = hf_dir("llama")
-    L_ = _head(d)
+    L_ = head_unit(d)
     resident = {u: "resident" for u in range(-1, L_ + 1)}
     batches = make_batches(VOCAB, 3)
-    want = _losses(d, batches, resident)
+    want = losses_under(d, batches, resident)
     load, failed = DeviceAdamW.load_moments, []
 
     def flaky(self, r, put):
@@ -118,7 +92,7 @@ def test_a_skipped_gated_step_writes_back_the_moments_it_never_used(hf_dir, slow
     import warnings
 
     d = hf_dir("llama")
-    L_ = _head(d)
+    L_ = head_unit(d)
     s = Session.from_pretrained(d, lr=LR, grad_clip=1.0, nonfinite="skip",
                                 placement={u: "resident" for u in (-1, 1, 2, L_)})
     try:
@@ -139,7 +113,7 @@ def test_a_skipped_gated_step_writes_back_the_moments_it_never_used(hf_dir, slow
 
 def test_the_trace_shows_the_moments_coming_in(hf_dir):
     d = hf_dir("llama")
-    L_ = _head(d)
+    L_ = head_unit(d)
     s = Session.from_pretrained(d, lr=LR, placement={u: "resident" for u in (-1, 0, L_)})
     try:
         train_session(s, make_batches(VOCAB, 1))
@@ -160,15 +134,15 @@ def test_late_moments_on_cuda_leave_results_bit_identical(tmp_path, monkeypatch,
     """On the thread's own stream and staging, slowed and with NaN until written: the same bits as at full speed."""
     from transformers import AutoModelForCausalLM
 
-    from test_gpu import MIXED, _config, _run
+    from helpers import GPU_MIXED, gpu_config, gpu_run
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(attn="eager")).save_pretrained(tmp_path)
-    kw = dict(placement=MIXED, optimizer_state=state, grad_clip=1.0 if gated else None, checkpoint_every=2)
-    base_l, base_w = _run(tmp_path, {}, **kw)
-    seen = _slow_nan(monkeypatch)
+    AutoModelForCausalLM.from_config(gpu_config(attn="eager")).save_pretrained(tmp_path)
+    kw = dict(placement=GPU_MIXED, optimizer_state=state, grad_clip=1.0 if gated else None, checkpoint_every=2)
+    base_l, base_w = gpu_run(tmp_path, {}, **kw)
+    seen = slow_nan(monkeypatch)
     monkeypatch.setattr(LateMoments, "delay", 0.3)  # a step of this model takes tens of ms on the GPU
-    l, w = _run(tmp_path, {}, **kw)
+    l, w = gpu_run(tmp_path, {}, **kw)
     assert seen and not all(done for _, done in seen)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))

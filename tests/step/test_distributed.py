@@ -1,7 +1,7 @@
 """Data parallel (distributed.py): N ranks with b rows each train as one process with N*b rows.
 
 CPU, gloo, fp32, 2 ranks started with ``torch.multiprocessing`` (spawn) on a FileStore; on this one
-machine they share one host store (shared_store.py; tests/test_shared_store.py), except the
+machine they share one host store (shared_store.py; tests/host/test_shared_store.py), except the
 scenario with ``share_host_store=False``. One spawn
 runs every scenario (dense and MoE, the placements, a checkpoint and its resume) and saves what
 each rank saw; the tests compare it with single-process Sessions. Tolerance 1e-6 relative (the
@@ -18,52 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VOCAB, make_batches, rel, rel_scalar, spawn_ranks
-
-WORLD, ROWS, STEPS, SAVE_AT = 2, 2, 3, 2  # ranks, rows per rank, steps, checkpoint after this step
-TOL = 1e-6
-BASE = dict(device="cpu", dtype=torch.float32, lr=2e-3, betas=(0.9, 0.95), eps=1e-7)
-SCENARIOS = {  # name -> (family, settings)
-    "llama_host": ("llama", dict(placement="host")),
-    "mixtral_auto_clip": ("mixtral", dict(placement="auto", grad_clip=0.05)),
-    "llama_mixed": ("llama", dict(placement={0: "resident", 1: "device"})),
-    "mixtral_stream": ("mixtral", dict(placement="stream")),
-    "tied_resident": ("llama_tied", dict(placement={-1: "resident", 0: "resident", 2: "resident"})),
-    "llama_private": ("llama", dict(placement="host", share_host_store=False)),  # a store per rank, as before
-}
-
+from conftest import VOCAB, make_batches, rel_scalar, spawn_ranks
+from dp_helpers import (BASE, ROWS, SAVE_AT, SCENARIOS, STEPS, TOL, WORLD, assert_close, join_group, masters, shard,
+                        train_shards, train_single)
 
 def _batches(world: int = 1) -> list[dict]:
     return make_batches(VOCAB, STEPS, batch=ROWS * WORLD, pad_id=0)  # row 0 padded: ranks differ in n_valid
-
-
-def _shard(b: dict, rank: int, world: int) -> dict:
-    n = b["input_ids"].shape[0] // world
-    return {k: v[rank * n:(rank + 1) * n] for k, v in b.items()}
-
-
-def _join(rank: int, world: int, tmp: Path, timeout_s: float = 60) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _masters(s) -> dict:
-    s.engine.drain()
-    return {u: s.store.units[u].master.clone() for u in s.store.order}
-
-
-def _train(s, batches, rank=0, world=1, *, save: Path | None = None) -> dict:
-    losses, norms = [], []
-    for k, b in enumerate(batches):
-        r = s.step(_shard(b, rank, world))
-        losses.append(r.loss), norms.append(r.grad_norm)
-        if save is not None and k + 1 == SAVE_AT:
-            from megatrain_nb.host.checkpoint import save_checkpoint
-
-            save_checkpoint(s, save)
-    return {"losses": losses, "norms": norms, "masters": _masters(s)}
 
 
 def _scenario_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
@@ -72,17 +32,17 @@ def _scenario_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
     from megatrain_nb import Session as _Session
     resume = _Session.resume
 
-    _join(rank, world, tmp)
+    join_group(rank, world, tmp)
     out = {}
     for name, (fam, settings) in SCENARIOS.items():
         s = Session.from_pretrained(dirs[fam], **BASE, **settings)
         assert s.engine.dp is not None and s.engine.dp.size == world
-        out[name] = _train(s, _batches(), rank, world, save=tmp / "ckpt" if name == "llama_host" else None)
+        out[name] = train_shards(s, _batches(), rank, world, save=tmp / "ckpt" if name == "llama_host" else None)
         out[name]["placement"] = list(s.placement.placement)
         out[name]["shared"] = s.store.shared is not None  # one host store per machine (shared_store.py)
         s.close()
     s = resume(tmp / "ckpt")
-    out["resumed"] = _train(s, _batches()[SAVE_AT:], rank, world)
+    out["resumed"] = train_shards(s, _batches()[SAVE_AT:], rank, world)
     s.close()
     torch.save(out, tmp / f"rank{rank}.pt")
 
@@ -102,31 +62,13 @@ def ran(hf_dir, tmp_path_factory):
     return tmp, dirs, [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
-def _single(d: Path, settings: dict) -> dict:
-    from megatrain_nb import Session
-
-    s = Session.from_pretrained(d, **BASE, **settings)
-    try:
-        return _train(s, _batches())
-    finally:
-        s.close()
-
-
-def _assert_close(got: dict, want: dict, what: str, tol: float = TOL) -> None:
-    for a, b in zip(got["losses"], want["losses"]):
-        assert rel_scalar(a, b) <= tol, f"{what}: losses {got['losses']} vs {want['losses']}"
-    for u in want["masters"]:
-        d = rel(got["masters"][u], want["masters"][u])
-        assert d <= tol, f"{what}: unit {u} weights differ by {d:.2e} (tolerance {tol})"
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_equal_one_process_with_all_rows(ran, name):
     tmp, dirs, ranks = ran
     fam, settings = SCENARIOS[name]
-    want = _single(dirs[fam], settings)
+    want = train_single(dirs[fam], settings, _batches())
     for r, got in enumerate(ranks):
-        _assert_close(got[name], want, f"{name}, rank {r}")
+        assert_close(got[name], want, f"{name}, rank {r}")
     assert ranks[0][name]["losses"] == ranks[1][name]["losses"], "ranks report different losses"
     for u, w in ranks[0][name]["masters"].items():
         assert torch.equal(w, ranks[1][name]["masters"][u]), f"unit {u}: the ranks' weights drifted apart"
@@ -150,11 +92,11 @@ def test_checkpoint_resumes_bit_exactly_on_same_ranks_and_to_tolerance_on_one(ra
     s = resume(tmp / "ckpt")  # M = 1 process, all rows
     try:
         assert s.engine.dp is None and s.engine.steps_done == SAVE_AT
-        got = _train(s, _batches()[SAVE_AT:])
+        got = train_shards(s, _batches()[SAVE_AT:])
     finally:
         s.close()
     want = dict(ranks[0]["llama_host"], losses=ranks[0]["llama_host"]["losses"][SAVE_AT:])
-    _assert_close(got, want, "resumed on 1 process")
+    assert_close(got, want, "resumed on 1 process")
 
 
 def _failing_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
@@ -162,10 +104,10 @@ def _failing_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
     from megatrain_nb import Session
     from megatrain_nb.host.checkpoint import save_checkpoint
 
-    _join(rank, world, tmp, timeout_s=5)
+    join_group(rank, world, tmp, timeout_s=5)
     s = Session.from_pretrained(d, **BASE)
     b = _batches()
-    s.step(_shard(b[0], rank, world))
+    s.step(shard(b[0], rank, world))
     save_checkpoint(s, tmp / "ckpt")
     if rank == 1:
         try:
@@ -177,7 +119,7 @@ def _failing_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
         return
     t0 = time.monotonic()
     try:
-        s.step(_shard(b[1], rank, world))
+        s.step(shard(b[1], rank, world))
         msg = "no error"
     except RuntimeError as e:
         msg = str(e)
@@ -228,7 +170,7 @@ def test_torchrun_trains_each_rank_on_its_own_rows_as_one_process_on_all(tmp_pat
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["-m", "megatrain_nb", "train", "--model", str(tmp_path / "tiny"), "--data", str(tmp_path / "d.jsonl"),
             "--steps", "3", "--seq", "32", "--lr", "1e-3", "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "MEGATRAIN_DP_TIMEOUT_S": "60"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "MEGATRAIN_DP_TIMEOUT_S": "60"}
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           *args, "--batch", "1", "--out", str(tmp_path / "two"),
                           "--save-every", "2"], capture_output=True, text=True, env=env, timeout=240)
@@ -261,7 +203,7 @@ def _gpu_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
         fam, settings = SCENARIOS[name]
         s = Session.from_pretrained(dirs[fam], **{**BASE, "device": "cuda"}, **settings)
         assert str(s.engine.dev.device) == f"cuda:{rank}"
-        out[name] = _train(s, _batches(), rank, world)
+        out[name] = train_shards(s, _batches(), rank, world)
         s.close()
     torch.save(out, tmp / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -280,12 +222,12 @@ def test_two_gpus_equal_one_gpu_with_all_rows(hf_dir, tmp_path):
         fam, settings = SCENARIOS[name]
         s = Session.from_pretrained(dirs[fam], **{**BASE, "device": "cuda:0"}, **settings)
         try:
-            want = _train(s, _batches())
+            want = train_shards(s, _batches())
         finally:
             s.close()
         for r in range(WORLD):
             got = dict(ranks[r][name], masters={u: w.cpu() for u, w in ranks[r][name]["masters"].items()})
-            _assert_close(got, dict(want, masters={u: w.cpu() for u, w in want["masters"].items()}),
+            assert_close(got, dict(want, masters={u: w.cpu() for u, w in want["masters"].items()}),
                           f"{name}, GPU rank {r}", tol=1e-5)
         assert ranks[0][name]["losses"] == ranks[1][name]["losses"]
 
@@ -306,12 +248,12 @@ def _verdict_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
 
     from megatrain_nb import Session
 
-    _join(rank, world, tmp, timeout_s=30)
+    join_group(rank, world, tmp, timeout_s=30)
     out = {}
     b = _batches()
     for name, (settings, unit, where) in VERDICTS.items():
         s = Session.from_pretrained(d, **BASE, **settings)
-        s.step(_shard(b[0], rank, world))
+        s.step(shard(b[0], rank, world))
         s.engine.drain()
         if where == "host":
             slab, at = s.store.units[unit].exp_avg_sq, 7
@@ -323,18 +265,18 @@ def _verdict_rank(rank: int, world: int, tmp: Path, d: Path) -> None:
         if rank == 1:
             slab[at] = -1.0
         dist.barrier()
-        before = _masters(s)[unit]
+        before = masters(s)[unit]
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
-            skipped = s.step(_shard(b[1], rank, world)).skipped
-        same = torch.equal(_masters(s)[unit], before)
+            skipped = s.step(shard(b[1], rank, world)).skipped
+        same = torch.equal(masters(s)[unit], before)
         dist.barrier()
         if rank == 1:
             slab[at] = keep
         dist.barrier()
-        again = s.step(_shard(b[2], rank, world)).skipped
+        again = s.step(shard(b[2], rank, world)).skipped
         out[name] = dict(skipped=skipped, same=same, again=again, warned=" ".join(str(w.message) for w in got),
-                         masters=_masters(s))
+                         masters=masters(s))
         s.close()
     torch.save(out, tmp / f"rank{rank}.pt")
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatrain_nb.data import IGNORE, jsonl_batches, synthetic_batches
+from sft_helpers import word_tokenizer
 
 
 # ---- synthetic -----------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_long_examples_are_truncated_with_a_warning(tmp_path):
 
 
 def test_model_tokenizer_is_used_when_present(tmp_path):
-    tok_dir = _word_tokenizer(tmp_path / "model")
+    tok_dir = word_tokenizer(tmp_path / "model")
     f = _write(tmp_path / "d.jsonl", [{"prompt": "what is", "response": "two"}])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no byte-fallback warning
@@ -118,18 +119,6 @@ def test_model_tokenizer_is_used_when_present(tmp_path):
     # <s> what is | two </s>, then <pad>
     assert b["input_ids"][0].tolist() == [1, 4, 5, 6, 2, 0, 0, 0]
     assert b["labels"][0].tolist() == [IGNORE, IGNORE, IGNORE, 6, 2, IGNORE, IGNORE, IGNORE]
-
-
-def _word_tokenizer(d):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate("<pad> <s> </s> <unk> what is two".split())}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(str(d))
-    return d
 
 
 @pytest.mark.parametrize("lines, line_no, match", [

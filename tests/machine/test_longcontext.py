@@ -6,10 +6,10 @@ import warnings
 
 import pytest
 
+from helpers import QWEN25_7B
 from megatrain_nb.machine.longcontext import (DEVICE_RESERVE, Checkpoints, PlacementError, keep_cap, pinned_bytes,
                                       place_checkpoints, shares)
 from megatrain_nb.machine.planner import H200, plan
-from test_planner import QWEN25_7B
 
 
 def test_device_first_then_host_then_longer_blocks():

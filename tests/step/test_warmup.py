@@ -3,10 +3,9 @@ training bit-identical (the output is dropped, the random state forked, even wit
 traced, and its seconds leave the measured step's time. On the CPU no step measures, so ``due`` is forced."""
 import torch
 
+from helpers import LR
 from megatrain_nb import Session
 from megatrain_nb.step import warmup
-
-from test_equivalence import LR
 
 
 def _run(d, steps, force, monkeypatch, calls):

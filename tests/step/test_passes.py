@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import VOCAB, families, make_batches
+from helpers import BETAS, EPS, LR, compare
 from megatrain_nb import Session
 from megatrain_nb.post import losses
 from megatrain_nb.step import passes
-from test_equivalence import BETAS, EPS, LR, compare
 
 BATCH = 4
 

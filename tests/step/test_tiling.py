@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import make_batches, make_config, rel
+from helpers import compare
 from megatrain_nb import Session
 from megatrain_nb.step import tiling
 from megatrain_nb.model.hf import load_architecture
 from megatrain_nb.step.tiling import LongContextError, SequenceTiling, Tiled, tile_layer
-from test_equivalence import compare
 
 
 def _bound(layer, seed=0):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_batches, make_config, rel
+from helpers import compare
 from megatrain_nb import Session
 from megatrain_nb.step import lean
 from megatrain_nb.config import EngineConfig
@@ -22,7 +23,6 @@ from megatrain_nb.model.hf import load_architecture
 from megatrain_nb.step.lean import GatedDown, layer_bytes_per_token, lean_layer
 from megatrain_nb.machine.planner import act_bytes_per_token, model_shape, plan
 from megatrain_nb.step.tiling import Tiled, tile_layer
-from test_equivalence import compare
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from megatrain_nb.view import palette, viz
 from megatrain_nb.view.trace import Trace, find_stalls
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "fixtures"
 GIB = float(1 << 30)
 
 
@@ -159,7 +159,7 @@ def test_fixture_matches_its_generator(synthetic):
     spec = importlib.util.spec_from_file_location("make_synthetic_trace", DATA / "make_synthetic_trace.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert gen.synthetic_trace() == synthetic, "run: PYTHONPATH=. python tests/data/make_synthetic_trace.py"
+    assert gen.synthetic_trace() == synthetic, "run: PYTHONPATH=. python tests/fixtures/make_synthetic_trace.py"
 
 
 def test_timeline_draws_waits_apart_from_work_hatched():

@@ -150,7 +150,7 @@ def test_a_non_finite_unit_after_the_early_rows_still_lets_the_embedding_update(
 def test_early_rows_train_equal_to_hf_with_torch_adamw(hf_dir, tmp_path, monkeypatch, family):
     """The equivalence test's comparison (losses and saved weights against HF + torch.optim.AdamW) with the
     host AdamW slowed so that every step's forward takes its embedding rows early."""
-    import test_equivalence
+    import helpers
 
     made = []
 
@@ -162,8 +162,8 @@ def test_early_rows_train_equal_to_hf_with_torch_adamw(hf_dir, tmp_path, monkeyp
             made.append(s)
             return s
 
-    monkeypatch.setattr(test_equivalence, "Session", Slowed)
-    test_equivalence.compare(hf_dir(family, hidden_size=64), family, tmp_path, weight_decay=0.1)
+    monkeypatch.setattr(helpers, "Session", Slowed)  # the Session that compare builds
+    helpers.compare(hf_dir(family, hidden_size=64), family, tmp_path, weight_decay=0.1)
     assert made and made[0].engine.early.count >= 3  # of 5 steps: the 2nd and later gathered early rows
 
 

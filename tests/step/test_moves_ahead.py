@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import compare
 from megatrain_nb.host.optim import DeviceAdamW
 from megatrain_nb.machine import placement as placing
 from megatrain_nb.step.device_updates import DeviceUpdates
 from megatrain_nb.step.engine import Engine
-from test_equivalence import compare
-from test_late_moments import _slow_nan
+from step_helpers import slow_nan
 
 RESIDENT = {-1, 0}  # the groups the search's candidate makes resident: what the next forward needs first
 
@@ -62,7 +62,7 @@ def _play_auto(monkeypatch, phase: str) -> list:
 
 @pytest.mark.parametrize("phase", ["done", "B1"])
 def test_the_measuring_step_ends_with_the_chosen_groups_resident(hf_dir, tmp_path, monkeypatch, phase):
-    _slow_nan(monkeypatch)  # before _play_auto's spy: the log sees the NaN-filled groups
+    slow_nan(monkeypatch)  # before _play_auto's spy: the log sees the NaN-filled groups
     log = _play_auto(monkeypatch, phase)
     compare(hf_dir("llama"), "llama", tmp_path, steps=3, placement="auto")
     assert sorted(g for _, g in log) == [(-1,), (0,)], log
@@ -75,7 +75,7 @@ def test_a_group_that_fails_to_arrive_at_the_measuring_steps_end_comes_in_the_ne
                                                                                          monkeypatch, error):
     """An error in the moves ahead is not the measuring step's (its updates are applied): the step returns,
     the groups that came in keep their moments coming, and the next step's ``place`` moves the rest."""
-    _slow_nan(monkeypatch)
+    slow_nan(monkeypatch)
     log = _play_auto(monkeypatch, "done")
     add, failed = DeviceAdamW.add, []
 

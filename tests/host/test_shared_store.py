@@ -1,7 +1,7 @@
 """One host store per machine (shared_store.py): ranks of one machine share the masters and moments.
 
 CPU, gloo, fp32, ranks started with ``torch.multiprocessing`` (spawn) on this one machine, so they
-share one store (the default under data parallel). tests/test_distributed.py's scenarios run with it
+share one store (the default under data parallel). tests/step/test_distributed.py's scenarios run with it
 too (and one with ``share_host_store=False``); here: 3 ranks equal to one process, the store really
 being one copy (one /dev/shm file, writes seen without a copy, host bytes), a checkpoint of 3 ranks
 resumed on 3 bit for bit and on 2 and 1 to tolerance, a dying owner, and the follower's bounded wait.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_batches, spawn_ranks
-from test_distributed import BASE, SAVE_AT, SCENARIOS, _assert_close, _join, _shard, _train
+from dp_helpers import BASE, SAVE_AT, SCENARIOS, assert_close, join_group, shard, train_shards, train_single
 
 THREE = ("llama_host", "mixtral_auto_clip", "llama_mixed")  # dense, MoE with clipping, resident + "device"
 
@@ -53,7 +53,7 @@ def _three_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
     resume = _Session.resume
 
     torch.set_num_threads(1)
-    _join(rank, world, tmp)
+    join_group(rank, world, tmp)
     out = {}
     for name in THREE:
         fam, settings = SCENARIOS[name]
@@ -62,7 +62,7 @@ def _three_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
             s.delays = {"host-adam": 0.05}  # a slow owner: the others' loads of its units must wait for it
         shared = s.store.shared
         assert shared is not None and shared.local_world == world
-        out[name] = _train(s, _batches(world), rank, world, save=tmp / "ckpt" if name == "llama_host" else None)
+        out[name] = train_shards(s, _batches(world), rank, world, save=tmp / "ckpt" if name == "llama_host" else None)
         out[name]["owner"] = dict(shared.owner)
         out[name]["versions"] = shared.versions.clone()
         out[name]["inode"] = _segment_inode(s)
@@ -78,7 +78,7 @@ def _three_rank(rank: int, world: int, tmp: Path, dirs: dict) -> None:
             out[name]["segments_while_open"] = _segments()
         s.close()
     s = resume(tmp / "ckpt")
-    out["resumed"] = _train(s, _batches(world)[SAVE_AT:], rank, world)
+    out["resumed"] = train_shards(s, _batches(world)[SAVE_AT:], rank, world)
     s.close()
     torch.save(out, tmp / f"rank{rank}.pt")
 
@@ -92,23 +92,13 @@ def three(hf_dir, tmp_path_factory):
     return tmp, dirs, [torch.load(tmp / f"rank{r}.pt") for r in range(3)]
 
 
-def _single_rows(d: Path, settings: dict) -> dict:
-    from megatrain_nb import Session
-
-    s = Session.from_pretrained(d, **BASE, **settings)
-    try:
-        return _train(s, _batches(1))
-    finally:
-        s.close()
-
-
 @pytest.mark.parametrize("name", THREE)
 def test_three_ranks_sharing_one_store_equal_one_process_with_all_rows(three, name):
     tmp, dirs, ranks = three
     fam, settings = SCENARIOS[name]
-    want = _single_rows(dirs[fam], settings)
+    want = train_single(dirs[fam], settings, _batches(1))
     for r, got in enumerate(ranks):
-        _assert_close(got[name], want, f"{name}, shared store, rank {r}")
+        assert_close(got[name], want, f"{name}, shared store, rank {r}")
     assert ranks[0][name]["losses"] == ranks[1][name]["losses"] == ranks[2][name]["losses"]
     owners = ranks[0][name]["owner"]
     assert sorted(set(owners.values())) == [0, 1, 2], f"every rank updates some units: {owners}"
@@ -142,14 +132,14 @@ def test_a_shared_checkpoint_resumes_bitwise_on_three_and_to_tolerance_on_two_an
     want = dict(ranks[0]["llama_host"], losses=ranks[0]["llama_host"]["losses"][SAVE_AT:])
     assert _spawn(_resume_rank, 2, tmp) == [0, 0]
     for r in range(2):
-        _assert_close(torch.load(tmp / f"resumed2_rank{r}.pt"), want, f"resumed on 2 shared ranks, rank {r}")
+        assert_close(torch.load(tmp / f"resumed2_rank{r}.pt"), want, f"resumed on 2 shared ranks, rank {r}")
     s = resume(tmp / "ckpt")
     try:
         assert s.store.shared is None
-        got = _train(s, _batches(1)[SAVE_AT:])
+        got = train_shards(s, _batches(1)[SAVE_AT:])
     finally:
         s.close()
-    _assert_close(got, want, "resumed on 1 process")
+    assert_close(got, want, "resumed on 1 process")
 
 
 def _resume_rank(rank: int, world: int, tmp: Path) -> None:
@@ -158,10 +148,10 @@ def _resume_rank(rank: int, world: int, tmp: Path) -> None:
 
     torch.set_num_threads(1)
     (tmp / "r2").mkdir(exist_ok=True)
-    _join(rank, world, tmp / "r2")
+    join_group(rank, world, tmp / "r2")
     s = resume(tmp / "ckpt")
     assert s.store.shared is not None and s.store.shared.local_world == 2
-    torch.save(_train(s, _batches(world)[SAVE_AT:], rank, world), tmp / f"resumed2_rank{rank}.pt")
+    torch.save(train_shards(s, _batches(world)[SAVE_AT:], rank, world), tmp / f"resumed2_rank{rank}.pt")
     s.close()
 
 
@@ -171,10 +161,10 @@ def _dying_rank(rank: int, world: int, tmp: Path, d: Path, when: str) -> None:
     collectives still to come) or the embedding's (the step's last: only the shared store's wait can tell)."""
     from megatrain_nb import Session
 
-    _join(rank, world, tmp, timeout_s=20)
+    join_group(rank, world, tmp, timeout_s=20)
     s = Session.from_pretrained(d, **BASE, placement="host")
     b = _batches(world)
-    s.step(_shard(b[0], rank, world))
+    s.step(shard(b[0], rank, world))
     if rank == 1:
         assert s.store.owns(-1), "the embedding is rank 1's (largest-first split of the tiny Llama)"
         update = s.engine.optim.update
@@ -187,7 +177,7 @@ def _dying_rank(rank: int, world: int, tmp: Path, d: Path, when: str) -> None:
         s.engine.optim.update = dying
     t0 = time.monotonic()
     try:
-        s.step(_shard(b[1], rank, world))
+        s.step(shard(b[1], rank, world))
         s.engine.drain()
         msg = "no error"
     except RuntimeError as e:
@@ -331,13 +321,13 @@ def _bytes_rank(rank: int, world: int, tmp: Path, d: Path, share: bool) -> None:
     from megatrain_nb import Session
 
     torch.set_num_threads(1)
-    _join(rank, world, tmp)
+    join_group(rank, world, tmp)
     s = Session.from_pretrained(d, **BASE, placement="host", share_host_store=share, grad_ring=False,  # slabs in
                                 pinned_budget_bytes=4 << 20, transfer_chunk_bytes=1 << 20)  # each case; staging: 4 MiB
     assert (s.store.shared is not None) == (share and world > 1)
     b = _batches(world)
     for k in range(2):
-        s.step(_shard(b[k], rank, world))
+        s.step(shard(b[k], rank, world))
     s.engine.drain()
     dist.barrier()  # every rank maps the segment while each reads its PSS share of it
     held = _store_host_bytes(s.store)

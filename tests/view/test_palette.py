@@ -19,7 +19,7 @@ from megatrain_nb.data import synthetic_batches
 from megatrain_nb.machine.planner import plan
 from megatrain_nb.view.trace import PHASES, Trace, find_stalls
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "fixtures"
 SHAPE_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 HUMAN = (set(palette.PHASE_LABELS.values()) | set(palette.STATE_COLORS) | set(palette.MEMORY_LABELS.values())

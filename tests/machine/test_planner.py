@@ -7,11 +7,10 @@ import dataclasses
 import pytest
 from transformers import Qwen2Config
 
+from helpers import QWEN25_7B
 from megatrain_nb.machine.planner import CPU_LAPTOP, H200, Hardware, model_shape, plan
 from megatrain_nb.view.trace import LANES, Trace, find_stalls, summarize
 
-QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 QWEN25_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                  num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

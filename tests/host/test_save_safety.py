@@ -24,7 +24,7 @@ from megatrain_nb import Session
 from megatrain_nb.cli import main
 from megatrain_nb.host import publish
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 @pytest.fixture(autouse=True)

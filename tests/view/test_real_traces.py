@@ -1,4 +1,4 @@
-"""Tests on the real H200 step traces under tests/data/ recorded with today's defaults
+"""Tests on the real H200 step traces under tests/fixtures/ recorded with today's defaults
 (`cast_on_device`, 2026-11-29): their structure, numbers derived exactly from the raw spans, what
 `find_stalls` blames, the Chrome export and the plots of them (by structure, never by pixels).
 
@@ -15,10 +15,10 @@ import pytest
 
 from megatrain_nb.view import viz
 from megatrain_nb.view.trace import LANES, PHASES, Trace, export_chrome_trace, find_stalls, slot_segments, summarize
-from test_trace import check_chrome  # the Chrome Trace Event schema, as Perfetto reads it
+from view_helpers import check_chrome  # the Chrome Trace Event schema, as Perfetto reads it
 
-DATA = Path(__file__).parent / "data"
-BENCH = Path(__file__).parent.parent / "bench" / "results" / "h200-2026-11-29-host-path.jsonl"
+DATA = Path(__file__).parents[1] / "fixtures"
+BENCH = Path(__file__).parents[2] / "bench" / "results" / "h200-2026-11-29-host-path.jsonl"
 # name -> (shape, layers, batch, layers recomputed in the backward), as in the bench rows
 NEW = {"3b_cast_b1": ("3b", 36, 1, 0), "3b_cast_b4": ("3b", 36, 4, 0), "3b_cast_b8": ("3b", 36, 8, 10),
        "7b_b2": ("7b", 28, 2, 0), "7b_b8": ("7b", 28, 8, 14)}

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, load_reference, make_batches, rel, train_reference, train_session
+from helpers import BETAS, EPS, LR
 from megatrain_nb import Session
 from megatrain_nb.host.grad_ring import BUFFERS, GradRing, RingAborted, ring_bytes, slab_reason
-from test_equivalence import BETAS, EPS, LR
 
 DEEP = 6  # layers: more ring units than buffers, so the ring is reused within a step
 

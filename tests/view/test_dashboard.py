@@ -23,7 +23,7 @@ from megatrain_nb import training
 from megatrain_nb.view import viz
 from megatrain_nb.view.trace import Trace, find_stalls
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 HAS_ANYWIDGET = importlib.util.find_spec("anywidget") is not None
 
 

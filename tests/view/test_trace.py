@@ -14,9 +14,10 @@ import torch
 
 from megatrain_nb.view.trace import (LANES, Recorder, Trace, export_chrome_trace, find_stalls, lane_order,
                                 slot_segments, summarize)
+from view_helpers import check_chrome
 
 SPAN_COLS = ["step", "lane", "op", "layer", "phase", "start_ms", "end_ms", "dur_ms", "bytes"]
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "fixtures"
 
 
 def hand_trace(*extra) -> Trace:
@@ -199,20 +200,6 @@ def test_load_rejects_other_json(tmp_path):
     (tmp_path / "x.json").write_text('{"traceEvents": []}')
     with pytest.raises(ValueError, match="not a megatrain_nb.trace"):
         Trace.load(tmp_path / "x.json")
-
-
-def check_chrome(events: list[dict], lanes: set[str]) -> None:
-    """Chrome Trace Event schema as Perfetto reads it."""
-    for e in events:
-        if e["ph"] == "X":
-            assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0
-            assert {"layer", "phase", "bytes"} <= set(e["args"]) or e["cat"] == "slot"
-    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert lanes <= names
-    starts = {e["id"]: e for e in events if e["ph"] == "s"}
-    ends = {e["id"]: e for e in events if e["ph"] == "f"}
-    assert set(starts) == set(ends)
-    assert all(ends[i]["ts"] >= starts[i]["ts"] for i in starts)
 
 
 def test_chrome_export_one_trace(tmp_path):

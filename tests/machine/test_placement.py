@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, families, load_reference, make_batches, rel, train_reference, train_session
+from helpers import LR, compare, head_unit, losses_under
 from megatrain_nb import Session
 from megatrain_nb.machine import placement as placing
-from test_equivalence import BETAS, EPS, LR, compare
 
 L = 4
 NUMEL = {-1: 1000, 0: 300, 1: 300, 2: 300, 3: 300, 4: 50}
@@ -132,7 +132,7 @@ def test_placements_train_equal_to_reference(hf_dir, family, mix, tmp_path):
 def test_resident_with_clip_decay_schedule_and_recompute(hf_dir, family, tmp_path):
     compare(hf_dir(family), family, tmp_path, steps=6, schedule=("linear", 1, 5), weight_decay=0.1, grad_clip=0.5,
             checkpoint_every=1, micro_batch_size=1, pad=True, placement={u: "resident" for u in (-1, 0, 2)} |
-            ({} if family != "llama_tied" else {}) | {_head(hf_dir(family)): "resident"})
+            ({} if family != "llama_tied" else {}) | {head_unit(hf_dir(family)): "resident"})
 
 
 @pytest.mark.parametrize("family", families("llama", "mixtral"))
@@ -141,7 +141,7 @@ def test_a_weight_slot_per_layer_reuses_the_forwards_weights_and_trains_equal(hf
     every layer keeps its slot from the forward to the backward, so the backward loads no weights; and a
     "device" unit's update refills its slot, so the next forward loads none of it (Note: [Held weights])."""
     d = hf_dir(family)
-    L_ = _head(d)
+    L_ = head_unit(d)
     compare(d, family, tmp_path, placement={0: "device", L_ - 1: "device"}, weight_slots=L_)
     s = Session.from_pretrained(d, lr=LR, weight_slots=L_, placement={0: "device"})
     try:
@@ -185,7 +185,7 @@ def test_held_weights_survive_a_generation_between_steps(hf_dir, family, head):
     slot: what it leaves there is current, the next step computes from it, and the training is the same as
     without it; with the head group streamed too (Note: [Streamed head])."""
     d = hf_dir(family)
-    L_ = _head(d)
+    L_ = head_unit(d)
     batches = make_batches(VOCAB, 4)
     masters = []
     mix = {0: "device", 1: "device"} | ({-1: "device", L_: "device"} if head else {})
@@ -214,23 +214,9 @@ def test_stream_gets_a_slot_per_layer_where_they_fit():
     assert placing.stream_share(2.1e9, 49e9, cached=True) > placing.stream_share(2.1e9, 49e9)
 
 
-def _losses(d, batches, placement) -> list[float]:
-    """The losses of a fresh session trained on ``batches`` under ``placement``, closed after."""
-    s = Session.from_pretrained(d, lr=LR, placement=placement)
-    try:
-        return train_session(s, batches)
-    finally:
-        s.close()
-
-
-def _head(d) -> int:
-    import json
-    return json.loads((d / "config.json").read_text())["num_hidden_layers"]
-
-
 def test_placement_frame_says_what_and_why(hf_dir):
     d = hf_dir("llama_tied")
-    L_ = _head(d)
+    L_ = head_unit(d)
     s = Session.from_pretrained(d, lr=LR, placement={0: "resident", -1: "resident", L_: "resident"})
     try:
         df = s.placement
@@ -270,7 +256,7 @@ def test_resume_is_bitwise_across_placements(hf_dir, tmp_path, first, then):
     """Checkpoint format unchanged: a run saved under one placement resumes under another bit for bit."""
     d = hf_dir("llama")
     batches = make_batches(VOCAB, 5)
-    want = _losses(d, batches, first)
+    want = losses_under(d, batches, first)
     s = Session.from_pretrained(d, lr=LR, placement=first)
     try:
         train_session(s, batches[:2])
@@ -290,7 +276,7 @@ def test_a_failed_step_leaves_resident_state_untouched(hf_dir):
     units included: training goes on equal to a run that never saw it."""
     d = hf_dir("llama")
     batches = make_batches(VOCAB, 3)
-    want = _losses(d, batches, {0: "resident", 1: "resident"})
+    want = losses_under(d, batches, {0: "resident", 1: "resident"})
     s = Session.from_pretrained(d, lr=LR, placement={0: "resident", 1: "resident"})
     try:
         train_session(s, batches[:1])
@@ -313,7 +299,7 @@ def test_a_streamed_head_group_is_held_and_its_rows_gathered_on_the_device(hf_di
     step; a tied embedding's rows are gathered from the head slot, not on the host, and no gradient of
     the group crosses to the host."""
     d = hf_dir(family)
-    L_ = _head(d)
+    L_ = head_unit(d)
     tied = family == "llama_tied"
     s = Session.from_pretrained(d, lr=LR, placement={L_: "device", 0: "device"} | ({-1: "device"} if tied else {}))
     outs = 0
@@ -369,7 +355,7 @@ def test_no_step_waits_for_a_state_write_back(hf_dir, monkeypatch, family, held)
     import threading
 
     d = hf_dir(family)
-    L_ = _head(d)
+    L_ = head_unit(d)
     held = L_ if held == "head" else held
     mix = {L_: "device", 0: "device"} | ({-1: "device"} if family == "llama_tied" else {})
     batches = make_batches(VOCAB, 3)
@@ -407,7 +393,7 @@ def test_state_written_back_in_pieces_trains_equal(hf_dir, monkeypatch, tmp_path
 
     monkeypatch.setattr(transfers, "STATE_OUT_CHUNK_BYTES", 1024)
     d = hf_dir("llama_tied")
-    compare(d, "llama_tied", tmp_path, placement={u: "device" for u in range(-1, _head(d) + 1)})
+    compare(d, "llama_tied", tmp_path, placement={u: "device" for u in range(-1, head_unit(d) + 1)})
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["landed", "write_back_late"])
@@ -419,10 +405,10 @@ def test_a_failed_step_with_the_head_group_streamed_trains_on_equal(hf_dir, monk
     import threading
 
     d = hf_dir("llama_tied")
-    L_ = _head(d)
+    L_ = head_unit(d)
     mix = {-1: "device", L_: "device", 0: "device"}
     batches = make_batches(VOCAB, 3)
-    want = _losses(d, batches, mix)
+    want = losses_under(d, batches, mix)
     s = Session.from_pretrained(d, lr=LR, placement=mix)
     try:
         gates = []
@@ -453,7 +439,7 @@ def test_non_finite_loss_skips_resident_updates_too(hf_dir, nonfinite):
     import warnings
 
     d = hf_dir("llama")
-    L_ = _head(d)
+    L_ = head_unit(d)
     s = Session.from_pretrained(d, lr=LR, nonfinite=nonfinite, placement={u: "resident" for u in (-1, 1, 2, L_)})
     try:
         train_session(s, make_batches(VOCAB, 1))
@@ -648,7 +634,7 @@ def test_state_slots_one_per_streamed_layer_or_two_in_turn_train_equal(hf_dir, t
     if share is not None:
         monkeypatch.setattr(placing, "STATE_SLOT_SHARE", share)
     d = hf_dir("llama")
-    L_ = _head(d)
+    L_ = head_unit(d)
     streamed = {u: "device" for u in range(L_)}
     compare(d, "llama", tmp_path, placement=streamed)
     s = Session.from_pretrained(d, lr=LR, placement=streamed)
@@ -764,10 +750,10 @@ def test_state_loads_start_while_the_packer_waits_for_a_host_update(hf_dir, fami
     """Note: [Early state]: with the host's updates held up (a delay per unit), the packer starts the backward's
     first state loads while it waits for the forward's host updates; the run equals one without the delay."""
     d = hf_dir(family, num_hidden_layers=4)  # layers 0, 1 "device"; 2, 3 on the host, 3 updated first
-    L_ = _head(d)
+    L_ = head_unit(d)
     mix = {0: "device", 1: "device"} | ({-1: "device", L_: "device"} if family == "llama_tied" else {})
     batches = make_batches(VOCAB, 4)
-    want = _losses(d, batches, mix)
+    want = losses_under(d, batches, mix)
     s = Session.from_pretrained(d, lr=LR, placement=mix)
     try:
         s.engine.delays["host-adam"] = 0.05  # seconds per unit update: every forward load of a host unit waits
