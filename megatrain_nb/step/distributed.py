@@ -230,7 +230,7 @@ class DataParallel:
         go on meanwhile on the default group; 4 bytes a unit, host memory). A resident unit's verdict goes
         into its gradient before the sum instead (``DeviceUpdates.check_before_sum``): no collective."""
         t = torch.tensor([0 if ok else 1], dtype=torch.int32)
-        with _failing(what):
+        with failing(what):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.verdicts)
         return int(t[0]) == 0
 
