@@ -27,10 +27,11 @@ NOISE_ONLY = ("self_attn.k_proj.bias",)
 
 
 def compare(d, family, tmp_path, *, steps=5, batch=BATCH, seq=SEQ, pad=False, weight_decay=0.0, grad_clip=None,
-            schedule=None, **engine) -> dict:
+            schedule=None, reference_experts=None, **engine) -> dict:
     """Train a Session from ``d`` and the HF reference on the same batches; assert and record the diffs.
 
-    ``schedule``: (lr_schedule, warmup_steps, total_steps) or None (constant).
+    ``schedule``: (lr_schedule, warmup_steps, total_steps) or None (constant). ``reference_experts``: the
+    reference's experts implementation (None: transformers' default).
     """
     settings = dict(device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay,
                     grad_clip=grad_clip, **engine)
@@ -42,7 +43,7 @@ def compare(d, family, tmp_path, *, steps=5, batch=BATCH, seq=SEQ, pad=False, we
         make_sched = lambda opt: hf(opt, warm, total)  # noqa: E731
     s = Session.from_pretrained(d, **settings)
     try:
-        ref = load_reference(d, s.arch.model.config._attn_implementation)
+        ref = load_reference(d, s.arch.model.config._attn_implementation, reference_experts)
         pad_id = (s.config.pad_token_id or 0) if pad else None
         batches = make_batches(VOCAB, steps, batch=batch, seq=seq, pad_id=pad_id)
         got = train_session(s, batches)
@@ -77,6 +78,15 @@ def compare(d, family, tmp_path, *, steps=5, batch=BATCH, seq=SEQ, pad=False, we
 # ---- every family, default settings ------------------------------------------------------------
 def test_default_settings(hf_dir, family, tmp_path):
     compare(hf_dir(family), family, tmp_path)
+
+
+# ---- every experts implementation of the MoE families, against HF's own loop over the experts ------
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", families("mixtral", "qwen3_moe", "gpt_oss"))
+def test_experts_implementations(hf_dir, family, experts, tmp_path):
+    """Note: [Experts kernel] in model/kernels.py: each implementation the session can run trains as HF's
+    eager experts (a Python loop over the experts) with torch.optim.AdamW; the session reports its choice."""
+    compare(hf_dir(family), family, tmp_path, experts_implementation=experts, reference_experts="eager")
 
 
 # ---- activation policies x micro-batching, on a dense and an MoE family --------------------------
