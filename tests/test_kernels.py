@@ -95,6 +95,19 @@ def test_sink_attention_is_eager_on_the_cpu_and_others_keep_their_own():
     assert not kernels.has_sinks(llama) and kernels.choose_attention(llama, "cpu") == ("sdpa", "the config's own")
 
 
+def test_transformers_flex_attention_refuses_sinks_on_the_cpu():
+    """The premise of eager on the CPU (Note: [Sink attention]): transformers' flex path needs the log-sum-exp,
+    which it does not ask for on the CPU. If a later transformers runs it, this fails: then test flex against
+    eager here and let choose_attention pick flex on the CPU too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(make_config("gpt_oss"), dtype=torch.float32, attn_implementation="flex_attention")
+    ids = make_batches(VOCAB, 1)[0]["input_ids"]
+    with pytest.raises(ValueError, match="sinks cannot be run on CPU"):
+        m(input_ids=ids, labels=ids)
+
+
 def test_sink_attention_is_flex_on_cuda():
     """The choice alone (no GPU needed: nothing runs)."""
     gpt = load_architecture(make_config("gpt_oss"))

@@ -22,7 +22,8 @@ Note: [Sink attention] gpt-oss adds a learned "sink" logit per head to each soft
 (transformers refuses it); eager materialises (B, heads, T, T) scores; flex attention runs the
 softmax without the sink and renormalises its output by the log-sum-exp it returns, which
 transformers does only where flex returns that log-sum-exp: not on the CPU ("Attention sinks cannot
-be run on CPU with flex attention"). So: flex on CUDA, eager on the CPU (tiny sizes).
+be run on CPU with flex attention"; torch 2.13's flex attention has no backward on the CPU either). So:
+flex on CUDA, eager on the CPU (tiny sizes). tests/test_gpu_moe.py holds flex against eager on the GPU.
 """
 from __future__ import annotations
 
