@@ -36,7 +36,7 @@ from megatrain_nb.step.attncache import AttentionCache  # noqa: E402
 from megatrain_nb.model.binding import call  # noqa: E402
 from megatrain_nb.model.hf import load_architecture  # noqa: E402
 from megatrain_nb.machine.longcontext import layer_bytes  # noqa: E402
-from megatrain_nb.machine.shape import _act_bytes_per_token, model_shape  # noqa: E402
+from megatrain_nb.machine.shape import act_bytes_per_token, model_shape  # noqa: E402
 from megatrain_nb.step.tiling import SequenceTiling, _kernel  # noqa: E402
 
 _GIB = 1 << 30
@@ -88,7 +88,7 @@ def measure(cfg, T: int, backend: str | None, dev: torch.device, dtype: torch.dt
 def estimates(shape: str, T: int, rows: int, d: int) -> dict:
     """``longcontext``'s estimates of what ``measure`` measures (the layer alone fetches no parked input)."""
     s = model_shape(qwen_config(shape, layers=1, seq=T))
-    est = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=False), seq=T)
+    est = layer_bytes(s, T, d, rows, act_bytes_per_token(s, d, lean=False), seq=T)
     return dict(est_act=est["act"], est_act_cached=est["act"] - est["attn_out"],
                 est_transient=est["transient"] - T * s["hidden"] * d, est_cache=est["cache"])
 

@@ -20,7 +20,7 @@ download), B rows x T tokens of random ids (--batch, --seq), the first --prompt 
   generate     ``Session.generate`` of the same prompts, batched, the layers copied to the device
                (``cache_weights=True``; streamed, and the row's ``cache_weights`` false, where they do not fit).
 Both generators make exactly --gen-new tokens a row: the config has no EOS (``eos_token_id=None``, so
-neither ``inference._eos_ids`` nor HF's stopping criteria find one) and HF gets ``min_new_tokens``; the tool
+neither ``decode.eos_ids`` nor HF's stopping criteria find one) and HF gets ``min_new_tokens``; the tool
 raises if a row came out shorter. Steps are timed by ``StepResult.seconds`` (median of --steps after at least
 --warmup steps, and under ``placement="auto"`` after its search has settled); passes and generation by
 ``time.perf_counter`` (their results are host tensors: the call has waited for the device).

@@ -128,14 +128,12 @@ suite() {
         $PY bench/data_parallel.py --device cuda --worlds $(seq -s ' ' 1 "${n:-1}") --shape 7b --seq 4096 --batch 8 \
             --out "$R-data-parallel.jsonl" --trace-dir "$OUT/traces/dp" 2>&1 | cut -c1-300 ;;
     host)
-        $PY bench/host_adam.py --out "$R-host-adam.jsonl" | cut -c1-200
-        (cd bench && $PY host_contention.py --out "../$R-host-contention.jsonl" | cut -c1-200) ;;
+                $PY bench/host_adam.py --out "$R-host-adam.jsonl" | cut -c1-200 ;;
     planner)
         local pm=${PLAN_FOR:-$m}; [ "$pm" = cpu ] && pm=h200  # on a CPU machine: the H200's rows
         for f in bench/results/"$pm"-*-placement.jsonl bench/results/"$pm"-*-peers.jsonl; do
             [ -f "$f" ] && { echo "== $f"; $PY bench/planner_placement.py --results "$f" | tail -3; }
-        done
-        $PY bench/stream_plan.py | tail -4 ;;
+                done ;;
     tests)
         $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu --continue-on-collection-errors tests/ -rA \
             > "$OUT/gpu-tests.log" 2>&1

@@ -316,9 +316,9 @@ def _bytes_line(rep: dict) -> str:
 
 def _save_tokenizer(model: Path, out: Path) -> None:
     """Copy the model's tokenizer next to the trained weights, when it has one."""
-    from .data import _TOKENIZER_FILES
+    from .data import TOKENIZER_FILES
 
-    if any((model / f).exists() for f in _TOKENIZER_FILES):
+    if any((model / f).exists() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(model)).save_pretrained(str(out))

@@ -220,7 +220,7 @@ class EngineConfig:
     Keep fewer activations per layer (``lean.py``): each RMSNorm keeps only its input (not HF's fp32
     copy and cast) and a dense gated MLP keeps gate and up (not also act(gate) and the product), saving
     8*hidden + 2*dtype_bytes*intermediate bytes per token and layer (Qwen2.5-7B shape in bf16: 225 -> 121
-    KB, ``bench/lean_bytes.py``). Costs one elementwise recompute of the norms and of act(gate)*up in
+    KB, docs/design_log.md). Costs one elementwise recompute of the norms and of act(gate)*up in
     each layer's backward; no matmul. Where sequence tiling runs (``tile_tokens``) tiling wins; MoE
     experts and attention stay as they are. False: Hugging Face's own forward, exactly as before."""
     activation_budget: float | None = None
@@ -234,6 +234,12 @@ class EngineConfig:
     """A NaN/inf loss or gradient: "skip" the step's update (counted in Session.skipped_steps, warned)
     or "raise" FloatingPointError. "raise" waits for every gradient before any update (no overlap
     with the backward), so nothing is applied; see docs/engine.md [Non-finite gradients] for "skip"."""
+    grad_ring: bool = True
+    """Where nothing needs gradients at rest (no ``grad_clip``, one pass, ``overlap_optimizer``, nonfinite
+    "skip", no shared host store), the layers' and head's gradients wait in a few host buffers of the
+    largest unit from their copy out until their AdamW has read them, not in a slab per unit (2 bytes a
+    parameter less; Note: [Gradient ring] in host/grad_ring.py). ``Session.memory_report()["gradients"]``
+    says which and why. False: slabs always."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
     placement: str | dict = "auto"
@@ -303,6 +309,9 @@ class EngineConfig:
         if self.split_master and (self.dtype != torch.bfloat16 or self.pin_store):
             raise ValueError(f"split_master=True needs dtype=torch.bfloat16 (got {self.dtype}) and no pin_store "
                              "(its bf16 copy already is the weights); use split_master=None")
+        if not isinstance(self.grad_ring, bool):
+            raise ValueError(f"grad_ring={self.grad_ring!r}: use True (a ring where nothing needs gradients at rest) "
+                             "or False (a gradient slab per unit)")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: use 'skip' or 'raise'")
         if self.tile_tokens is not None and (not isinstance(self.tile_tokens, int) or self.tile_tokens < 0

@@ -1,17 +1,14 @@
-"""Evaluation and generation from the weights being trained, through the engine's own loads.
+"""Evaluation and log-probs from the weights being trained, through the engine's own loads; generation's entry.
 
 Owns: the forward-only pass over held-out batches (mean loss per supervised token), the per-token
-log-probs and entropies of a batch from a pluggable weights source, and token-by-token generation
-with a KV cache, greedy or sampled; bound as ``Session.evaluate``, ``Session.logprobs`` and
-``Session.generate``. Weights come from the engine (``Engine.stream_layers``,
-``Engine.weights_copy``): the same weight source, loads and slot ordering as a step's forward.
-Does not own: the training step, the optimizer (never touched here), the data's tokenization.
-
-Note: [Eval between steps] a pass first waits for every pending update (``Engine.settle``), so
-that it reads the weights after the last step, and so that a failure inside it (which resets the
-engine's handoffs) drops no update. It keeps no graph and touches neither gradients, optimizer
-state, the step count nor the activation policy; its loads record no trace (the recorder is set
-aside for the pass). The next step therefore runs exactly as it would have without it.
+log-probs and entropies of a batch from a pluggable weights source, and ``generate``, which sends one
+prompt to ``step/decode.py``'s ``generate_one`` and several (or samples, or their log-probs) to its
+``generate_batch``; bound as ``Session.evaluate``, ``Session.logprobs`` and ``Session.generate``.
+Weights come from the engine (``Engine.stream_layers``): the same weight source, loads and slot
+ordering as a step's forward. Each pass runs between steps (``step/between_steps.run_pass``, Note:
+[Eval between steps] there): it drops no update and the next step runs as it would have without it.
+Does not own: the decoding loop, sampling and stopping (``step/decode.py``), the training step, the
+optimizer (never touched here), the data's tokenization.
 
 Note: [Weights source] a forward-only pass reads its weights from ``layers(head: bool)``, a factory
 of an iterator of ``(unit, params)``: first ``(-1, embedding)``, where embedding is None for the
@@ -26,17 +23,13 @@ weights; ``Session.logprobs(ref=True)`` takes ``session.reference.stream(engine,
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
-
 import torch
 import torch.nn.functional as F
 
 from .model.binding import call
-from .machine.budget import device_free
 from .machine.shape import loss_positions
+from .step.between_steps import run_pass
 from .step.transfers import chunks
-from .view.trace import Recorder
 
 
 # ---- evaluation ----------------------------------------------------------------------------
@@ -174,165 +167,20 @@ def _logprobs(engine, mbs: list[dict], layers, entropy: bool, temperature: float
 def generate(session, prompt, *, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
              top_p: float = 1.0, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
              num_return_sequences: int = 1, return_logprobs: bool = False):
-    """Continue ``prompt`` from the session's current weights (see ``Session.generate``); several prompts,
-    several samples or their log-probs: the batched path (``post/rollout.py``)."""
-    from .data.sft import load_tokenizer, prompt_ids
-    from .post.rollout import generate_batch, is_batch
+    """Continue ``prompt`` from the session's current weights (see ``Session.generate``): one prompt by
+    ``decode.generate_one``; several prompts, several samples or their log-probs by ``decode.generate_batch``."""
+    from .step import decode
 
-    if is_batch(prompt) or num_return_sequences != 1 or return_logprobs:
-        return generate_batch(session, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                              temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
-                              return_logprobs=return_logprobs, tokenizer=tokenizer, cache_weights=cache_weights,
-                              seed=seed)
-
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
-    if do_sample and not (temperature > 0 and 0 < top_p <= 1):
-        raise ValueError(f"temperature={temperature!r}, top_p={top_p!r}: need temperature > 0 and 0 < top_p <= 1")
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
-    text_in = not isinstance(prompt, torch.Tensor)
-    if text_in:
-        if tok is None:
-            raise ValueError("a text or chat prompt needs tokenizer= (a model directory or a loaded HF tokenizer); "
-                             "or pass token ids as a LongTensor")
-        ids = torch.tensor([prompt_ids(tok, prompt)])
-    else:
-        ids = prompt if prompt.dim() == 2 else prompt.view(1, -1)
-        if ids.shape[0] != 1 or ids.dtype != torch.long or ids.numel() == 0:
-            raise ValueError(f"prompt ids of shape {tuple(prompt.shape)}, dtype {prompt.dtype}: pass one non-empty "
-                             "prompt as a LongTensor of shape (T,) or (1, T)")
-        ids = ids.cpu()
-    V = session.arch.embed.weight.shape[0]
-    if int(ids.min()) < 0 or int(ids.max()) >= V:
-        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {V}); check the tokenizer")
-    eos = _eos_ids(session.config, tok)
-    pick = _picker(do_sample, temperature, top_p, seed)
-    if cache_weights is None:
-        cache_weights = _fits(session.engine)
-    new = _run(session, lambda: _decode(session.engine, ids, max_new_tokens, pick, eos, cache_weights))
-    if text_in:
-        return tok.decode(new, skip_special_tokens=True)
-    out = torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
-    return out if prompt.dim() == 2 else out.view(-1)
+    if decode.is_batch(prompt) or num_return_sequences != 1 or return_logprobs:
+        return decode.generate_batch(session, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                     temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
+                                     return_logprobs=return_logprobs, tokenizer=tokenizer, cache_weights=cache_weights,
+                                     seed=seed)
+    return decode.generate_one(session, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                               temperature=temperature, top_p=top_p, tokenizer=tokenizer, cache_weights=cache_weights,
+                               seed=seed)
 
 
-def _eos_ids(config, tok) -> set[int]:
-    """Token ids that end a generation: the model config's eos (as generate uses) and the tokenizer's."""
-    eos = getattr(config, "eos_token_id", None)
-    out = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    if tok is not None and tok.eos_token_id is not None:
-        out.add(tok.eos_token_id)
-    return out
-
-
-def _picker(do_sample: bool, temperature: float, top_p: float, seed: int):
-    """logits (N, V) fp32 -> (N,) next token ids on the host; greedy, or sampled with transformers' own warpers
-    and drawn on the logits' device (seeded per device: CPU and CUDA draw different samples for one seed)."""
-    if not do_sample:
-        return lambda logits: logits.argmax(-1).cpu()  # host sync: the next input depends on it
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-    warpers = (([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])  # 1.0: HF skips it too
-               + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
-    gens: dict = {}  # one seeded generator per device: the draw happens where the logits are
-
-    def pick(logits):
-        for w in warpers:
-            logits = w(None, logits)
-        g = gens.get(logits.device)
-        if g is None:
-            g = gens[logits.device] = torch.Generator(device=logits.device).manual_seed(seed)
-        # on the device: moving (N, V) probabilities to the host and drawing there cost more than the layers
-        return torch.multinomial(torch.softmax(logits, -1), 1, generator=g).view(-1).cpu()
-    return pick
-
-
-def _fits(engine) -> bool:
-    """Whether every layer's weights fit on the device beside what it holds (CUDA: in half its free memory)."""
-    if not engine.dev.cuda:
-        return False  # on "cpu" a copy of every layer only doubles host memory: stream them
-    need = sum(engine.store.units[i].layout.numel for i in range(engine.L)) * engine.dtype.itemsize
-    free = device_free(engine.dev.device, engine.cfg.device_memory)  # a device query between steps; within the budget
-    return need < free // 2
-
-
-def _decode(engine, ids: torch.Tensor, max_new: int, pick, eos: set[int], cache_weights: bool) -> list[int]:
-    """Driver: prefill ``ids`` (1, T), then one token at a time with a KV cache; returns the new ids."""
-    arch = engine.arch
-    H = arch.embed.weight.shape[1]
-    cache = _layer_cache(arch.config)
-    cache_arg = "cache" if "cache" in inspect.signature(arch.base.forward).parameters else "past_key_values"
-    head = engine.weights_copy(engine.L)
-    layers = [engine.weights_copy(i) for i in range(engine.L)] if cache_weights else None
-    x, new = ids, []
-    for _ in range(max_new):
-        E, box = engine._gather({"input_ids": x})
-        engine._ready(box)
-        h, calls = arch.prelude(arch.embed_rows(E.view(-1, H), tuple(x.shape)), None,
-                                **{cache_arg: cache, "use_cache": True})
-        for unit, params in (enumerate(layers) if cache_weights else engine.stream_layers(head=False)):
-            cache.layer = unit
-            h = call(engine._template(unit), params, h, *calls[unit][0], **calls[unit][1])
-        token = int(pick(arch.logits(head, h[:, -1:]).float()[:, -1])[0])
-        new.append(token)
-        if token in eos:
-            break
-        x = torch.tensor([[token]])
-    return new
-
-
-def _layer_cache(config):
-    """A transformers DynamicCache that files each layer's keys and values under the layer being run.
-
-    The engine calls one template per distinct layer structure, whose ``layer_idx`` is its first
-    layer's; ``layer`` (set before each call) says which layer's cache the call extends.
-    """
-    from transformers import DynamicCache
-
-    class LayerCache(DynamicCache):
-        layer = 0
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(key_states, value_states, self.layer, *args, **kwargs)
-
-    return LayerCache(config=config)
-
-
-# ---- running a pass on the session's driver thread -----------------------------------------------
 def _run(session, fn):
-    """Run ``fn`` as a pass between steps (Note: [Eval between steps]) on the session's driver thread."""
-    from .step.workers import run_uninterrupted as _run_uninterrupted
-
-    engine = session.engine
-    if engine.closed:
-        raise RuntimeError("this Session is closed; make a new one, or Session.resume(path) a checkpoint")
-
-    def job():
-        if engine.dev.cuda:
-            torch.cuda.set_device(engine.dev.device)
-        engine.settle()  # resident units are read where they live: no write-back to the host
-        with _pass(engine):
-            return fn()
-
-    out, interrupted = _run_uninterrupted(job, session._driver)
-    if interrupted:
-        raise KeyboardInterrupt("interrupted after the pass in flight finished; training state is unchanged")
-    return out
-
-
-@contextlib.contextmanager
-def _pass(engine):
-    """No grad, the compute stream, eval mode and no trace for one pass; the engine's handoffs reset on failure."""
-    saved = engine.rec, engine.io.rec
-    training = engine.arch.model.training
-    engine.rec = engine.io.rec = Recorder(enabled=False, device=engine.dev.device)
-    engine.arch.model.train(False)
-    try:
-        with torch.no_grad(), engine.dev.on(engine.dev.compute):
-            yield
-    except BaseException:
-        engine._recover()  # nothing was pending (drained): no update is dropped
-        raise
-    finally:
-        engine.rec, engine.io.rec = saved
-        engine.arch.model.train(training)
+    """Run ``fn`` as a pass between steps on the session's driver thread (``between_steps.run_pass``)."""
+    return run_pass(session.engine, session._driver, fn)

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig, OptimConfig
-from .host import shared_store
+from .host import grad_ring, shared_store
+from .host.collective_save import one_writer
 from .step.distributed import local_device
 from .step.engine import Engine
 from .model.hf import load_architecture
@@ -55,7 +56,7 @@ class Session:
         if torch.device(self.engine_cfg.device).type == "cuda":
             cuda_allocator()  # Note: [Allocator] in preflight.py: fragmentation made the auto search's trials fail
         check(self.arch, self.engine_cfg, optimizer_state=self.optim_cfg.optimizer_state,
-              keep_fp32=self.optim_cfg.compact_keep_fp32)  # before allocating: refuse with the numbers and the setting to change
+              keep_fp32=self.optim_cfg.compact_keep_fp32, grad_clip=self.optim_cfg.grad_clip)  # before allocating: refuse with the numbers and the setting to change
         pin, cast = resolve_pinning(self.engine_cfg, self.arch, optimizer_state=self.optim_cfg.optimizer_state)
         resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast,  # engine_cfg keeps "auto"
                                        weight_slots=resolve_weight_slots(self.engine_cfg, self.arch),
@@ -75,7 +76,11 @@ class Session:
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
         self.kernels["attention"] = self.arch.config._attn_implementation  # varlen where packing chose it
         shared = shared_store.attach(resolved.share_host_store, cuda=torch.device(resolved.device).type == "cuda")
+        slabs = grad_ring.slab_reason(enabled=resolved.grad_ring, grad_clip=self.optim_cfg.grad_clip,
+                                      overlap_optimizer=resolved.overlap_optimizer, nonfinite=resolved.nonfinite,
+                                      pass_batch_size=resolved.pass_batch_size, shared=shared is not None)
         self.store = HostStore(self.arch, grad_dtype=resolved.dtype, shadow_dtype=resolved.dtype if pin else None,
+                               slabs=slabs, pin_ring=torch.device(resolved.device).type == "cuda",  # Note: [Gradient ring]
                                pin_master=cast, pin_moments=cast and _streams_state(self.engine_cfg.placement),
                                shared=shared,  # data parallel: one store per machine (shared_store.py)
                                optimizer_state=self.optim_cfg.optimizer_state, keep_fp32=self.optim_cfg.compact_keep_fp32)
@@ -266,7 +271,7 @@ class Session:
         from .view import viz
 
         df = self._last_trace().to_dataframe()
-        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane: {self!r}")
+        return viz.timeline(df, stalls=self.stalls(), title=f"step {self.engine.steps_done}, lane by lane")
 
     def plot_buffers(self):
         """Plotly figure: occupancy of every device weight and gradient slot over the last step."""
@@ -275,10 +280,11 @@ class Session:
         return viz.buffers(self._last_trace().slots_dataframe())
 
     def plot_memory(self):
-        """Plotly figure: host and device memory by category over the last step."""
+        """Plotly figure: device memory by category over the last step and the host store's bytes by category."""
         from .view import viz
 
-        return viz.memory(self._last_trace().counters_dataframe())
+        store = {k: v for k, v in self.store.bytes_report().items() if k not in ("total", "params", "bytes_per_param")}
+        return viz.memory(self._last_trace().counters_dataframe(), host_bytes=store)
 
     def history_dataframe(self):
         """One row per step of this session: step, loss, tokens, seconds, lr, tflops, tokens_per_s, and a column
@@ -321,7 +327,7 @@ class Session:
 
         Streams the layers as a step's forward does, keeps no gradients and touches no optimizer
         state: the next step runs exactly as it would have (Note: [Eval between steps] in
-        inference.py). Each result is kept in ``eval_history`` and drawn by ``plot_history``.
+        step/between_steps.py). Each result is kept in ``eval_history`` and drawn by ``plot_history``.
 
         Args:
             batches: ``sft_batches(...)`` (one pass over its examples, its training position
@@ -348,7 +354,7 @@ class Session:
         """Per-token log-probs of a batch's labels, forward only, without gradient; full logits never exist.
 
         Streams the layers between steps as ``evaluate`` does (Note: [Eval between steps] in
-        inference.py) and computes the log-probs in the head's chunks of positions.
+        step/between_steps.py) and computes the log-probs in the head's chunks of positions.
 
         Args:
             batch: as ``step`` takes it: "input_ids" [B, T], optional "labels" (default: input_ids;
@@ -423,7 +429,8 @@ class Session:
                    max_new_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0, epsilon: float = 0.2,
                    epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
                    scale_rewards: bool = True, tokenizer=None, cache_weights: bool | None = None, seed: int = 0,
-                   progress: bool = True, dashboard: bool | None = None, refresh_s: float = 1.0):
+                   progress: bool = True, dashboard: bool | None = None, refresh_s: float = 1.0,
+                   kl_ratio_weighted: bool = True):
         """GRPO on-policy (one update per batch of rollouts), with a progress bar. Each step samples
         ``prompts_per_step`` prompts (a seeded permutation per epoch), rolls out ``group_size`` completions
         of each, scores them with ``reward_fn``, forms ``losses.group_advantages``, adds the reference's
@@ -443,6 +450,8 @@ class Session:
             progress: show a tqdm bar (its postfix: reward mean, KL, clip fraction).
             dashboard, refresh_s: as ``train``'s: the dashboard (None: in Jupyter only) draws the steps'
                 reward_mean, kl and clip_ratio/* next to the loss.
+            kl_ratio_weighted: ``losses.grpo``'s: weight the KL by the probability ratio (TRL's
+                ``use_bias_correction_kl``; True in both).
         Returns:
             DataFrame, one row per step: step, reward_mean, reward_std, loss, kl, clip_ratio,
             completion_len, seconds. Each step's reward_mean is also in its ``StepResult.metrics``, so in
@@ -454,13 +463,14 @@ class Session:
             >>> df = s.train_grpo(["2+3=", "4+1="], lambda p, c: [float(x == "5") for x in c], steps=20,  # doctest: +SKIP
             ...                   tokenizer=tok, max_new_tokens=2)
         """
-        from .post.rollout import train_grpo
+        from .training import train_grpo
 
         return train_grpo(self, prompts, reward_fn, steps=steps, group_size=group_size,
                           prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
                           scale_rewards=scale_rewards, tokenizer=tokenizer, cache_weights=cache_weights, seed=seed,
-                          progress=progress, dashboard=dashboard, refresh_s=refresh_s)
+                          progress=progress, dashboard=dashboard, refresh_s=refresh_s,
+                          kl_ratio_weighted=kl_ratio_weighted)
 
     def freeze_reference(self, path: str | os.PathLike | None = None):
         """Freeze the current weights as the reference model (``self.reference``) of DPO / GRPO's KL.
@@ -488,31 +498,90 @@ class Session:
         return write_report(self, path)
 
     def save_checkpoint(self, path: str | os.PathLike, *, data_state: dict | None = None):
-        """Atomically save the whole training state (weights, Adam moments, step, RNG, data position)."""
+        """Atomically save the whole training state (weights, Adam moments, step, RNG, data position).
+
+        ``path`` holds the previous checkpoint or the new one at every instant (Note: [Atomic save] in
+        host/publish.py); each file's CRC-32 goes into its ``state.json``. See ``host.checkpoint.save_checkpoint``.
+
+        Args:
+            path: checkpoint directory; replaced once the new one is complete.
+            data_state: JSON-able data position (default: ``self.data_state``).
+        Returns:
+            The checkpoint directory as a Path.
+        Raises:
+            ValueError: ``data_state`` is not JSON-able.
+            OSError: a full disk or another I/O error, naming ``path`` and the bytes needed; the previous
+                checkpoint and this session are untouched (the next step and save work).
+        Example:
+            >>> s.save_checkpoint("ckpt/run1"); s = Session.resume("ckpt/run1")   # doctest: +SKIP
+        """
         from .host.checkpoint import save_checkpoint
 
         return save_checkpoint(self, path, data_state=data_state)
 
     @classmethod
     def resume(cls, path: str | os.PathLike, **overrides) -> "Session":
-        """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses)."""
+        """A Session continuing exactly where ``save_checkpoint(path)`` left off (bit-identical losses).
+
+        Verifies every file's CRC-32 before allocating anything, and refuses NaN / inf weights or moments
+        and a negative second moment; a failed resume closes what it built. See ``host.checkpoint.resume``.
+
+        Args:
+            path: a directory written by ``save_checkpoint``.
+            **overrides: any Session setting to change (``device="cpu"``, ``lr=1e-4``, ...).
+        Returns:
+            The Session, with ``data_state`` set.
+        Raises:
+            FileNotFoundError: ``path`` does not exist (nor ``<path>.old``).
+            ValueError: not a checkpoint, or a corrupt one: a file whose checksum or size differs, a malformed
+                ``state.json`` field, non-finite values; the message names the file or tensor. Resume an
+                earlier checkpoint.
+            TypeError: an unknown setting in ``overrides``.
+        Example:
+            >>> s = Session.resume("ckpt/run1", device="cpu")   # doctest: +SKIP
+        """
         from .host.checkpoint import resume
 
         return resume(path, make=cls, **overrides)
 
+    @one_writer("pretrained")  # data parallel: rank 0 writes (Note: [One writer] in collective_save.py)
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                        max_shard_bytes: int = 5 << 30) -> None:
-        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates);
-        shards of at most ``max_shard_bytes``, each written once full (host memory holds one at a time)."""
+                        max_shard_bytes: int = 5 << 30) -> Path:
+        """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (waits for pending updates).
+
+        Shards of at most ``max_shard_bytes``, cast a chunk at a time. Atomic: written beside ``out_dir`` and
+        exchanged with it once complete, so ``out_dir`` holds a loadable model (old or new) at every instant;
+        its other files (a tokenizer, a checkpoint folder) stay. Under data parallel every rank, or rank 0
+        alone, may call it (docs/distributed.md, "Saving").
+
+        Args:
+            out_dir: the directory; replaced if it exists.
+            dtype: the weights' dtype on disk.
+            max_shard_bytes: largest safetensors file.
+        Returns:
+            ``out_dir`` as a Path.
+        Raises:
+            OSError: a full disk or another I/O error, naming ``out_dir`` and the bytes needed; ``out_dir``
+                keeps its previous contents and the session is usable.
+        Example:
+            >>> s.save_pretrained("my-model-tuned", dtype=torch.bfloat16)   # doctest: +SKIP
+        """
         self.engine.drain()
         self.store.save_pretrained(out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return Path(out_dir)
 
     def memory_report(self) -> dict:
         """Host bytes by category and bytes per parameter of the store; ``device_resident`` is the device
         bytes of the units placed there (see ``placement``); ``fp32_moment_params`` the parameters whose Adam
-        moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which)."""
-        return {**self.store.bytes_report(), "device_resident": float(self.placement.device_GiB.sum() * 2**30),
-                "fp32_moment_params": self.store.fp32_moment_params()}
+        moments stay fp32 under a compact ``optimizer_state`` (``placement``'s "moments" column says which);
+        ``grad`` the gradient slabs' bytes and ``grad_ring`` the ring's, ``gradients`` which holds them and why,
+        in words (Note: [Gradient ring] in host/grad_ring.py)."""
+        from .view.tables import MemoryReport  # a dict; in a notebook, a table in MiB / GiB
+
+        return MemoryReport({**self.store.bytes_report(),
+                             "device_resident": float(self.placement.device_GiB.sum() * 2**30),
+                             "fp32_moment_params": self.store.fp32_moment_params(),
+                             "gradients": self.store.gradients})
 
     @property
     def activations(self) -> dict:

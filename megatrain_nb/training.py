@@ -1,11 +1,14 @@
-"""The notebook training loop: `train(session, data, steps=...)` with a progress bar and a live dashboard.
+"""The notebook training loops: `train(session, data, steps=...)` with a progress bar and a live dashboard,
+and GRPO's (`train_grpo`) with the same dashboard.
 
-Owns: pulling batches from an iterable, calling `Session.step` once per batch, the tqdm progress bar,
-throttled dashboard refreshes inside Jupyter (`open_dashboard` / `draw_dashboard`, which train_grpo
-shares), stopping cleanly on Jupyter's Stop (KeyboardInterrupt)
-or when the data runs out, and noting the data position (`session.data_state`) for checkpoints.
-Does not own: what a step does (session / engine), the figures (viz / dashboard) or checkpoint files
-(checkpoint). Bound as `Session.train`.
+Owns: pulling batches from an iterable, calling `Session.step` once per batch, the tqdm progress bar
+(`progress_bar`: under the dashboard's header when there is one), dashboard refreshes inside Jupyter
+(`open_dashboard` / `draw_dashboard`: the first step at once, then throttled, and at the end the static
+figure that replaces the widget; for GRPO, from the `on_step` callback `post.rollout.train_grpo` calls after
+each step), stopping cleanly on Jupyter's Stop (KeyboardInterrupt) or when the data runs out, and noting the
+data position (`session.data_state`) for checkpoints. Does not own: what a step does (session / engine),
+GRPO's steps (post/rollout.py), the figures (viz / dashboard) or checkpoint files (checkpoint). Bound as
+`Session.train` and `Session.train_grpo`.
 """
 from __future__ import annotations
 
@@ -56,8 +59,6 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
         >>> df.loss.iloc[-1] < df.loss.iloc[0]                                                # doctest: +SKIP
         True
     """
-    from tqdm.auto import tqdm
-
     for name, value, low in (("steps", steps, 1), ("log_every", log_every, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r}: must be an int >= {low}")
@@ -74,7 +75,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
     has_state = callable(getattr(data, "state_dict", None))
     dash = open_dashboard(session, dashboard)
     h0 = len(session.history)
-    bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+    bar = progress_bar(dash, total=steps, desc="train")
     last_draw, interrupted, stepping, n = time.monotonic(), False, False, h0
     try:
         for k in range(steps):
@@ -98,7 +99,7 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
                 if session.eval_history:
                     post["eval"] = f"{session.eval_history[-1]['eval_loss']:.4f}"
                 bar.set_postfix(post, refresh=False)
-            if dash is not None and time.monotonic() - last_draw >= refresh_s:
+            if dash is not None and (k == 0 or time.monotonic() - last_draw >= refresh_s):  # the first step at once
                 dash = draw_dashboard(dash)
                 last_draw = time.monotonic()
     except KeyboardInterrupt:  # Jupyter's Stop: Session.step already finished the step in flight
@@ -106,16 +107,56 @@ def train(session, data: Iterable[dict], *, steps: int, log_every: int = 1, dash
         bar.update(len(session.history) - h0 - bar.n)  # count a step that finished under the interrupt
         if has_state and stepping and len(session.history) > n:  # that step used its batch; else keep the last
             session.data_state = data.state_dict()
-    finally:
+    finally:  # also when a step raised: the steps before it are kept, and so is their picture
         bar.close()
-    if dash is not None:
-        draw_dashboard(dash)
+        if dash is not None:
+            draw_dashboard(dash, final=True)  # the widget becomes a static figure that a saved notebook keeps
     if interrupted:
         done = len(session.history) - h0
         last = session.history[-1].step if session.history else 0
         print(f"interrupted: ran {done} of {steps} steps (the session is at step {last}, consistent; "
               "train again to continue)")
     return session.history_dataframe()
+
+
+def train_grpo(session, prompts: list, reward_fn, *, dashboard: bool | None = None, refresh_s: float = 1.0,
+               **kwargs) -> pd.DataFrame:
+    """GRPO (``post.rollout.train_grpo``) with the dashboard drawn between its steps (see ``Session.train_grpo``).
+
+    Args:
+        session, prompts, reward_fn: ``post.rollout.train_grpo``'s.
+        dashboard, refresh_s: as ``train``'s: the dashboard (None: in Jupyter only) redraws at most once per
+            ``refresh_s`` seconds, between steps, and once at the end.
+        **kwargs: the rest of ``post.rollout.train_grpo``'s keywords (steps, group_size, sampling, loss...).
+    Returns:
+        ``post.rollout.train_grpo``'s DataFrame: one row per step.
+    Raises:
+        ValueError: ``refresh_s`` < 0; whatever ``post.rollout.train_grpo`` raises.
+    Example:
+        >>> df = train_grpo(s, ["2+3="], lambda p, c: [float(x == "5") for x in c], steps=2)  # doctest: +SKIP
+    """
+    from .post import rollout
+
+    if not refresh_s >= 0:
+        raise ValueError(f"refresh_s={refresh_s!r}: must be >= 0 seconds")
+    dash = open_dashboard(session, dashboard)
+    steps = kwargs.get("steps")
+    bar = progress_bar(dash, total=steps if isinstance(steps, int) else None, desc="grpo",
+                       disable=not kwargs.pop("progress", True))
+    last_draw, first = time.monotonic(), True
+
+    def on_step(row: dict) -> None:
+        nonlocal dash, last_draw, first
+        if dash is not None and (first or time.monotonic() - last_draw >= refresh_s):  # the first step at once
+            dash = draw_dashboard(dash)
+            last_draw, first = time.monotonic(), False
+
+    try:
+        return rollout.train_grpo(session, prompts, reward_fn, on_step=on_step, progress=bar, **kwargs)
+    finally:
+        bar.close()
+        if dash is not None:
+            draw_dashboard(dash, final=True)  # the widget becomes a static figure that a saved notebook keeps
 
 
 def in_jupyter() -> bool:
@@ -131,7 +172,7 @@ def in_jupyter() -> bool:
 def open_dashboard(session, want: bool | None):
     """Show a `dashboard.Dashboard` of `session` and return it, or return None (not wanted, not in
     Jupyter, or it failed to build). `want`: None: only in a Jupyter kernel; True: the same, with a
-    warning outside one; False: never. Shared by `train` and `post.rollout.train_grpo`."""
+    warning outside one; False: never. Shared by `train` and `train_grpo`."""
     if want is False:
         return None
     if not in_jupyter():
@@ -150,10 +191,41 @@ def open_dashboard(session, want: bool | None):
         return None
 
 
-def draw_dashboard(dash):
-    """Refresh the dashboard; on failure warn once and return None so training goes on without it."""
+def progress_bar(dash, *, total: int, desc: str, disable: bool = False):
+    """The run's tqdm bar: with a dashboard, a notebook bar placed under its header (and counted by it);
+    else `tqdm.auto`'s. Shared by `train` and `post.rollout.train_grpo`.
+
+    Args:
+        dash: the `Dashboard` from `open_dashboard`, or None.
+        total, desc, disable: tqdm's.
+    Returns:
+        A tqdm bar (close it when done).
+    Example:
+        >>> bar = progress_bar(None, total=3, desc="train", disable=True); bar.update(1); bar.close()
+    """
+    if dash is not None and not disable and callable(getattr(dash, "attach_bar", None)):
+        try:
+            from tqdm.notebook import tqdm as notebook_tqdm
+
+            bar = notebook_tqdm(total=total, desc=desc, unit="step", display=False)
+            dash.attach_bar(bar)
+            return bar
+        except Exception as e:  # no ipywidgets frontend: the plain bar
+            warnings.warn(f"progress bar outside the dashboard: {type(e).__name__}: {e}", stacklevel=2)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=disable)
+
+
+def draw_dashboard(dash, *, final: bool = False):
+    """Refresh the dashboard; `final`: the last time, replacing the live widget by its static figure
+    (`Dashboard.finish`), which a saved notebook shows after a reload. On failure warn once and return
+    None so training goes on without it."""
     try:
-        dash.update()
+        if final and callable(getattr(dash, "finish", None)):
+            dash.finish()
+        else:
+            dash.update()
         return dash
     except Exception as e:
         warnings.warn(f"dashboard update failed, hiding it for the rest of this run: {type(e).__name__}: {e}",

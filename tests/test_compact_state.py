@@ -75,7 +75,7 @@ def test_thresholds_reproduce_nearest_code(kind):
         t = ch._thresholds(q)
         x = torch.cat([t, torch.nextafter(t, torch.tensor(-math.inf)), q, torch.rand(20000) * 2 - 1])
         count = torch.searchsorted(t, x, right=True)  # thresholds at or below x
-        assert torch.equal(count, cs._codes_of(x, q).long())
+        assert torch.equal(count, cs.codes_of(x, q).long())
 
 
 @pytest.mark.parametrize("kind", cs.KINDS)

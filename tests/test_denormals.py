@@ -42,7 +42,7 @@ def _in_plain_thread(fn):
 def _one_unit(master, grad, exp_avg, exp_avg_sq) -> HostAdamW:
     """A HostAdamW over a store stand-in with one unit holding these (n,) fp32 tensors."""
     unit = types.SimpleNamespace(master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, compact=None)
-    store = types.SimpleNamespace(units={0: unit}, step_count=lambda u: torch.zeros(()))
+    store = types.SimpleNamespace(units={0: unit}, step_count=lambda u: torch.zeros(()), grad_of=lambda u: unit.grad)
     return HostAdamW(store, OptimConfig(lr=1e-3, weight_decay=0.1))
 
 

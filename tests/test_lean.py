@@ -20,7 +20,7 @@ from megatrain_nb.step import lean
 from megatrain_nb.config import EngineConfig
 from megatrain_nb.model.hf import load_architecture
 from megatrain_nb.step.lean import GatedDown, layer_bytes_per_token, lean_layer
-from megatrain_nb.machine.planner import _act_bytes_per_token, model_shape, plan
+from megatrain_nb.machine.planner import act_bytes_per_token, model_shape, plan
 from megatrain_nb.step.tiling import Tiled, tile_layer
 from test_equivalence import compare
 
@@ -136,8 +136,8 @@ def test_saved_bytes_shrink_by_the_notes_formula(family, dtype):
     s = model_shape(cfg)
     formula = 8 * s["hidden"] + (0 if s["experts"] else 2 * d * s["intermediate"])
     assert hf - lean_b == formula + 2 * 4, (hf, lean_b, formula)
-    assert _act_bytes_per_token(s, d, lean=False) - _act_bytes_per_token(s, d, lean=True) == formula
-    est = _act_bytes_per_token(s, d, lean=True)
+    assert act_bytes_per_token(s, d, lean=False) - act_bytes_per_token(s, d, lean=True) == formula
+    est = act_bytes_per_token(s, d, lean=True)
     if not s["experts"]:  # MoE: the estimate leaves out the router's and the dispatch's tensors (not lean's)
         assert lean_b <= est <= 1.10 * lean_b, (est, lean_b)
 
@@ -150,8 +150,8 @@ def test_planner_keeps_more_layers_with_lean():
     assert on.settings["lean_activations"] and not off.settings["lean_activations"]
     assert on.recomputed_layers < off.recomputed_layers
     per_layer = lambda p: p.device_bytes["activations_kept"] / max(1, p.kept_layers)  # noqa: E731
-    assert per_layer(on) == 8 * 4096 * _act_bytes_per_token(model_shape(cfg), 2, lean=True)
-    assert per_layer(off) == 8 * 4096 * _act_bytes_per_token(model_shape(cfg), 2, lean=False)
+    assert per_layer(on) == 8 * 4096 * act_bytes_per_token(model_shape(cfg), 2, lean=True)
+    assert per_layer(off) == 8 * 4096 * act_bytes_per_token(model_shape(cfg), 2, lean=False)
 
 
 def test_preflight_counts_lean_and_names_it_as_a_fix():

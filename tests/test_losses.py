@@ -68,7 +68,7 @@ def ref_dpo(lp, d, beta, ls, per_token_ref):
     return out / (B // 2)
 
 
-def ref_grpo(lp, d, eps, eps_high, beta, loss_type, max_len=10):
+def ref_grpo(lp, d, eps, eps_high, beta, loss_type, weighted=True, max_len=10):
     rows, n, old = [], 0, d.get("old_logp")
     for b in range(B):
         a, terms = float(d["advantages"][b]), []
@@ -79,7 +79,7 @@ def ref_grpo(lp, d, eps, eps_high, beta, loss_type, max_len=10):
             term = -torch.minimum(ratio * a, clipped * a)
             if beta:
                 x = float(d["ref_logp"][b, t]) - lp[b, t]
-                term = term + beta * (torch.exp(x) - x - 1)
+                term = term + beta * (torch.exp(x) - x - 1) * (ratio if weighted else 1.0)
             terms.append(term)
         rows.append(terms)
         n += len(terms)
@@ -109,12 +109,14 @@ def _cases():
                    functools.partial(losses.dpo, beta=0.2, label_smoothing=ls),
                    functools.partial(ref_dpo, beta=0.2, ls=ls, per_token_ref=per_token))
     for lt in losses.LOSS_TYPES:
-        for beta in (0.0, 0.04):
+        for beta, weighted in ((0.0, True), (0.04, True), (0.04, False)):
             for off_policy in (False, True):
                 eps_high = 0.28 if off_policy else None
-                yield (f"grpo-{lt}-beta{beta}-{'old' if off_policy else 'onpolicy'}",
-                       functools.partial(losses.grpo, epsilon=0.2, epsilon_high=eps_high, beta=beta, loss_type=lt),
-                       functools.partial(ref_grpo, eps=0.2, eps_high=eps_high, beta=beta, loss_type=lt))
+                yield (f"grpo-{lt}-beta{beta}{'' if weighted else '-unweighted'}-{'old' if off_policy else 'onpolicy'}",
+                       functools.partial(losses.grpo, epsilon=0.2, epsilon_high=eps_high, beta=beta, loss_type=lt,
+                                         kl_ratio_weighted=weighted),
+                       functools.partial(ref_grpo, eps=0.2, eps_high=eps_high, beta=beta, loss_type=lt,
+                                         weighted=weighted))
     for kl in (0.3, -0.2):  # a negative estimate is clamped to 0
         yield f"kto-kl{kl}", functools.partial(losses.kto, beta=0.5, desirable_weight=1.0, undesirable_weight=1.3), \
             functools.partial(ref_kto, beta=0.5, wd=1.0, wu=1.3)
@@ -243,6 +245,32 @@ def test_on_policy_grpo_loss_is_minus_the_mean_advantage_and_its_gradient_is_the
     n = d["on"].sum(-1)
     assert math.isclose(float(loss), -float((d["advantages"] * n).sum()) / ctx.tokens, abs_tol=TOL)
     torch.testing.assert_close(grad, -d["advantages"][:, None].expand(B, T) * d["on"] / ctx.tokens)
+
+
+def test_kl_ratio_weighting_on_policy_keeps_the_value_and_adds_k3_times_grad_logp():
+    d = _data(0)
+    batch = {"labels": d["labels"], "advantages": d["advantages"], "ref_logp": d["ref_logp"]}
+    ctx = LossContext.from_batches([batch])
+    beta, on = 0.3, d["on"]
+    (v1, g1), (v0, g0) = (_grad(lambda x: losses.grpo(x, batch, ctx, beta=beta, loss_type="dapo",
+                                                      kl_ratio_weighted=w), d["logp"]) for w in (True, False))
+    x = torch.where(on, d["ref_logp"] - d["logp"], 0.0)
+    k3 = torch.exp(x) - x - 1  # on-policy ratio = 1: d(ratio * k3)/dlogp = dk3/dlogp + k3
+    assert float(k3.max()) > 1e-3
+    torch.testing.assert_close(v1, v0, atol=TOL, rtol=0)
+    torch.testing.assert_close(g1 - g0, beta * k3 * on / ctx.tokens, atol=TOL, rtol=0)
+
+
+def test_kl_metric_is_the_term_that_enters_the_loss():
+    d = _data(1)
+    batch = {"labels": d["labels"], "advantages": d["advantages"], "ref_logp": d["ref_logp"], "old_logp": d["old_logp"]}
+    on = d["on"]
+    x = torch.where(on, d["ref_logp"] - d["logp"], 0.0)
+    k3, ratio = torch.exp(x) - x - 1, torch.exp(torch.where(on, d["logp"] - d["old_logp"], 0.0))
+    for weighted, want in ((True, (k3 * ratio)[on].sum()), (False, k3[on].sum())):
+        ctx = LossContext.from_batches([batch])
+        losses.grpo(d["logp"], batch, ctx, beta=0.1, kl_ratio_weighted=weighted)
+        torch.testing.assert_close(float(ctx.metrics["kl"]), float(want) / ctx.tokens, atol=TOL, rtol=0)
 
 
 def test_needs_entropy():

@@ -23,7 +23,7 @@ DATA = Path(__file__).parent / "data"
 SHAPE_3B = dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 HUMAN = (set(palette.PHASE_LABELS.values()) | set(palette.STATE_COLORS) | set(palette.MEMORY_LABELS.values())
-         | set(palette.METRIC_LABELS.values()) | {"stalls"})
+         | set(palette.METRIC_LABELS.values()) | {"stalls", palette.WAIT_LABEL})
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_axis_ticks_are_words_over_the_codes(timelines, session_figures):
 def test_a_phase_has_one_colour_in_every_figure(timelines, session_figures):
     seen: dict[str, set] = {}
     for name, fig in timelines.items():
-        bars = [t for t in fig.data if t.type == "bar"]
+        bars = [t for t in fig.data if t.type == "bar" and t.legendgroup != "wait"]
         assert bars, name
         for t in bars:
             seen.setdefault(t.legendgroup, set()).add(t.marker.color)
@@ -106,3 +106,81 @@ def test_a_colour_means_one_thing():
     colours += [palette.STALL_COLOR, palette.OTHER_COLOR]
     assert len(colours) == len(set(colours))
     assert set(palette.PHASE_COLORS) == set(PHASES) == set(palette.PHASE_LABELS)
+
+
+def _colour(t) -> str | None:
+    """The colour a trace is drawn in: a bar's marker, a line's line (else its marker)."""
+    if t.type == "bar":
+        return t.marker.color
+    return (t.line.color if t.line and t.line.color else None) or (t.marker.color if t.marker else None)
+
+
+@pytest.fixture(scope="module")
+def every_figure(session_figures, timelines) -> dict[str, go.Figure]:
+    """Every kind of figure the views make: viz's four (of every source), the dashboard's four and its
+    static composition, and the report's (the Session plot methods, which the report embeds)."""
+    from megatrain_nb.view import dashboard
+
+    s = Session.from_config(make_config("llama"), device="cpu", lr=1e-2, seed=0)
+    try:
+        it = synthetic_batches(96, batch=2, seq=16, kind="successor", alphabet=96)
+        for _ in range(2):
+            s.step(next(it))
+        for r, v in zip(s.history, (0.1, 0.4)):
+            r.metrics = {"reward_mean": v, "kl": v / 10, "clip_ratio/region_mean": v / 2}
+        dash = {f"dashboard {k}": f for k, f in dashboard.figures(s).items()}
+        static = dashboard.compose(list(dashboard.figures(s).values()), title="final")
+    finally:
+        s.close()
+    real = Trace.load(DATA / "trace_3b_cast_b4.json.gz")
+    synthetic = Trace.load(DATA / "synthetic_step.trace.json")
+    return {**all_figures(session_figures), **timelines, **dash, "dashboard static": static,
+            "recorded memory": viz.memory(real.counters_dataframe()),
+            "synthetic buffers": viz.buffers(synthetic.slots_dataframe())}
+
+
+def test_in_every_figure_distinct_legend_names_have_distinct_colours(every_figure):
+    for name, fig in every_figure.items():
+        by_legend: dict[str, dict[str, str]] = {}
+        for t in fig.data:
+            c = _colour(t)
+            assert c, (name, t.name)  # nothing left to plotly's default cycle
+            by_legend.setdefault(t.legend or "legend", {}).setdefault(t.name, c)
+        for legend, colours in by_legend.items():
+            assert len(set(colours.values())) == len(colours), (name, legend, colours)
+
+
+def test_a_category_has_one_colour_across_every_figure(every_figure):
+    seen: dict[str, set] = {}
+    for name, fig in every_figure.items():
+        for t in fig.data:
+            seen.setdefault(t.name, set()).add(_colour(t))
+    assert {n: c for n, c in seen.items() if len(c) > 1} == {}
+    assert seen[palette.WAIT_LABEL] == {palette.WAIT_COLOR} and seen["stalls"] == {palette.STALL_COLOR}
+
+
+def test_waits_and_stalls_are_drawn_unlike_work(timelines):
+    fig = timelines["recorded H200"]
+    work = {t.marker.color for t in fig.data if t.type == "bar" and t.legendgroup != "wait"}
+    (wait,) = [t for t in fig.data if t.legendgroup == "wait"]
+    assert wait.marker.pattern.shape == palette.WAIT_PATTERN and wait.marker.color not in work
+    assert all(not t.marker.pattern.shape for t in fig.data if t.type == "bar" and t.legendgroup != "wait")
+    assert palette.STALL_COLOR not in work and palette.WAIT_COLOR != palette.STALL_COLOR
+
+
+def test_every_memory_category_has_its_own_colour_and_words():
+    """The planner's, the store's and the counters' categories: one colour per category (label), never shared."""
+    p = plan(SHAPE_3B, batch=4, seq=4096)
+    keys = set(p.host_bytes) | set(p.device_bytes) | {"weights", "grads", "resident", "activations",
+                                                      "host_rss_bytes", "pinned_in_use_bytes"}
+    keys |= {"master", "grad", "exp_avg", "exp_avg_sq", "shadow"}
+    assert keys <= set(palette.MEMORY_COLORS) and keys <= set(palette.MEMORY_LABELS)
+    by_label: dict[str, set] = {}
+    for k in palette.MEMORY_COLORS:
+        by_label.setdefault(palette.MEMORY_LABELS[k], set()).add(palette.MEMORY_COLORS[k])
+    assert all(len(c) == 1 for c in by_label.values()), by_label  # a category's keys agree
+    colours = [next(iter(c)) for c in by_label.values()]
+    assert len(colours) == len(set(colours))  # and no two categories share one
+    cmap = palette.color_map(sorted(keys), palette.MEMORY_LABELS, palette.MEMORY_COLORS)
+    assert cmap[palette.MEMORY_LABELS["activations_kept"]] != cmap[palette.MEMORY_LABELS["master_fp32"]]
+    assert cmap[palette.MEMORY_LABELS["resident_state"]] != cmap[palette.MEMORY_LABELS["head_slots"]]

@@ -43,7 +43,7 @@ def test_model_shape_moe():
 
 
 def test_host_bytes_per_param_is_14_plus_fp32_embedding_grads():
-    p = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30)
+    p = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30, grad_ring=False)  # slabs
     n, e = p.shape["n_params"], 152064 * 3584
     dE = 4096 * 3584 * 2  # the engine's buffer of the embedding rows' grads (bf16), pinned at its size (whole pages)
     rt = 2 << 30  # H200.host_runtime_bytes: the process's RSS beyond these buffers (CUDA context, torch)
@@ -52,7 +52,10 @@ def test_host_bytes_per_param_is_14_plus_fp32_embedding_grads():
     assert sum(p.host_bytes.values()) == 14 * 7_615_616_512 + 2 * e + (2 << 30) + dE + rt
     # bench/results/h200-2026-11-29-host-path.jsonl: host_bytes_per_param 14.14 (7B) and 14.2 (3B), from HostStore
     assert round(p.host_bytes_per_param, 2) == 14.14
-    assert round(plan(QWEN25_3B, batch=1, seq=4096).host_bytes_per_param, 2) == 14.2
+    assert round(plan(QWEN25_3B, batch=1, seq=4096, grad_ring=False).host_bytes_per_param, 2) == 14.2
+    ring = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30)  # Note: [Gradient ring]: 3 of the largest unit
+    assert ring.host_bytes["grads"] == 4 * e + 3 * 2 * max(ring.shape["params_per_layer"], ring.shape["head_params"])
+    assert plan(QWEN25_7B, batch=1, seq=4096, grad_clip=True).host_bytes["grads"] == 2 * n + 2 * e  # clip: slabs
     assert p.fits_host and p.fits_device
     # the default staging pool: 2 GiB with pageable slabs (every load is packed), 512 MiB with pinned ones (config.pinned_budget)
     assert plan(QWEN25_7B, batch=1, seq=4096).host_bytes["pinned_pool"] == 2 << 30
@@ -203,8 +206,9 @@ def test_copies_beside_each_other_run_at_the_in_step_rates(monkeypatch):
 
 
 def test_cast_on_device_moves_fp32_and_casts_nothing_on_the_host():
-    plain, pin, cast = (plan(QWEN25_3B, batch=1, seq=4096, **kw)
+    plain, pin, cast = (plan(QWEN25_3B, batch=1, seq=4096, grad_ring=False, **kw)  # slabs: unpacked grads
                         for kw in ({}, dict(pin_store=True), dict(cast_on_device=True)))
+    assert plan(QWEN25_3B, batch=1, seq=4096).layer_ms["unpack"] == 0.0  # the ring: one DMA (Note: [Gradient ring])
     P, n, V, h = 77_076_992, 3_085_938_688, 151936, 2048
     # PCIe: fp32 weights, twice the bytes of the bf16 copy; grads still come back in bf16
     assert cast.layer_ms["h2d"] == pytest.approx(P * 4 / 55.1e6) == pytest.approx(2 * pin.layer_ms["h2d"])
@@ -503,7 +507,7 @@ def test_optimizer_state_host_bytes_qwen25_7b():
     from megatrain_nb.host.compact_state import bytes_per_param
 
     n, e = 7_615_616_512, 152064 * 3584
-    b = {k: plan(QWEN25_7B, batch=1, seq=4096, optimizer_state=k) for k in ("fp32", "int8", "int4")}
+    b = {k: plan(QWEN25_7B, batch=1, seq=4096, optimizer_state=k, grad_ring=False) for k in ("fp32", "int8", "int4")}
     assert b["fp32"].host_bytes["adam_moments"] == 8 * n and round(b["fp32"].host_bytes_per_param, 2) == 14.14
     for k in ("int8", "int4"):  # the embedding keeps fp32 moments; the rest: ~bytes_per_param, plus norms and k/v biases
         rest = (b[k].host_bytes["adam_moments"] - 8 * e) / (n - e)

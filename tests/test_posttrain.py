@@ -102,6 +102,8 @@ LOSSES = {  # name -> (fields kind, fn)
     **{f"grpo_{t}": ("grpo", functools.partial(losses.grpo, loss_type=t)) for t in losses.LOSS_TYPES},
     **{f"grpo_{t}_kl": ("grpo", functools.partial(losses.grpo, loss_type=t, beta=0.04, epsilon_high=0.28))
        for t in losses.LOSS_TYPES},
+    "grpo_grpo_kl_unweighted": ("grpo", functools.partial(losses.grpo, beta=0.04, epsilon_high=0.28,
+                                                           kl_ratio_weighted=False)),
     "kto": ("kto", functools.partial(losses.kto, beta=0.5)),
     "entropy": ("", entropy_bonus),
 }
@@ -201,11 +203,11 @@ class FrozenReference:
     """A reference weights source (Note: [Weights source]): a copy of the session's weights when made."""
 
     def __init__(self, s):
-        from megatrain_nb.inference import _run
+        from megatrain_nb.step.between_steps import run_pass
 
         e = s.engine
         self.embed = s.store.units[-1].layout.views(s.store.units[-1].master.clone())
-        self.units = _run(s, lambda: [e.weights_copy(i) for i in range(e.L + 1)])
+        self.units = run_pass(s.engine, s._driver, lambda: [e.weights_copy(i) for i in range(e.L + 1)])
 
     def stream(self, engine, head: bool):
         yield -1, self.embed
@@ -260,7 +262,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("name", ["dpo", "grpo_grpo_kl", "kto", "entropy"])
+@pytest.mark.parametrize("name", ["dpo", "grpo_grpo_kl", "grpo_grpo_kl_unweighted", "kto", "entropy"])
 def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path):
     family = "llama_tied" if name == "kto" else "llama"
     d = hf_dir(family)
@@ -274,7 +276,10 @@ def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path
         batch = make_batch()
         batch |= fields(kind, batch, load_reference(d, s.arch.model.config._attn_implementation))
         r = s.step(batch, loss=fn)
-        assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn)
+        # Adam's first step divides by |g| + eps: where a k_proj gradient is near eps, fp32 noise in g moves the
+        # update; the ratio-weighted KL's extra term (k3 * grad logp) roughly doubles that noise (2.1e-5 seen)
+        tol = 5e-5 if name == "grpo_grpo_kl" else TOL
+        assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn, tol=tol)
     finally:
         s.close()
 

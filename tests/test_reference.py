@@ -10,7 +10,7 @@ from conftest import make_batches
 
 
 def _logits(s, ids, *, ref: bool) -> torch.Tensor:
-    """Forward only, as inference._loss_sum runs it: (B, T, V) fp32 logits from the reference's or the policy's
+    """Forward only, as inference.evaluate runs it: (B, T, V) fp32 logits from the reference's or the policy's
     weights; the reference as a weights source (Note: [Weights source] in inference.py: the embedding table first)."""
     eng, arch = s.engine, s.arch
 

@@ -41,11 +41,6 @@ def _segment_inode(s) -> str:
     return "not mapped"
 
 
-def _pss() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-
-
 _spawn = spawn_ranks  # conftest: fn(rank, world, tmp, *args) in spawned processes, exit codes back
 
 
@@ -273,22 +268,81 @@ def test_share_host_store_false_keeps_a_store_per_rank_and_one_process_shares_no
 BIG = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=4)  # 41M params: 660 MB store
 
 
-def _bytes_rank(rank: int, world: int, tmp: Path, d: Path, share: bool) -> None:
-    """This rank's proportional set size (PSS: shared pages split among their mappers) grown by a Session."""
-    from megatrain_nb import Session
+def _page_runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pages under address ranges [lo, hi), merged into runs [first, last + 1) of page numbers."""
+    page, runs = os.sysconf("SC_PAGE_SIZE"), []
+    for lo, hi in sorted((lo // page, -(-hi // page)) for lo, hi in ranges if hi > lo):
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], hi)
+        else:
+            runs.append([lo, hi])
+    return [tuple(r) for r in runs]
 
-    from transformers import LlamaForCausalLM  # noqa: F401  imported before: its code is not the store
+
+def _resident_private(ranges: list[tuple[int, int]]) -> int:
+    """Bytes of the pages under ``ranges`` that are in RAM and this process's alone (/proc/self/pagemap:
+    bit 63 present, bit 61 a file or shared page): what these ranges add to the machine for this process."""
+    import numpy as np
+
+    page, n = os.sysconf("SC_PAGE_SIZE"), 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for lo, hi in _page_runs(ranges):
+            f.seek(lo * 8)
+            e = np.frombuffer(f.read((hi - lo) * 8), dtype=np.uint64)
+            n += int((((e >> np.uint64(63)) & np.uint64(1)) & ~((e >> np.uint64(61)) & np.uint64(1))).sum())
+    return n * page
+
+
+def _mapping_pss(ptr: int) -> int:
+    """PSS of the mapping holding address ``ptr`` (/proc/self/smaps): its resident pages, each split among
+    the processes mapping it, so the ranks' values add up to the pages once."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "Pss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def _store_host_bytes(store) -> int:
+    """Host RAM this process's store holds, its share of the shared segment included: the resident private
+    pages of its tensors (masters, grads, moments, shadows) outside the segment, plus the segment's PSS."""
+    shared = store.shared
+    ranges = []
+    for u in store.units.values():
+        for kind in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow"):
+            t = getattr(u, kind)
+            if t is not None and not (shared is not None and shared.holds(t)):
+                ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    first = store.units[store.order[0]].master
+    assert shared is None or shared.holds(first)
+    seg = 0 if shared is None else _mapping_pss(first.data_ptr())
+    return _resident_private(ranges) + seg
+
+
+def _bytes_rank(rank: int, world: int, tmp: Path, d: Path, share: bool) -> None:
+    """The host bytes of this rank's store after two steps: its private pages and its PSS share of the segment."""
+    import torch.distributed as dist
+
+    from megatrain_nb import Session
 
     torch.set_num_threads(1)
     _join(rank, world, tmp)
-    before = _pss()
-    s = Session.from_pretrained(d, **BASE, placement="host", share_host_store=share,
-                                pinned_budget_bytes=4 << 20, transfer_chunk_bytes=1 << 20)  # staging: 4 MiB
+    s = Session.from_pretrained(d, **BASE, placement="host", share_host_store=share, grad_ring=False,  # slabs in
+                                pinned_budget_bytes=4 << 20, transfer_chunk_bytes=1 << 20)  # each case; staging: 4 MiB
+    assert (s.store.shared is not None) == (share and world > 1)
     b = _batches(world)
     for k in range(2):
         s.step(_shard(b[k], rank, world))
     s.engine.drain()
-    (tmp / f"bytes{rank}.txt").write_text(f"{_pss() - before} {s.store.bytes_report()['total']}")
+    dist.barrier()  # every rank maps the segment while each reads its PSS share of it
+    held = _store_host_bytes(s.store)
+    dist.barrier()  # and none unmaps before all have read
+    (tmp / f"bytes{rank}.txt").write_text(f"{held} {s.store.bytes_report()['total']}")
     s.close()
 
 
@@ -299,12 +353,26 @@ def _machine_bytes(world: int, tmp: Path, d: Path, share: bool) -> tuple[int, in
     return sum(g[0] for g in got), got[0][1]
 
 
+def test_store_host_bytes_count_private_pages_once_and_a_shared_mapping_once_over_its_mappers(tmp_path):
+    x = torch.ones(1 << 20)  # 4 MiB, written: resident
+    assert _resident_private([(x.data_ptr(), x.data_ptr() + (4 << 20))] * 2) >= (4 << 20) - 8192  # once
+    assert _resident_private([(x.data_ptr(), x.data_ptr() + (2 << 20))]) < (3 << 20)
+    path = tmp_path / "seg"
+    path.write_bytes(b"\0" * (1 << 20))
+    a = torch.from_file(str(path), shared=True, size=1 << 20, dtype=torch.uint8)
+    b = torch.from_file(str(path), shared=True, size=1 << 20, dtype=torch.uint8)
+    a.fill_(1)
+    b.fill_(2)
+    assert _resident_private([(a.data_ptr(), a.data_ptr() + (1 << 20))]) == 0  # file pages are not private
+    assert _mapping_pss(a.data_ptr()) + _mapping_pss(b.data_ptr()) <= (1 << 20) + 8192  # two mappers: once
+
+
 def test_two_ranks_sharing_take_about_one_stores_host_bytes_not_two(hf_dir, tmp_path):
     d = hf_dir("llama", **BIG)
     one, store = _machine_bytes(1, tmp_path / "one", d, True)
     two, _ = _machine_bytes(2, tmp_path / "two", d, True)
-    assert one > 0.9 * store, (one, store)  # the store is what one process adds
-    assert two < 1.3 * one, f"2 ranks sharing added {two / 2**20:.0f} MiB, one process {one / 2**20:.0f} MiB"
+    assert one > 0.9 * store, (one, store)  # the store is in RAM, and this measures it
+    assert two < 1.3 * one, f"2 ranks sharing hold {two / 2**20:.0f} MiB, one process {one / 2**20:.0f} MiB"
     private, _ = _machine_bytes(2, tmp_path / "private", d, False)
     assert private > 1.8 * one, f"share_host_store=False: {private / 2**20:.0f} MiB, one process {one / 2**20:.0f}"
 

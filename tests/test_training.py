@@ -7,6 +7,7 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 
 from conftest import make_config
 from megatrain_nb import Session
@@ -154,7 +155,7 @@ def test_dashboard_is_refreshed_throttled_in_jupyter(session, monkeypatch):
     assert draws == [1, 2, 3, 4, 4]  # every step (refresh_s=0), then the final state
     draws.clear()
     train(session, batches(), steps=4, refresh_s=3600.0)
-    assert draws == [8]  # only the final draw: refreshes are throttled
+    assert draws == [5, 8]  # the first step at once, then only the final draw: refreshes are throttled
 
 
 def test_a_failing_dashboard_never_stops_training(session, monkeypatch):
@@ -196,3 +197,33 @@ def test_steps_run_on_one_driver_thread_that_close_ends(session):
     assert not threads[0].is_alive()
     with pytest.raises(RuntimeError, match=r"Session is closed .*Session.resume"):
         session.step(next(batches()))
+
+
+def test_in_jupyter_the_bar_sits_in_the_dashboard_and_a_static_figure_replaces_it_at_the_end(session, monkeypatch):
+    """The real Dashboard: the run's bar under its header, drawn after the first step, and after the last (or
+    after a step that raised) its display is updated to the static figure, which a saved notebook keeps."""
+    from megatrain_nb import training
+    import megatrain_nb.view.dashboard as dashboard_mod
+
+    shown, dashes = [], []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(obj)
+
+    def display(self):
+        self._handle = Handle()
+        dashes.append(self)
+
+    monkeypatch.setattr(training, "in_jupyter", lambda: True)
+    monkeypatch.setattr(dashboard_mod, "_figure_widget", lambda: None)
+    monkeypatch.setattr(dashboard_mod.Dashboard, "display", display)
+    train(session, batches(), steps=3, refresh_s=3600.0)
+    (d,) = dashes
+    assert d.bar is not None and d.bar.n == 3 and d._progress.children == (d.bar.container,)
+    (final,) = shown
+    assert isinstance(final, dashboard_mod.StaticDashboard) and "3 of 3 this run" in final.figure.layout.title.text
+    bad = [{"input_ids": torch.zeros(2, 8, dtype=torch.long)}] * 2 + [{"input_ids": "not a tensor"}]
+    with pytest.raises((TypeError, ValueError)):
+        train(session, bad, steps=3, refresh_s=0.0)
+    assert len(shown) == 2 and "2 of 3 this run" in shown[-1].figure.layout.title.text  # the steps that ran

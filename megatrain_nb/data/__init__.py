@@ -6,7 +6,7 @@ Owns: what the trainer eats, batches of ``{"input_ids", "labels"[, "position_ids
 the demo model's config. Does not own: models, devices or the step. The public names live here:
 ``megatrain_nb.data.synthetic_batches``, ``sft_batches``, ``jsonl_batches``, ``preference_batches``, ``IGNORE``.
 """
-from .batches import _TOKENIZER_FILES, IGNORE, KINDS, SftBatches, jsonl_batches, sft_batches, synthetic_batches  # noqa: F401
+from .batches import TOKENIZER_FILES, IGNORE, KINDS, SftBatches, jsonl_batches, sft_batches, synthetic_batches  # noqa: F401
 from .preference import PreferenceBatches, preference_batches  # noqa: F401
 
 __all__ = ["synthetic_batches", "sft_batches", "jsonl_batches", "preference_batches", "SftBatches", "PreferenceBatches",

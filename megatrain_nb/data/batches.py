@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from .sft import _TOKENIZER_FILES, IGNORE, SftBatches  # noqa: F401  (IGNORE, _TOKENIZER_FILES: public here)
+from .sft import TOKENIZER_FILES, IGNORE, SftBatches  # noqa: F401  (IGNORE, TOKENIZER_FILES: public here)
 
 KINDS = ("copy", "successor")
 

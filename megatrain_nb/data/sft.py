@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 IGNORE = -100  # as data.IGNORE (HF's ignore_index); data imports this module lazily, not the reverse
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 FORMATS = {  # name -> (required string keys, how a record of it looks, for errors)
     "chat": (("messages",), '{"messages": [{"role": ..., "content": ...}, ...]}'),
     "alpaca": (("instruction", "output"), '{"instruction": ..., "input": ..., "output": ...}'),
@@ -42,7 +42,7 @@ def load_tokenizer(tokenizer):
     d = Path(tokenizer)
     if not d.is_dir():
         raise FileNotFoundError(f"tokenizer {str(d)!r}: no such directory; pass a model directory or a loaded tokenizer")
-    if not any((d / f).exists() for f in _TOKENIZER_FILES):
+    if not any((d / f).exists() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -16,26 +16,31 @@ Layout of a checkpoint directory::
     slabs-00002.safetensors    ... each file <= max_shard_bytes; a larger slab is split into pieces
                                "unit.<u>.<kind>@<start>" that state.json's index reassembles
 
-Note: [Atomic save] everything is written into ``<path>.tmp-<pid>`` and fsynced; then an existing
-``<path>`` is renamed to ``<path>.old``, the temporary directory is renamed to ``<path>``, and
-``<path>.old`` is deleted. A crash at any point leaves a complete checkpoint at ``<path>`` (old or
-new) or, between the two renames only, the previous one at ``<path>.old``, which ``resume`` then
-loads (with a warning) and the next ``save_checkpoint`` cleans up.
+Saving is atomic (Note: [Atomic save] in publish.py): ``path`` holds the old checkpoint or the new one at
+every instant (or, where the system cannot exchange two directories, the old one at ``<path>.old`` in the
+window between two renames, which ``resume`` then loads with a warning). Every file's CRC-32, folded as it
+is written (Note: [Checksum while writing] in shard_writer.py), is in ``state.json``; ``resume`` verifies it
+before allocating anything, and refuses non-finite weights or moments and a negative second moment.
 """
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
+import gc
 import json
 import os
 import random
 import shutil
+import traceback
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
 
-from . import compact_state
+from . import compact_state, publish, shard_writer
+from .collective_save import device_counts_elsewhere, one_writer
 
 FORMAT = "megatrain_nb.checkpoint"
 VERSION = 1
@@ -44,13 +49,18 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 MAX_SHARD_BYTES = 2 << 30
 
 
+@one_writer("checkpoint", alone=device_counts_elsewhere)  # data parallel: rank 0 writes (Note: [One writer])
 def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write everything needed to continue training ``session`` exactly where it is.
 
     Waits for pending host Adam updates first (``engine.drain``), so the saved masters are those the
-    next step would read. Atomic (see Note: [Atomic save]): ``path`` holds the previous checkpoint
-    until the new one is complete.
+    next step would read. Atomic (Note: [Atomic save] in publish.py): the files go into
+    ``<path>.tmp-<pid>``, are fsynced, and replace ``path`` in one exchange once complete; a killed or
+    failed save leaves the previous checkpoint whole, and the next save removes the dead process's
+    temporary directory. Each file's CRC-32 is recorded in ``state.json`` for ``resume`` to verify.
+    Under data parallel every rank, or rank 0 alone, may call it: rank 0 writes, the others return
+    once it is complete (Note: [One writer] in host/collective_save.py).
 
     Args:
         session: a ``Session`` between steps.
@@ -62,38 +72,35 @@ def save_checkpoint(session, path: str | os.PathLike, *, data_state: dict | None
         The checkpoint directory as a Path.
     Raises:
         ValueError: ``max_shard_bytes`` < 1 MiB, or ``data_state`` is not JSON-able.
-        OSError: the disk refused a write; ``path`` is then untouched.
+        OSError: the disk refused a write (full: ENOSPC) or another I/O error; the message names ``path``
+            and the bytes the checkpoint needs. ``path`` and the session are untouched (the next step and
+            the next save work) and the temporary directory is removed.
+        RuntimeError: data parallel only: rank 0 alone where another rank's GPU holds some state, or
+            rank 0's write failed (on the other ranks); docs/distributed.md, "Saving".
     Example:
         >>> save_checkpoint(s, "ckpt/run1")            # doctest: +SKIP
         >>> s = Session.resume("ckpt/run1")              # doctest: +SKIP
     """
     if max_shard_bytes < (1 << 20):
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: use at least 1 MiB")
-    from ..step.distributed import barrier, world
-
     path = Path(path)
     session.engine.drain()  # host wait: every finished step's updates are in the masters
-    if getattr(session.store, "shared", None) is not None:  # the owners' step counts of "device" units too
-        barrier(f"saving checkpoint {str(path)!r} (the shared host store's owners write back)")
-    if world()[0] != 0:  # data parallel: every rank holds the same state; rank 0 writes it
-        barrier(f"saving checkpoint {str(path)!r} (rank 0 writes it)")
-        return path
     if data_state is None:
         data_state = getattr(session, "data_state", None)
     state = _state(session, data_state)  # before any file: a non-JSON-able field fails here
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # our own leftover from an earlier failed save
-    tmp.mkdir(parents=True)
+    tmp = None
     try:
-        state["files"], state["tensors"] = _write_slabs(session.store, tmp, max_shard_bytes)
+        tmp = publish.temp_dir(path)
+        state["files"], state["tensors"], state["crc32"] = _write_slabs(session.store, tmp, max_shard_bytes)
         _write_json(tmp / STATE, state)
-        _fsync_dir(tmp)
-        _publish(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    barrier(f"saving checkpoint {str(path)!r}")  # the other ranks return once it is complete
+        publish.publish(tmp, path)
+    except OSError as e:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # first, so that the message says what is free without it
+        raise publish.save_error(e, path, _needed(session.store), "the checkpoint") from e
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save's files (or the old copy, if its delete failed)
     return path
 
 
@@ -122,25 +129,68 @@ def resume(path: str | os.PathLike, *, make, **overrides):
     """
     path = _locate(Path(path))
     state = _read_state(path)
-    config = _config(state)
-    settings = {**_settings(state["optim_cfg"]), **_settings(state["engine_cfg"]), **overrides}
+    _verify(path, state)  # every byte, before anything is allocated
+    with _field(path, "config"):
+        config = _config(state)
+    with _field(path, "optim_cfg / engine_cfg"):
+        settings = {**_settings(state["optim_cfg"]), **_settings(state["engine_cfg"]), **overrides}
+    with _field(path, "rng"):
+        rng = _check_rng(state["rng"])
+    with _field(path, "history"):
+        history = _history(state["history"])
     session = make(config, _init=lambda store: _load_slabs(store, path, state), **settings)
-    for u in session.store.order:
-        session.optim.set_steps_done(u, state["unit_steps"][str(u)])
-    _set_engine_steps(session.engine, state["steps_done"])
-    if state.get("keep") is not None and not set(overrides) & {f.name for f in dataclasses.fields(session.engine_cfg)}:
-        session.engine.keep = list(state["keep"])  # the same activation policy, so the same kernels run
-        if state.get("placement_free_bytes") is not None:  # and the same placement (Note: [Placement])
-            from ..machine.placement import Search
+    try:  # a failure from here closes the half-built session: its threads, its store
+        with _field(path, "unit_steps / steps_done / keep"):
+            for u in session.store.order:
+                session.optim.set_steps_done(u, int(state["unit_steps"][str(u)]))
+            _set_engine_steps(session.engine, int(state["steps_done"]))
+            engine_fields = {f.name for f in dataclasses.fields(session.engine_cfg)}
+            if state.get("keep") is not None and not set(overrides) & engine_fields:
+                session.engine.keep = list(state["keep"])  # the same activation policy, so the same kernels run
+                if state.get("placement_free_bytes") is not None:  # and the same placement (Note: [Placement])
+                    from ..machine.placement import Search
 
-            session.engine.device_updates.search = Search.done_with(state["placement_free_bytes"])
-    _set_rng(state["rng"])
-    session.history = _history(state["history"])
-    if hasattr(session, "skipped_steps"):
-        session.skipped_steps = state.get("skipped_steps", 0)
-    session.data_state = state.get("data_state")
-    session.store.refresh_shadow()
+                    session.engine.device_updates.search = Search.done_with(int(state["placement_free_bytes"]))
+        session.history = history
+        if hasattr(session, "skipped_steps"):
+            session.skipped_steps = int(state.get("skipped_steps", 0))
+        session.data_state = state.get("data_state")
+        session.store.refresh_shadow()
+        _set_rng(rng)  # last: a failed resume leaves this process's RNG as it was
+    except BaseException as e:
+        session.close()
+        _drop_frames(e)
+        del session  # this frame stays in the traceback: let it not hold the session
+        gc.collect()  # the engine and its threads hold the session in cycles: free its store now
+        raise
     return session
+
+
+def _drop_frames(e: BaseException) -> None:
+    """Clear the locals of the finished frames in ``e``'s tracebacks (and its causes'), which would keep a closed
+    session's store alive as long as the exception is (a notebook keeps the last one)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # the running frames (this one, the caller's) are left as they are
+        e = e.__cause__ or e.__context__
+
+
+class _field:
+    """Context: a malformed state.json field raises ValueError naming the file and the field."""
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is not None and issubclass(kind, (KeyError, TypeError, ValueError, AttributeError, IndexError,
+                                                  RuntimeError, binascii.Error, OverflowError)):
+            raise ValueError(f"{self.path / STATE}: field {self.name} is malformed ({kind.__name__}: {value}); the "
+                             "file is corrupt: resume an earlier checkpoint") from value
+        return False
 
 
 # ---- state.json ----------------------------------------------------------------------------
@@ -216,7 +266,7 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8)
 
 
 def _get_rng() -> dict:
@@ -227,12 +277,23 @@ def _get_rng() -> dict:
     return {"torch": _b64(torch.get_rng_state()), "cuda": cuda, "python": [v, list(internal), gauss]}
 
 
+def _check_rng(rng: dict) -> dict:
+    """The RNG states decoded and tried on throwaway generators (raises what a malformed one raises)."""
+    out = {"torch": _unb64(rng["torch"]), "python": rng["python"],
+           "cuda": [_unb64(s) for s in rng["cuda"]] if rng.get("cuda") else None}
+    torch.Generator().set_state(out["torch"])
+    v, internal, gauss = out["python"]
+    out["python"] = (v, tuple(internal), gauss)
+    random.Random().setstate(out["python"])
+    return out
+
+
 def _set_rng(rng: dict) -> None:
-    torch.set_rng_state(_unb64(rng["torch"]))
-    v, internal, gauss = rng["python"]
-    random.setstate((v, tuple(internal), gauss))
+    """Restore states checked by ``_check_rng``."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
     if rng.get("cuda") and torch.cuda.is_available():
-        states, n = [_unb64(s) for s in rng["cuda"]], torch.cuda.device_count()
+        states, n = rng["cuda"], torch.cuda.device_count()
         if len(states) != n:
             warnings.warn(f"checkpoint holds CUDA RNG states of {len(states)} devices, this machine has {n}; "
                           f"restoring the first {min(len(states), n)}")
@@ -251,13 +312,12 @@ def _set_engine_steps(engine, n: int) -> None:
 
 
 # ---- slabs -----------------------------------------------------------------------------------
-def _write_slabs(store, out: Path, max_bytes: int) -> tuple[dict, dict]:
+def _write_slabs(store, out: Path, max_bytes: int) -> tuple[dict, dict, dict]:
     """Write every unit's slabs as flat fp32 pieces into files of <= max_bytes.
 
-    Returns (files: name -> bytes on disk, tensors: "unit.<u>.<kind>" -> [[file, key, start, numel]]).
+    Returns (files: name -> bytes on disk, tensors: "unit.<u>.<kind>" -> [[file, key, start, numel]],
+    crc32: name -> CRC-32 of the file's bytes, folded as they were written).
     """
-    from safetensors.torch import save_file
-
     per = max_bytes // 4  # fp32 elements per file
     files: list[dict] = [{}]
     size = 0
@@ -274,20 +334,22 @@ def _write_slabs(store, out: Path, max_bytes: int) -> tuple[dict, dict]:
                     files.append({})
                     size = 0
                 key = name if (a, b) == (0, flat.numel()) else f"{name}@{a}"
-                files[-1][key] = flat[a:b]  # a view: no copy; safetensors writes from its memory
+                files[-1][key] = flat[a:b]  # a view: no copy; the writer writes from its memory
                 size += b - a
                 index[name].append([len(files) - 1, key, a, b - a])
     names = [f"slabs-{k + 1:05d}.safetensors" for k in range(len(files))]
-    sizes = {}
+    sizes, crcs = {}, {}
     for name, tensors in zip(names, files):
-        f = out / name
-        save_file(tensors, str(f), metadata={"format": "pt"})
-        _fsync(f)
-        sizes[name] = f.stat().st_size
+        sizes[name], crcs[name] = shard_writer.write_file(out / name, list(tensors.items()))
     for pieces in index.values():
         for p in pieces:
             p[0] = names[p[0]]
-    return sizes, index
+    return sizes, index, crcs
+
+
+def _needed(store) -> int:
+    """Bytes of a checkpoint's slab files (headers and state.json aside)."""
+    return sum(getattr(store.units[u], k).numel() * 4 for u in store.order for k in KINDS)
 
 
 def _load_slabs(store, path: Path, state: dict) -> None:
@@ -342,6 +404,48 @@ def _load_slabs(store, path: Path, state: dict) -> None:
             getattr(unit, kind).copy_(fp32)
         else:
             compact_state.quantize_into(getattr(unit, kind), unit.compact, k, fp32)
+    for u in store.order:
+        _check_values(store.units[u], path)
+
+
+CHECK_CHUNK = 1 << 24  # elements a check reads at a time (its temporaries: a few bytes each)
+
+
+def _check_values(unit, path: Path) -> None:
+    """Refuse NaN / inf in a unit's master or moments and a negative second moment, naming the tensor. A compact
+    moment (Note: [Compact slab]) is checked where its fp32 words are numbers: the block scales (finite, >= 0:
+    absolute maxima) and the kept fp32 positions; its codes are indices into a map, any byte valid."""
+    parts = {"master": (unit.master, 0)}
+    for k, kind in enumerate(KINDS[1:]):
+        slab = getattr(unit, kind)
+        if unit.compact is None:
+            parts[kind] = (slab, 0)
+        else:
+            _, scales, kept = compact_state.parts(slab, unit.compact)
+            parts[f"{kind} (block scales)"] = (scales, None)
+            parts[f"{kind} (kept fp32 positions)"] = (kept, None)
+    for label, (t, base) in parts.items():
+        negative_bad = label.startswith("exp_avg_sq") or "scales" in label
+        for a in range(0, t.numel(), CHECK_CHUNK):
+            x = t[a:a + CHECK_CHUNK]
+            bad = ~torch.isfinite(x)
+            if negative_bad:
+                bad |= x < 0
+            if bad.any():
+                i = a + int(bad.nonzero()[0])  # the first bad element
+                what = "negative" if torch.isfinite(t[i]) else str(float(t[i]))
+                where = f" in {_tensor_at(unit, i)}" if base is not None else ""
+                raise ValueError(f"{path}: unit {unit.layer}'s {label} holds {what} values (first at element {i}"
+                                 f"{where}); the run had diverged when it was saved, or the file was damaged: resume "
+                                 "an earlier checkpoint")
+
+
+def _tensor_at(unit, i: int) -> str:
+    """The checkpoint name of the tensor at flat position ``i`` of a unit's slab."""
+    for name, off, n in unit.tensors():
+        if off <= i < off + n:
+            return name
+    return f"position {i}"
 
 
 def _saved_layouts(store, state: dict) -> dict:
@@ -381,6 +485,8 @@ def _read_state(path: Path) -> dict:
                            "history", "files", "tensors") if k not in state]
     if missing:
         raise ValueError(f"{f} lacks {missing}; the file is corrupt")
+    if not isinstance(state["files"], dict) or not isinstance(state.get("crc32", {}), dict):
+        raise ValueError(f"{f}: field files / crc32 is malformed; the file is corrupt: resume an earlier checkpoint")
     for name, size in state["files"].items():
         p = path / name
         if not p.is_file():
@@ -391,41 +497,23 @@ def _read_state(path: Path) -> dict:
     return state
 
 
+def _verify(path: Path, state: dict, chunk: int = 16 << 20) -> None:
+    """Each file's CRC-32 against the one state.json recorded (checkpoints written before checksums: none)."""
+    crcs = state.get("crc32") or {}
+    buf = bytearray(chunk)
+    for name in state["files"]:
+        if name not in crcs:
+            continue
+        crc, view = 0, memoryview(buf)
+        with open(path / name, "rb") as fh:
+            while n := fh.readinto(buf):
+                crc = zlib.crc32(view[:n], crc)
+        if crc != crcs[name]:
+            raise ValueError(f"{path / name} is corrupt: its CRC-32 is {crc:#010x}, {STATE} recorded {crcs[name]:#010x} "
+                             "(bytes changed on disk or in a copy); resume an earlier checkpoint, or save again from "
+                             "a live session")
+
+
 # ---- files -----------------------------------------------------------------------------------
 def _write_json(f: Path, obj) -> None:
-    f.write_text(json.dumps(obj, indent=1))
-    _fsync(f)
-
-
-def _fsync(f: Path) -> None:
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(d: Path) -> None:
-    """Make renames and new entries in ``d`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Replace ``path`` by ``tmp``; see Note: [Atomic save]."""
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        if old.exists():
-            shutil.rmtree(old)  # a leftover of a save that completed its renames: path is complete
-        os.rename(path, old)
-    # else: an existing .old is the only complete checkpoint until the next rename; keep it till then
-    os.rename(tmp, path)
-    _fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    f.write_text(json.dumps(obj, indent=1))  # fsynced with the directory by publish.publish

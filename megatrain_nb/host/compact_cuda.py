@@ -126,5 +126,5 @@ def update(lay: cs.Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v:
         p, g, mc, ms, vc, vs, qm, qv, p if kept is None else kept, p if found_inf is None else found_inf, bc, lay.n,
         lr, 1 - b1, 1 - b2, eps, lr * weight_decay, grad_scale, BITS=cs.BITS[kind], B=B, NQ=NQ,
         LOG=NQ.bit_length() - 1, KEPT=kept is not None, FOUND=found_inf is not None)
-    cs._fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+    cs.fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                    step=step - (1 if found_inf is None else 1 - found_inf), grad_scale=grad_scale, found_inf=found_inf)

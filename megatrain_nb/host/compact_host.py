@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .compact_state import BITS, BLOCK, Layout, _codes_of, _fp32_spans, parts, qmaps, update_torch
+from .compact_state import BITS, BLOCK, Layout, codes_of, fp32_spans, parts, qmaps, update_torch
 
 _lib = None
 _lib_lock = threading.Lock()
@@ -92,7 +92,7 @@ def _key_of(x: torch.Tensor) -> torch.Tensor:
 
 
 def _thresholds(q: torch.Tensor) -> torch.Tensor:
-    """(N - 1,) fp32: t[c] the least float in (q[c], q[c+1]] that ``_codes_of`` sends to c + 1, found by
+    """(N - 1,) fp32: t[c] the least float in (q[c], q[c+1]] that ``codes_of`` sends to c + 1, found by
     bisection in float order; Note: [Code by threshold count] in compact_kernel.c."""
     lo, hi = _key_of(q[:-1]), _key_of(q[1:])  # the rule is false at q[c], true at q[c+1]
     half = (q[1:] - q[:-1]) * 0.5
@@ -102,9 +102,9 @@ def _thresholds(q: torch.Tensor) -> torch.Tensor:
         hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid)
     t = _float_of_key(hi)
     codes = torch.arange(1, q.numel())
-    if not (torch.equal(_codes_of(t, q).long(), codes)
-            and torch.equal(_codes_of(torch.nextafter(t, torch.tensor(-math.inf)), q).long(), codes - 1)):
-        raise RuntimeError("compact optimizer state: the map's thresholds disagree with _codes_of")
+    if not (torch.equal(codes_of(t, q).long(), codes)
+            and torch.equal(codes_of(torch.nextafter(t, torch.tensor(-math.inf)), q).long(), codes - 1)):
+        raise RuntimeError("compact optimizer state: the map's thresholds disagree with codes_of")
     return t
 
 
@@ -119,7 +119,7 @@ def _bucket(x: torch.Tensor, lo: int, hi: int, half: int) -> tuple[torch.Tensor,
 
 def _bucket_table(q: torch.Tensor, t: torch.Tensor, lo: int, hi: int, half: int) -> torch.Tensor:
     """(2 * half,) int32 entries ``count << 17 | low`` (Note: [Code by threshold count] in compact_kernel.c),
-    checked against ``_codes_of`` on every threshold, its neighbours, the buckets' edges and random values."""
+    checked against ``codes_of`` on every threshold, its neighbours, the buckets' edges and random values."""
     kt, lowt = _bucket(t, lo, hi, half)
     edge = {0, hi - lo + 1, half, half + hi - lo + 1}  # shared buckets: no threshold may fall inside
     if len(set(kt.tolist())) != kt.numel() or edge & set(kt.tolist()):
@@ -141,8 +141,8 @@ def _bucket_table(q: torch.Tensor, t: torch.Tensor, lo: int, hi: int, half: int)
                        torch.rand(4096, generator=g) * 2 - 1, torch.exp(-30 * torch.rand(4096, generator=g))])
     k, lw = _bucket(probe, lo, hi, half)
     e = tab[k].long() & 0xFFFFFFFF
-    if not torch.equal((e >> 17) + (lw >= (e & 0x1FFFF)).long(), _codes_of(probe, q).long()):
-        raise RuntimeError("compact optimizer state: the code table disagrees with _codes_of")
+    if not torch.equal((e >> 17) + (lw >= (e & 0x1FFFF)).long(), codes_of(probe, q).long()):
+        raise RuntimeError("compact optimizer state: the code table disagrees with codes_of")
     return tab
 
 
@@ -201,5 +201,5 @@ def update_host(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, 
                       qm.data_ptr(), tm.data_ptr(), tabm.data_ptr(), qv.data_ptr(), tv.data_ptr(), tabv.data_ptr(),
                       spans.data_ptr(), len(lay.spans), lr / bc1, 1 - b1, 1 - b2, eps, lr * weight_decay, 1 / bc2s,
                       torch.get_num_threads())
-    _fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step - 1,
+    fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step=step - 1,
                 grad_scale=grad_scale)

@@ -5,7 +5,8 @@ one fp32 absmax scale per block), which positions of a unit keep fp32 moments (`
 4096 values and those the user names, by default the input embedding), how a unit's compact moment is laid
 out in its store slab (``parts``), its bytes (``moment_words``, ``bytes_per_param``), conversion from and to
 fp32 (``quantize_into``, ``dequantize``), and one AdamW step over compact moments in torch ops, ``update_torch``:
-the reference, the host's path where no C compiler is found, and on CUDA the door to ``compact_cuda``'s kernel.
+the reference, the host's path where no C compiler is found, and the device's where Triton is missing (``optim.py``
+chooses ``compact_cuda``'s kernel on CUDA when it runs).
 Does not own: when updates run, placement, streams (optim.py, device_updates.py), or the fp32 path.
 The host's kernel is ``compact_host.py``'s, the device's ``compact_cuda.py``'s; both match ``update_torch``.
 
@@ -157,7 +158,7 @@ def parts(slab: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, 
 
 # ---- torch-op codec: the device's path, the reference for the C kernel, conversions ----------------------
 
-def _codes_of(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def codes_of(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Nearest entry of sorted map ``q`` for each value of ``x`` (ties up), as torchao's quantize_*_with_qmap."""
     c = (torch.searchsorted(q, x, right=True) - 1).clamp_(0, q.numel() - 1)
     up = (c + 1).clamp_(max=q.numel() - 1)
@@ -222,7 +223,7 @@ def _quantize_blocks(x: torch.Tensor, lay: Layout, which: int, codes: torch.Tens
     xb[:b - a] = x
     xb = xb.view(-1, B)
     s = xb.abs().amax(-1).clamp_(min=1e-12)
-    c = _pack(_codes_of((xb / s.view(-1, 1)).flatten(), qmaps(lay.kind)[which].to(x.device)), bits)
+    c = _pack(codes_of((xb / s.view(-1, 1)).flatten(), qmaps(lay.kind)[which].to(x.device)), bits)
     cs = slice(k0 * B * bits // 8, k1 * B * bits // 8)
     if skip is not None:
         s, c = torch.where(skip, scales[k0:k1], s), torch.where(skip, codes[cs], c)
@@ -245,7 +246,7 @@ def quantize_into(slab: torch.Tensor, lay: Layout, which: int, x: torch.Tensor, 
         _quantize_blocks(xs, lay, which, codes, scales, k0, k1)
 
 
-def _fp32_spans(lay: Layout, p, g, m32, v32, *, lr, betas, eps, weight_decay, step, grad_scale,
+def fp32_spans(lay: Layout, p, g, m32, v32, *, lr, betas, eps, weight_decay, step, grad_scale,
                 found_inf=None) -> None:
     """Kept positions: torch's fused AdamW on their fp32 moments (``step``: the count before this step)."""
     from torch.optim.adamw import adamw
@@ -267,12 +268,6 @@ def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
         step: 0-dim fp32 step count *after* this step (as the fused kernel sees it); not changed here.
         found_inf: 0-dim fp32 on ``p``'s device; 1.0 leaves everything as it was (as the fused kernel's flag).
     """
-    if p.is_cuda:
-        from . import compact_cuda
-
-        if compact_cuda.available():  # one kernel instead of ~30 passes a chunk
-            return compact_cuda.update(lay, p, g, m, v, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       step=step, grad_scale=grad_scale, found_inf=found_inf)
     b1, b2 = betas
     t = step.double().item() if step.device.type == "cpu" else None
     if t is not None:
@@ -307,5 +302,5 @@ def update_torch(lay: Layout, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
         pi.copy_(new)
         _quantize_blocks(mi, lay, 0, mc, ms, k0, k1, skip)
         _quantize_blocks(vi, lay, 1, vc, vs, k0, k1, skip)
-    _fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+    fp32_spans(lay, p, g, m32, v32, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                 step=step - (1 if found_inf is None else 1 - found_inf), grad_scale=grad_scale, found_inf=found_inf)

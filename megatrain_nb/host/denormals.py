@@ -17,7 +17,7 @@ OpenMP threads that run that thread's parallel regions (its *pool*) are created 
 torch op, inheriting its MXCSR then (a new pthread copies its creator's floating-point environment);
 setting it later reaches the calling thread's own share of the work and none of the pool's. So each
 update thread calls ``flush_denormals`` first, before any torch op; a pool grown later by
-``torch.set_num_threads`` is created by the flushed thread and flushes too. ``bench/denormal_probe.py``
+``torch.set_num_threads`` is created by the flushed thread and flushes too. A probe in the design log
 shows both cases (on a pool made before the flush, half the elements of a 2-thread op stay
 subnormal) and measures the rates. The driver thread is left as it is: it runs no host AdamW, and
 on a "cpu" device its forward and backward must match the plain reference bit for bit.

@@ -1,7 +1,8 @@
 """Per-unit contiguous slabs in host RAM: fp32 master weights, gradients and Adam moments (fp32, or compact).
 
 Owns: allocating the slabs, filling them from safetensors (tensor by tensor, never the whole model
-twice) or a seeded random init, writing them back as a Hugging Face directory, and the byte report.
+twice) or a seeded random init, writing them back as a Hugging Face directory (atomically: publish.py),
+and the byte report.
 Does not own: devices, streams or the optimizer's arithmetic. Knows nothing of CUDA except that it
 may pin its memory.
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from . import compact_state, split_master
+from . import compact_state, grad_ring, split_master
 from ..model.binding import Layout
 from ..model.hf import Architecture, checkpoint_map, convert_to_checkpoint
 
@@ -31,7 +33,8 @@ class Unit:
     layer: int
     layout: Layout
     master: torch.Tensor  # (numel,) fp32
-    grad: torch.Tensor  # (numel,) grad dtype: fp32 for the embedding, else the compute dtype
+    grad: torch.Tensor | None  # (numel,) grad dtype: fp32 for the embedding, else the compute dtype; None: in
+    # the ring (Note: [Gradient ring] in grad_ring.py; ``HostStore.grad_of``)
     exp_avg: torch.Tensor  # (numel,) fp32, or (compact.words,) fp32 words of a compact moment
     exp_avg_sq: torch.Tensor  # likewise
     prefix: str  # checkpoint-name prefix of layout names ("model.layers.3." or "")
@@ -110,7 +113,8 @@ class HostStore:
 
     def __init__(self, arch: Architecture, *, grad_dtype: torch.dtype = torch.float32,
                  shadow_dtype: torch.dtype | None = None, pin_master: bool = False, pin_moments: bool = False,
-                 shared=None, optimizer_state: str = "fp32", keep_fp32=None):
+                 shared=None, optimizer_state: str = "fp32", keep_fp32=None, slabs: str | None = "grad_ring=False",
+                 pin_ring: bool = False):
         """
         Args:
             grad_dtype: dtype of the layer and head gradient slabs (the compute dtype).
@@ -124,6 +128,9 @@ class HostStore:
                 machine's one shared segment (pinned as a whole on CUDA); None: this process's own memory.
             optimizer_state: "fp32", "int8" or "int4": the moments' form (compact_state.py); ``keep_fp32``
                 the name patterns of tensors whose moments stay fp32 (None: the input embedding's).
+            slabs: why every unit keeps a gradient slab (``grad_ring.slab_reason``); None: the layers' and head's
+                gradients go through a ``grad_ring.GradRing`` instead (Note: [Gradient ring]); ``pin_ring``
+                page-locks its buffers (CUDA).
         """
         self.arch = arch
         self.num_layers = arch.num_layers
@@ -134,9 +141,15 @@ class HostStore:
                    for u, (layout, prefix) in layouts.items()}
         pin = shadow_dtype is not None or pin_master
         want = {}  # (unit, slab) -> (numel, dtype, pinned)
+        ringed = {} if slabs is not None else grad_ring.ring_units({u: lay.numel for u, (lay, _) in layouts.items()})
+        self.ring = None if not ringed else grad_ring.GradRing(ringed, grad_dtype, pin=pin_ring)
+        self.gradients = f"slabs: {slabs}" if self.ring is None else (
+            f"ring: {len(self.ring.bufs)} buffers of {self.ring.bufs[0].numel():,} elements "
+            f"({self.ring.nbytes / 2**20:.1f} MiB), no grad_clip, one pass; the embedding's fp32 slab stays")
         for u, (layout, _) in layouts.items():
             want[u, "master"] = (layout.numel, torch.float32, pin_master)
-            want[u, "grad"] = (layout.numel, torch.float32 if u == -1 else grad_dtype, pin and u != -1)
+            if u not in ringed:
+                want[u, "grad"] = (layout.numel, torch.float32 if u == -1 else grad_dtype, pin and u != -1)
             if shadow_dtype is not None:
                 want[u, "shadow"] = (layout.numel, shadow_dtype, True)
             words = layout.numel if compact[u] is None else compact[u].words
@@ -153,7 +166,7 @@ class HostStore:
         self.units: dict[int, Unit] = {}
         for u, (layout, prefix) in layouts.items():
             self.units[u] = Unit(layer=u, layout=layout, prefix=prefix, master=slabs[u, "master"],
-                                 grad=slabs[u, "grad"], exp_avg=slabs[u, "exp_avg"], exp_avg_sq=slabs[u, "exp_avg_sq"],
+                                 grad=slabs.get((u, "grad")), exp_avg=slabs[u, "exp_avg"], exp_avg_sq=slabs[u, "exp_avg_sq"],
                                  shadow=slabs.get((u, "shadow")), compact=compact[u])
         self.split: set[int] = set()  # units whose master slab holds [R | D] planes (Note: [Split master])
 
@@ -210,6 +223,18 @@ class HostStore:
             return unit.shadow
         return split_master.weights(unit.master) if u in self.split else unit.master
 
+    def grad_of(self, u: int) -> torch.Tensor:
+        """Unit ``u``'s landed gradients, (numel,): its slab, or the ring buffer it holds until its update
+        (Note: [Gradient ring] in grad_ring.py)."""
+        g = self.units[u].grad
+        return self.ring.get(u) if g is None else g
+
+    def grad_dst(self, u: int):
+        """Where a copy out of unit ``u``'s gradients goes: its slab, or a ``grad_ring.RingDst`` (a ring buffer,
+        taken when the copy starts: ``Transfers.grads``)."""
+        g = self.units[u].grad
+        return grad_ring.RingDst(u) if g is None else g
+
     def owns(self, u: int) -> bool:
         """Whether this process applies unit ``u``'s host updates (always, unless a shared store's other rank does)."""
         return self.shared is None or self.shared.owns(u)
@@ -234,10 +259,12 @@ class HostStore:
         return sum(s.numel() for u in self.units.values() for s in u.layout.shapes)
 
     def bytes_report(self) -> dict[str, float]:
-        """Bytes by category (master, grads, exp_avg, exp_avg_sq, total) and bytes per parameter."""
+        """Bytes by category (master, grad, exp_avg, exp_avg_sq, shadow, grad_ring: the ring's buffers, Note:
+        [Gradient ring]; total) and bytes per parameter. ``gradients`` says in words which holds them."""
         rep = {k: sum(getattr(u, k).numel() * getattr(u, k).element_size() for u in self.units.values()
                       if getattr(u, k) is not None)
                for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow")}
+        rep["grad_ring"] = 0 if self.ring is None else self.ring.nbytes
         rep["total"] = sum(rep.values())
         rep["params"] = self.num_params()
         rep["bytes_per_param"] = rep["total"] / rep["params"]
@@ -379,15 +406,34 @@ class HostStore:
 
         Tensor by tensor, cast a chunk at a time (``shard_writer.py``): host memory holds one chunk in
         ``dtype`` (and what a unit's checkpoint conversion copies), never a shard or the whole model.
-        """
-        from . import shard_writer
+        Atomic (Note: [Atomic save] in publish.py): written into ``<out_dir>.tmp-<pid>`` and exchanged with
+        ``out_dir`` once complete; the other entries of an existing ``out_dir`` (a tokenizer, a checkpoint
+        folder) are hard-linked into the new copy, its old weights and index are not.
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for old in list(out.glob("model*.safetensors")) + list(out.glob(INDEX)):
-            old.unlink()  # a stale shard or index would be loaded beside the new ones
-        shard_writer.write(out, lambda: (convert_to_checkpoint(self.arch, self.views(u)) for u in self.order),
-                           dtype=dtype, max_shard_bytes=max_shard_bytes, single=SINGLE, index=INDEX)
-        cfg = self.arch.config
-        cfg.dtype = dtype
-        cfg.save_pretrained(str(out))
+        Raises:
+            OSError: a full disk or another I/O error, naming ``out_dir`` and the bytes needed; ``out_dir``
+                keeps its previous contents and the temporary directory is removed.
+        """
+        from . import publish, shard_writer
+
+        out = Path(os.path.abspath(out_dir))
+        if out.is_symlink():
+            out = out.resolve()  # replace what the link points to, not the link
+        units = lambda: (convert_to_checkpoint(self.arch, self.views(u)) for u in self.order)  # noqa: E731
+        tmp = None
+        try:
+            tmp = publish.temp_dir(out)
+            shard_writer.write(tmp, units, dtype=dtype, max_shard_bytes=max_shard_bytes, single=SINGLE, index=INDEX)
+            cfg = self.arch.config
+            cfg.dtype = dtype
+            cfg.save_pretrained(str(tmp))
+            publish.carry(out, tmp, lambda name: name == INDEX or (name.startswith("model") and
+                                                                   name.endswith(".safetensors")))
+            publish.publish(tmp, out)
+        except OSError as e:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)  # first, so that the message says what is free without it
+            raise publish.save_error(e, out, shard_writer.planned_bytes(units, dtype), "the model") from e
+        finally:
+            if tmp is not None and tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed save's files

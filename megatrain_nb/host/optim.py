@@ -77,32 +77,33 @@ class HostAdamW:
     def update(self, u: int, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on unit ``u`` with its grad slab times ``grad_scale`` (the clip factor)."""
         unit = self.store.units[u]
+        grad = self.store.grad_of(u)  # its slab or its ring buffer (Note: [Gradient ring] in grad_ring.py)
         opt = self.opts[u]
         opt.param_groups[0]["lr"] = lr
         if unit.compact is not None:
             step = opt.state[unit.master]["step"]
-            compact_host.update_host(unit.compact, unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, lr=lr,
+            compact_host.update_host(unit.compact, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, lr=lr,
                                       betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
                                       step=step + 1, grad_scale=grad_scale)
             step.add_(1)
             return None
-        if unit.grad.dtype != torch.float32 or grad_scale != 1.0:
-            return self._update_in_chunks(unit, opt, lr, grad_scale)
-        unit.master.grad = unit.grad
+        if grad.dtype != torch.float32 or grad_scale != 1.0:
+            return self._update_in_chunks(unit, grad, opt, lr, grad_scale)
+        unit.master.grad = grad
         try:
             opt.step()
         finally:
             unit.master.grad = None
 
-    def _update_in_chunks(self, unit, opt: torch.optim.AdamW, lr: float, grad_scale: float) -> None:
+    def _update_in_chunks(self, unit, g: torch.Tensor, opt: torch.optim.AdamW, lr: float, grad_scale: float) -> None:
         """Note: [Chunked upcast] the fused kernel wants fp32 grads. Upcasting a whole bf16 slab
         writes and re-reads 4 bytes/param through DRAM; a chunk of ``chunk_numel`` is still in cache
         when the kernel reads it. Same kernel, same arguments, per chunk: the same numbers."""
-        p, g = unit.master, unit.grad
+        p = unit.master
         state, group = opt.state[p], opt.param_groups[0]
         n, c = g.numel(), self.chunk_numel
         if self._scratch is None or self._scratch.numel() < min(n, c):
-            self._scratch = torch.empty(min(max(x.grad.numel() for x in self.store.units.values()), c))
+            self._scratch = torch.empty(min(max(x.master.numel() for x in self.store.units.values()), c))
         step = state["step"]
         for a in range(0, n, c):
             b = min(n, a + c)
@@ -124,7 +125,7 @@ class HostAdamW:
         opt = self.opts[u]
         state, group = opt.state[unit.master], opt.param_groups[0]
         take = lambda t: t.view(-1, width).index_select(0, rows).flatten()  # noqa: E731 - a copy
-        p, m, v, g = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq), take(unit.grad).float()
+        p, m, v, g = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq), take(self.store.grad_of(u)).float()
         if grad_scale != 1.0:
             g.mul_(grad_scale)
         _fused(group, lr, p, g, m, v, state["step"].clone())  # adamw() adds 1 to the copy, as the update will
@@ -269,8 +270,14 @@ class DeviceAdamW:
             if lay is not None:  # its moments came in compact (Note: [Compact slab]); the step advances unless skipped
                 step = self.streamed[u]
                 step.add_(1 if found_inf is None else 1 - found_inf)
-                compact_state.update_torch(lay, p, g, m, v, lr=lr, betas=self.cfg.betas, eps=self.cfg.eps,
-                                           weight_decay=self.cfg.weight_decay, step=step, found_inf=found_inf)
+                update = compact_state.update_torch
+                if p.is_cuda:
+                    from . import compact_cuda  # Triton is imported on the device's first compact update only
+
+                    if compact_cuda.available():  # one kernel instead of ~30 passes a chunk
+                        update = compact_cuda.update
+                update(lay, p, g, m, v, lr=lr, betas=self.cfg.betas, eps=self.cfg.eps,
+                       weight_decay=self.cfg.weight_decay, step=step, found_inf=found_inf)
 
     def write_back(self, units: tuple[int, ...] | None = None) -> None:
         """Copy master, moments and step counts of resident groups (``None``: all) into the host store.

@@ -217,13 +217,13 @@ class SharedHost:
     def _agree(self, err: str | None, what: str) -> None:
         import torch.distributed as dist
 
-        from ..step.distributed import _failing
+        from ..step.distributed import failing
 
         if not dist.is_initialized():  # one process (tests): nothing to agree with
             got = [err]
         else:
             got = [None] * dist.get_world_size()
-            with _failing(what):
+            with failing(what):
                 dist.all_gather_object(got, err)
         bad = [(r, e) for r, e in enumerate(got) if e]
         if bad:

@@ -48,7 +48,7 @@ authority: the state still goes back, and any other load reads it.
 A is the rate measured in the first step (the host's AdamW beside the gradients' DMA), B the in-step
 rate of a copy in beside copies out (``PCIE_IN_STEP_BYTES_PER_S``): with the isolated 55 GB/s the H200's
 run of 2026-12-01 streamed 20 of 36 layers at 3B, where the planner's best is 16 (x 1) and 10 (x 4); this rule
-streams 17 (``bench/stream_plan.py``). With a gate (grad_clip, overlap off, nonfinite="raise") a
+streams 17 (the planner's simulation). With a gate (grad_clip, overlap off, nonfinite="raise") a
 "device" unit is updated on the host like a "host" one: its update would have to wait for every
 gradient, after its state had come and gone.
 
@@ -206,7 +206,7 @@ STREAM_RATE_STEPS = 3  # "stream" sets its share from the host's AdamW rate this
 # PCIe in, 16 a 488 ms step where the host sat idle 122 ms from its last update to the first gradient;
 # the rule that counted the updates alone left 20 on the host (543 ms). Counting the loads it left 11
 # (int8, 387 ms) and 10 with fp32 moments (655 ms, bound by PCIe in), where the fp32 sweep was flat between
-# 9 and 12 host layers (the planner's simulation, ``bench/stream_plan.py --sweep``: fastest at 14).
+# 9 and 12 host layers (the planner's simulation: fastest at 14).
 HOST_WINDOW = 0.75
 STREAM_CACHE_SHARE = 0.10  # "stream": every layer gets a weight slot when they all take at most this share
 STATE_SLOT_SHARE = 0.05  # "device" units' state slots: as many as this share of device memory holds (>= 2)
@@ -236,7 +236,7 @@ def state_slots(streamed: int, slot_bytes: int, device_bytes: int | None) -> int
     loads); 0 with nothing streamed. With two, each state load waits for the write-back two units back,
     and the loads chain behind the updates; with more they run ahead while the host layers' backward
     computes (the planner's 3B x 1 / x 4 stream steps with 15 units streamed: 775 / 995 ms with 2 slots,
-    730 / 949 with 4, 712 / 926 from 8, ``bench/stream_plan.py``; not yet measured).
+    730 / 949 with 4, 712 / 926 from 8, the planner's simulation; not yet measured).
 
     Example:
         >>> state_slots(15, 924 << 20, 140 << 30), state_slots(20, 2800 << 20, 140 << 30), state_slots(0, 1, 1)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..host import compact_state
+from ..host import compact_state, grad_ring as _ring
 from . import placement as placing
 from ..host import split_master as _split
 from ..config import OPTIMIZER_STATES, pinned_budget
@@ -135,7 +135,7 @@ H200 = Hardware(
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
     # host: 124.1 GiB available at idle of 125.8 (bench/logs/h200-2026-12-01-512k-memory-idle-host.log); RSS beyond the
-    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (bench/host_runtime.py on the long-context rows of 2026-12-01)
+    # counted buffers 2.1 GiB at 32K, 128K and 512K, 3.0 at 256K (docs/design_log.md, host runtime)
     device_mem_bytes=143771 << 20, host_mem_bytes=124 * _GIB, host_runtime_bytes=2 * _GIB,
 )
 CPU_LAPTOP = Hardware(
@@ -148,7 +148,7 @@ CPU_LAPTOP = Hardware(
 
 # model_shape and the per-token activation estimate live in shape.py (a leaf: tiling, lean and the
 # engine read them without importing the planner); re-exported here, where callers found them first.
-from .shape import _act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
+from .shape import act_bytes_per_token, loss_positions, model_shape  # noqa: E402,F401
 from .preflight import host_table  # noqa: E402,F401  (host RAM of each optimizer_state; beside plan, as asked for)
 
 
@@ -192,12 +192,14 @@ class Plan:
     """batch, seq, tokens and every plan() keyword as used."""
     host_bytes: dict
     """master_fp32, adam_moments (both moments, as `optimizer_state` holds them), grads (fp32 for the
-    embedding, compute dtype for the rest), pinned_pool, and pinned_copy with pin_store."""
+    embedding, compute dtype for the rest; with the gradient ring the embedding's and the ring's), pinned_pool,
+    and pinned_copy with pin_store."""
     host_bytes_per_param: float
     """Host bytes per parameter excluding the pinned pool: 4 (master) + the moments' (8 with fp32 moments,
     ~2.03 / ~1.06 with "int8" / "int4" beside the fp32 embedding's) + dtype_bytes, + dtype_bytes with
     pin_store, plus (4 - dtype_bytes) * embedding / all parameters for the fp32 embedding grads (14.2 for
-    Qwen2.5-3B with fp32 moments)."""
+    Qwen2.5-3B with fp32 moments); with the gradient ring (the default without grad_clip) the layers' and head's
+    dtype_bytes become the ring's few buffers."""
     device_bytes: dict
     """weight_slots, grad_slots, head_slots, cast_stage (cast_on_device only), embedding_rows,
     activations_kept, checkpoints, recompute_workspace, logits, reserve."""
@@ -341,7 +343,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
          cast_on_device: bool = False, placement="host", tile_tokens: int | None = None,
          offload_checkpoints: bool | None = None, lean_activations: bool | None = None,
          attention_cache: bool | None = None, split_master: bool | None = None, optimizer_state: str = "fp32",
-         device_memory: int | str | None = None, host_memory: int | str | None = None,
+         device_memory: int | str | None = None, host_memory: int | str | None = None, grad_ring: bool = True,
          _advise: bool = True, _search: bool = True) -> Plan:
     """Predicts memory and step time of streaming `config` at `batch` x `seq` tokens per step.
 
@@ -374,6 +376,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
             0.85, and up to 0.95 for recompute-block inputs that fit nowhere else (as `EngineConfig`).
         overlap_optimizer: run AdamW on each unit as its grads land.
         grad_clip: clip by global norm (AdamW then waits for every grad).
+        grad_ring: as ``EngineConfig.grad_ring``: without grad_clip (and with overlap_optimizer) the layers' and
+            head's grads wait in a few pinned buffers of the largest unit, not in slabs, and go out by DMA
+            (Note: [Gradient ring] in host/grad_ring.py).
         pin_store: as `EngineConfig.pin_store`: loads read a pinned compute-dtype copy (no packing),
             grads land in pinned slabs (no unpacking), and each update also refreshes the copy (a
             cast of the unit in the Adam worker); +dtype_bytes per parameter of host memory.
@@ -473,13 +478,15 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     pin_store=pin_store, cast_on_device=cast_on_device, placement=placement, tile_tokens=tile_tokens,
                     offload_checkpoints=offload_checkpoints, lean_activations=lean_activations,
                     attention_cache=attention_cache, split_master=split_master, optimizer_state=optimizer_state,
-                    device_memory=device_memory, host_memory=host_memory)
+                    device_memory=device_memory, host_memory=host_memory, grad_ring=grad_ring)
+    ring = grad_ring and overlap_optimizer and not grad_clip  # Note: [Gradient ring]: no slab for layers and head
     split = _split.enabled(split_master, d == 2, pin_store, False) and optimizer_state == "fp32"  # as DeviceUpdates.split
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     moments = moment_bytes(s, optimizer_state)  # unit -> both moments' host bytes
     layer_state = 4 * P + moments[0]  # a "device" layer's state over PCIe: fp32 master and moments (12 P with fp32)
     head_state = 4 * head_n + moments[L] + (moments[-1] if s["tied"] else 0)  # the head group's (Note: [Streamed head])
-    host = {"master_fp32": 4 * N, "adam_moments": sum(moments.values()), "grads": d * N + (4 - d) * E,  # embedding grads: fp32
+    host = {"master_fp32": 4 * N, "adam_moments": sum(moments.values()),  # embedding grads: fp32
+            "grads": 4 * E + (_ring.ring_bytes({0: P, L: s["head_params"]}, d) if ring else d * (N - E)),
             "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N
@@ -493,7 +500,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
 
     rows = (tile_tokens if T > tile_tokens else 0) if tile_tokens is not None else \
         (AUTO_ROWS if auto_tiles(s, T, hw.device_mem_bytes, d, lean=lean_activations) else 0)
-    lb = layer_bytes(s, T, d, rows, _act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
+    lb = layer_bytes(s, T, d, rows, act_bytes_per_token(s, d, lean=lean_activations), seq=seq)
     act, boundary, transient = lb["act"], lb["boundary"], lb["transient"]
     cache_b = cache_bytes(lb, attention_cache)  # one cached layer's attention output
     out_b = lb["attn_out"] if cache_b else 0  # what a cached layer's recompute does not save again
@@ -606,6 +613,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         t.update(pack=0.0, unpack=0.0, adam=P / adam + P / cast)
     if cast_on_device:  # pinned fp32 master in, pinned grad slabs out: no host cast anywhere
         t.update(pack=0.0, unpack=0.0)
+    if ring:  # grads out by DMA into the ring's pinned buffers: no unpacking
+        t.update(unpack=0.0)
     pinned_store = pin_store or cast_on_device
     refresh = (lambda n: n / cast) if pin_store else (lambda n: 0.0)
     tied_grads = V * h if s["tied"] else 0  # a tied head's embedding grads go through staging into fp32
@@ -613,7 +622,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         -1: (T * h * d, T * h / cast, T * h * d / up / 1e6, T * h * 4, T * h * 4 / both_down / 1e6,  # dE is fp32
              (T * h + V * h * (1 if s["tied"] else 2)) / cast, E / adam32 + refresh(E)),
         L: (head_n * wb, 0.0 if pinned_store else head_n / cast, head_n * wb / up / 1e6, head_n * d,
-            head_n * d / both_down / 1e6, (tied_grads if pinned_store else head_n) / cast,
+            head_n * d / both_down / 1e6, (tied_grads if pinned_store or ring else head_n) / cast,
             s["head_params"] / adam + refresh(s["head_params"])),
     }
     loss_ms = 6 * V * h * T / ((hw.gemm_tflops or hw.bf16_tflops) * 1e9) + V * T * hw.loss_s_per_logit * 1e3

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..host import compact_state
+from ..host import compact_state, grad_ring
 from . import budget as budgets
 from ..model.binding import Layout
 from ..config import MOMENT_STAGING_BYTES, OPTIMIZER_STATES, EngineConfig, pinned_budget
@@ -45,7 +45,7 @@ def gib(n: float) -> str:
 
 def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,
              seq: int | None = None, optimizer_state: str | None = None,
-             keep_fp32: tuple[str, ...] | None = None) -> dict:
+             keep_fp32: tuple[str, ...] | None = None, grad_clip: float | None = None) -> dict:
     """Bytes a Session of this model and these settings allocates, next to what is available. Never raises
     for lack of memory (``check`` does).
 
@@ -58,9 +58,11 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
             ``optim_cfg`` (with its ``compact_keep_fp32``), else "fp32".
         keep_fp32: as ``OptimConfig.compact_keep_fp32``: name patterns whose moments stay fp32 (None: the
             input embedding's, ``compact_state.DEFAULT_KEEP``); read only with a compact optimizer_state.
+        grad_clip: as ``OptimConfig.grad_clip`` (a Session's own where one is given): with it every unit keeps a
+            gradient slab, without it the gradient ring holds them (Note: [Gradient ring] in host/grad_ring.py).
     Returns:
         dict with
-          ``store``: as ``HostStore.bytes_report()`` — master, grad, exp_avg, exp_avg_sq, shadow,
+          ``store``: as ``HostStore.bytes_report()`` — master, grad, exp_avg, exp_avg_sq, shadow, grad_ring,
             total, params, bytes_per_param (exact; a compact moment is its slab of
             ``compact_state.moment_words`` fp32 words per unit);
           ``bytes_per_param``: master, grad, moments (both), shadow, store, staging, host (``host``'s
@@ -79,9 +81,11 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
         >>> est = estimate(config, EngineConfig(device="cpu"), batch=8, seq=1024)  # doctest: +SKIP
         >>> est["host"]["needed"] / 2**30, est["fits"]                            # doctest: +SKIP
     """
+    oc = getattr(arch_or_config, "optim_cfg", None)  # a Session's
     if optimizer_state is None:
-        oc = getattr(arch_or_config, "optim_cfg", None)  # a Session's
         optimizer_state, keep_fp32 = (oc.optimizer_state, oc.compact_keep_fp32) if oc is not None else ("fp32", keep_fp32)
+    if oc is not None:
+        grad_clip = oc.grad_clip
     _check_state(optimizer_state)
     arch, cfg = _resolve(arch_or_config, engine_cfg)
     if (batch is None) != (seq is None):
@@ -95,7 +99,9 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
 
     # host store, as HostStore.__init__ allocates it
     numel = {u: lay.numel for u, lay in units.items()}
-    store = _store(layouts, d, pin, unit_moment_words(arch, optimizer_state, keep_fp32, layouts))
+    ring = grad_ring.slab_reason(enabled=cfg.grad_ring, grad_clip=grad_clip, overlap_optimizer=cfg.overlap_optimizer,
+                                 nonfinite=cfg.nonfinite, pass_batch_size=cfg.pass_batch_size, shared=False) is None
+    store = _store(layouts, d, pin, unit_moment_words(arch, optimizer_state, keep_fp32, layouts), ring)
 
     # engine buffers, as Engine.__init__ allocates them (Note: [Staging])
     n_layer = max(numel[i] for i in range(arch.num_layers))
@@ -114,6 +120,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     host = {"store": store["total"], "staging": staging, "device_buffers": 0 if cuda else dev["needed"]}
     host["needed"] = sum(host.values())
     per = {k: v / store["params"] for k, v in (("master", store["master"]), ("grad", store["grad"]),
+                                                ("grad_ring", store["grad_ring"]),
                                                 ("moments", store["exp_avg"] + store["exp_avg_sq"]),
                                                 ("shadow", store["shadow"]), ("store", store["total"]),
                                                 ("staging", staging), ("host", host["needed"]))}
@@ -125,7 +132,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
                     weight_slots=slots, micro_batch_size=cfg.micro_batch_size,
                     checkpoint_every=cfg.checkpoint_every, pinned_budget_bytes=budget,
                     loss_chunk_tokens=cfg.loss_chunk_tokens, lean_activations=cfg.lean_activations, batch=batch, seq=seq,
-                    optimizer_state=optimizer_state, keep_fp32=keep_fp32,
+                    optimizer_state=optimizer_state, keep_fp32=keep_fp32, grad_clip=grad_clip, grad_ring=ring,
                     device_memory=cfg.device_memory, host_memory=cfg.host_memory,
                     model=f"{type(arch.config).__name__.removesuffix('Config')} {_count(store['params'])}")
     return {"store": store, "bytes_per_param": per, "host": host, "device": dev, "fits_host": fits_host,
@@ -185,10 +192,11 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         for state in OPTIMIZER_STATES:
             pin, cast = resolve_pinning(cfg, arch, optimizer_state=state) if engine_cfg else (False, True)
             words = unit_moment_words(arch, state, keep_fp32, layouts)
-            store = _store(layouts, d, pin, words)
+            store = _store(layouts, d, pin, words, cfg.grad_ring)  # no grad_clip: the ring (Note: [Gradient ring])
             staging = _staging(cfg, d, max(numel.values()), pin or cast, cuda)[2]
             need, P = store["total"] + staging, store["params"]
-            per_layer = sum((4 + d + (d if pin else 0)) * numel[i] + 8 * words[i] for i in range(L)) / L
+            grad = 0 if cfg.grad_ring else d  # a layer more adds no ring buffer (alike layers: the largest stays)
+            per_layer = sum((4 + grad + (d if pin else 0)) * numel[i] + 8 * words[i] for i in range(L)) / L
             deepest = max(0, L + math.floor((host_bytes - need) / per_layer))
             rows.append(dict(model=name or f"{type(config).__name__.removesuffix('Config')} {_count(P)}",
                              optimizer_state=state, layers=L, params=P, master=store["master"] / P,
@@ -230,13 +238,15 @@ def _check_state(optimizer_state) -> None:
         raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")
 
 
-def _store(layouts: dict, d: int, pin: bool, words: dict[int, int]) -> dict:
+def _store(layouts: dict, d: int, pin: bool, words: dict[int, int], ring: bool = False) -> dict:
     """HostStore.bytes_report() of these unit layouts: grads in ``d`` bytes (the embedding's fp32), a shadow
-    of ``d`` bytes with ``pin``, moments of ``words`` fp32 words each."""
+    of ``d`` bytes with ``pin``, moments of ``words`` fp32 words each; with ``ring`` only the embedding's grad
+    slab and the ring's buffers (Note: [Gradient ring] in host/grad_ring.py)."""
     numel = {u: lay.numel for u, (lay, _) in layouts.items()}
     N = sum(numel.values())
-    store = {"master": 4 * N, "grad": 4 * numel[-1] + d * (N - numel[-1]),  # the embedding's grads are fp32
-             "exp_avg": 4 * sum(words.values()), "exp_avg_sq": 4 * sum(words.values()), "shadow": d * N if pin else 0}
+    store = {"master": 4 * N, "grad": 4 * numel[-1] + (0 if ring else d * (N - numel[-1])),  # the embedding's: fp32
+             "exp_avg": 4 * sum(words.values()), "exp_avg_sq": 4 * sum(words.values()), "shadow": d * N if pin else 0,
+             "grad_ring": grad_ring.ring_bytes(numel, d) if ring else 0}
     store["total"] = sum(store.values())
     store["params"] = sum(s.numel() for lay, _ in layouts.values() for s in lay.shapes)
     store["bytes_per_param"] = store["total"] / store["params"]
@@ -255,7 +265,7 @@ def _staging(cfg: EngineConfig, d: int, largest: int, pinned: bool, cuda: bool) 
 
 def check(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int | None = None,
           seq: int | None = None, optimizer_state: str | None = None,
-          keep_fp32: tuple[str, ...] | None = None) -> dict:
+          keep_fp32: tuple[str, ...] | None = None, grad_clip: float | None = None) -> dict:
     """``estimate``, raising when host RAM or device memory is short.
 
     Args:
@@ -271,14 +281,15 @@ def check(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: int 
         >>> check(config, EngineConfig(device="cuda"), batch=4, seq=4096, optimizer_state="int8")  # doctest: +SKIP
     """
     est = estimate(arch_or_config, engine_cfg, batch=batch, seq=seq, optimizer_state=optimizer_state,
-                   keep_fp32=keep_fp32)
+                   keep_fp32=keep_fp32, grad_clip=grad_clip)
     if est["fits"]:
         return est
     parts = []
     if not est["fits_host"]:
         arch, cfg = _resolve(arch_or_config, engine_cfg)
         st = est["settings"]
-        others = {k: estimate(arch, cfg, batch=batch, seq=seq, optimizer_state=k, keep_fp32=st["keep_fp32"])["host"]
+        others = {k: estimate(arch, cfg, batch=batch, seq=seq, optimizer_state=k, keep_fp32=st["keep_fp32"],
+                           grad_clip=st["grad_clip"])["host"]
                   for k in OPTIMIZER_STATES if k != st["optimizer_state"]}
         parts.append(_host_message(est, {k: h["needed"] for k, h in others.items()}))
     if not est["fits_device"]:
@@ -324,13 +335,13 @@ def _activations(arch, cfg: EngineConfig, batch: int, seq: int, d: int) -> dict:
     checkpoint_every=None on CUDA keeps layers while ``activation_budget`` allows, so only its floor
     counts: every layer recomputed, one at a time.
     """
-    from .shape import _act_bytes_per_token, model_shape
+    from .shape import act_bytes_per_token, model_shape
 
     L, T = arch.num_layers, batch * seq
     H, V = arch.embed.weight.shape[1], arch.embed.weight.shape[0]
     boundary = T * H * d  # one layer's input, kept by a recompute block
     try:
-        act = T * _act_bytes_per_token(model_shape(arch.config), d, lean=cfg.lean_activations)
+        act = T * act_bytes_per_token(model_shape(arch.config), d, lean=cfg.lean_activations)
     except (ValueError, KeyError, TypeError):
         act = 8 * boundary  # config fields the planner does not know: a rough SwiGLU layer
     K = cfg.checkpoint_every
@@ -362,6 +373,7 @@ def _host_message(est: dict, others: dict[str, int] | None = None) -> str:
     what = (f"host store {gib(s['total'])} ({_count(s['params'])} params x {s['bytes_per_param']:.1f} bytes: "
             f"master {gib(s['master'])}, grads {gib(s['grad'])}, Adam moments {gib(s['exp_avg'] + s['exp_avg_sq'])}"
             + (f", pinned shadow {gib(s['shadow'])}" if s["shadow"] else "")
+            + (f", gradient ring {gib(s['grad_ring'])}" if s.get("grad_ring") else "")
             + f"), transfer staging {gib(h['staging'])}"
             + (f", layer buffers and activations {gib(h['device_buffers'])} (device='cpu' keeps them in RAM)"
                if h["device_buffers"] else ""))

@@ -1,6 +1,6 @@
 """What the planner and the memory rules read of a model config: sizes, parameter counts
 (``model_shape``) and the bytes one decoder layer keeps per token for its backward
-(``_act_bytes_per_token``, Note: [Activation estimate]). A leaf module: no package imports, so that
+(``act_bytes_per_token``, Note: [Activation estimate]). A leaf module: no package imports, so that
 tiling.py, lean.py, preflight.py, the engine and the planner share it without an import circle.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def model_shape(config) -> dict:
 # dtype plus fp32 logits and their fp32 gradient: (d + 8)*vocab per token of the chunk.
 
 
-def _act_bytes_per_token(s: dict, d: int, lean: bool = True) -> int:
+def act_bytes_per_token(s: dict, d: int, lean: bool = True) -> int:
     """Per-token activation bytes of one layer, with lean activations or HF's; see Note: [Activation estimate]."""
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     inter = s["intermediate"] * (s["experts_per_tok"] or 1)

@@ -9,7 +9,7 @@ Note: [Binding cost] the driver binds a layer once per layer op, and at small ba
 a layer faster than the host enqueues it: what binding costs on the host is step time. So a
 buffer's views are made once and kept while the buffer lives (``Layout.views``), a template's
 parameter places are found once (``call``), and no saved-tensor hook runs for weights that never
-move (``SlotRefs.hooks``). ``bench/driver_overhead.py`` measures it.
+move (``SlotRefs.hooks``). The design log records what it costs.
 """
 from __future__ import annotations
 

@@ -178,7 +178,8 @@ def sft(logp: torch.Tensor, batch: dict, ctx: LossContext) -> torch.Tensor:
 def dpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
         label_smoothing: float = 0.0) -> torch.Tensor:
     """Sigmoid DPO (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7; TRL's
-    ``DPOTrainer`` ``loss_type="sigmoid"``, with its conservative ``label_smoothing``).
+    ``DPOTrainer`` ``loss_type="sigmoid"``), with conservative DPO's ``label_smoothing``
+    (Mitchell 2023, "A note on DPO with noisy preferences").
 
     Rows come in pairs: row ``2k`` is pair k's chosen completion, row ``2k + 1`` its rejected one
     (what ``preference_batches`` yields; ``batch["pair"]``, when present, names the pair of each
@@ -191,13 +192,22 @@ def dpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
     ``rewards/chosen`` (mean ``beta * (pc - rc)``), ``rewards/rejected``, ``rewards/margins``,
     ``rewards/accuracies`` (share of pairs ranked right), ``logps/chosen``, ``logps/rejected``.
 
+    Where TRL differs: with ``label_smoothing=0`` (the default here and TRL's) this is TRL 1.16's
+    ``"sigmoid"``. With ``label_smoothing > 0`` it is conservative DPO, which TRL's ``"sigmoid"``
+    computed up to TRL 0.28; from 0.29 TRL's ``"sigmoid"`` ignores ``label_smoothing`` (only its
+    ``"robust"``, ``"exo_pair"``, ``"aot"`` and ``"aot_unpaired"`` read it; ``"robust"`` is another
+    formula). TRL averages pairs per micro-batch and then micro-batches; ours divides by the step's
+    pairs: equal when every micro-batch has as many pairs. TRL's other loss types, ``ld_alpha``,
+    WPO weighting and f-divergences are not here.
+
     Args:
         logp: ``(B, T)`` fp32, B even.
         batch: ``labels`` ``(B, T)``; ``ref_logps`` ``(B,)`` or ``ref_logp`` ``(B, T)``; optional
             ``pair`` ``(B,)``, checked (on the host only) to hold equal ids on rows 2k and 2k + 1.
         ctx: ``sequences`` = the step's rows (twice its pairs).
         beta: the KL strength (TRL's default 0.1).
-        label_smoothing: the assumed chance a preference label is flipped, in [0, 0.5).
+        label_smoothing: the assumed chance a preference label is flipped, in [0, 0.5): 0 is
+            DPO; above, conservative DPO (TRL <= 0.28's ``"sigmoid"``, not TRL 1.16's).
     Returns:
         Tensor: 0-d, this micro-batch's share of the loss.
     Raises:
@@ -264,28 +274,45 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
 
 
 def grpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, epsilon: float = 0.2,
-         epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo") -> torch.Tensor:
+         epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
+         kl_ratio_weighted: bool = True) -> torch.Tensor:
     """GRPO's clipped surrogate with an optional k3 KL (Shao et al. 2024, "DeepSeekMath", eq. 3),
     its normalizations as TRL's ``GRPOTrainer._compute_loss`` defines them, over the global counts.
 
     Per completion token, with ``ratio = exp(logp - old_logp)`` and ``A`` the row's advantage::
 
         l = -min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
-            + beta * (exp(ref - logp) - (ref - logp) - 1)                 # k3 KL (Schulman)
+            + beta * w * (exp(ref - logp) - (ref - logp) - 1)             # k3 KL (Schulman)
 
-    reduced by ``loss_type``:
+    with ``w = ratio`` when ``kl_ratio_weighted`` (the default), else 1, reduced by ``loss_type``:
 
     - ``"grpo"``: each row's token mean (its token count at least 1), then the mean over
       ``ctx.sequences`` rows (the paper's; biased toward short completions, Liu et al. 2025);
-    - ``"bnpo"``: ``sum(l) / ctx.tokens``. TRL divides each micro-batch by its own tokens and
-      averages micro-batches; over the global count here, it equals ``"dapo"``;
+    - ``"bnpo"``: ``sum(l) / ctx.tokens``, the same as ``"dapo"`` here (see "Where TRL differs");
     - ``"dr_grpo"``: ``sum(l) / (ctx.sequences * ctx.max_completion_length)`` (Liu et al. 2025);
     - ``"dapo"``: ``sum(l) / ctx.tokens``, the active tokens of the whole global batch (Yu et al.
       2025, "DAPO"; TRL's ``num_items_in_batch``), usually with ``epsilon_high=0.28``.
 
+    The KL weight ``w``: the ratio carries gradient, so weighting changes the KL's gradient even
+    on-policy, where its value is 1: there ``grad(ratio * k3) = grad(k3) + k3 * grad(logp)``. Over
+    tokens sampled from the old policy, ``grad(ratio * k3)`` is an unbiased estimate of the reverse
+    KL's gradient ``grad KL(policy || ref)``; ``grad(k3)`` alone is not (DeepSeek-AI 2025,
+    "DeepSeek-V3.2", arXiv 2512.02556). TRL 1.16 weights it by default
+    (``GRPOConfig.use_bias_correction_kl=True``), and so do we, for that reason; ``False`` is the
+    DeepSeekMath paper's unweighted k3 (and TRL's before that option existed).
+
     Logs (Note: [Metrics are sums]), token means: ``clip_ratio/low_mean`` (ratio below 1 - eps with
     A < 0), ``clip_ratio/high_mean`` (above 1 + eps_high with A > 0), ``clip_ratio/region_mean``
-    (either), and ``kl`` when ``beta != 0``.
+    (either), and ``kl`` when ``beta != 0``: the KL term as it enters the loss (``w * k3``), as TRL
+    logs it.
+
+    Where TRL differs (``GRPOTrainer._compute_loss``, TRL 1.16): its ``"bnpo"`` divides each
+    micro-batch by that micro-batch's tokens and averages micro-batches, so it equals ours only when
+    every micro-batch has as many tokens; ours divides by the step's tokens, which is TRL's
+    ``"dapo"``. Its ``"grpo"`` and ``"dr_grpo"`` average micro-batches where ours divide by the
+    step's rows: equal when every micro-batch has as many rows. Its default ``loss_type`` is
+    ``"dapo"``, ours ``"grpo"``. Not here: its other loss types (cispo, sapo, luspo, vespo),
+    sequence-level ratios, ``delta``, entropy masking and bonus, vLLM importance sampling.
 
     Args:
         logp: ``(B, T)`` fp32, requiring grad.
@@ -298,6 +325,8 @@ def grpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, epsilon: float = 
             defaults to ``epsilon``.
         beta: the KL coefficient (TRL's default 0.0: no reference model needed).
         loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"`` or ``"dapo"``.
+        kl_ratio_weighted: weight the k3 KL by the probability ratio (TRL's
+            ``use_bias_correction_kl``, default True there and here); no effect when ``beta == 0``.
     Returns:
         Tensor: 0-d, this micro-batch's share of the loss.
     Raises:
@@ -330,6 +359,8 @@ def grpo(logp: torch.Tensor, batch: dict, ctx: LossContext, *, epsilon: float = 
             raise KeyError(f"grpo: beta={beta} needs batch['ref_logp'] (B, T) from the reference model, or beta=0.0")
         d = torch.where(mask, batch["ref_logp"].to(torch.float32) - logp, 0.0)
         kl = torch.exp(d) - d - 1
+        if kl_ratio_weighted:
+            kl = kl * ratio  # ratio is 1 on-policy but not its gradient (docstring)
         per_token = per_token + beta * kl
         ctx.log("kl", _row_sums(kl, mask).sum() / ctx.tokens)
     low, high = (ratio < 1 - epsilon) & (adv < 0) & mask, (ratio > 1 + eps_high) & (adv > 0) & mask
@@ -360,6 +391,15 @@ def kto(logp: torch.Tensor, batch: dict, ctx: LossContext, *, beta: float = 0.1,
     pass the same value with every micro-batch. Logs sums and counts (Note: [Metrics are sums]):
     ``rewards/chosen_sum``, ``rewards/rejected_sum`` (``beta * r``), ``count/chosen``, ``count/rejected``,
     ``kl`` (the clamped ``z``).
+
+    Where TRL differs (``KTOTrainer._compute_loss``, TRL 1.16): TRL forms ``z`` per micro-batch, the
+    mean of its own mismatched rows' ``logp_policy - logp_ref`` (averaged over ranks) clamped at 0,
+    so each micro-batch of a step has its own reference point; ours is the one ``batch["kl"]`` the
+    caller passes, meant as the step's mean, so the same for every micro-batch. The two agree when
+    the step is one micro-batch (and ranks hold as many rows). TRL builds the mismatched pairs by
+    shifting completions one row within the dataset; here the caller builds them. TRL averages rows
+    per micro-batch and then micro-batches; ours divides by the step's rows: equal when every
+    micro-batch has as many rows. TRL's ``"apo_zero_unpaired"`` is not here.
 
     Args:
         logp: ``(B, T)`` fp32.

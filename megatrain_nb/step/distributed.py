@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..host.optim import grad_norm
+from ..host.collective_save import Turns
 
 TIMEOUT_S = float(os.environ.get("MEGATRAIN_DP_TIMEOUT_S", 300))
 """Seconds a collective may wait for the other ranks before this rank raises (``init``'s default)."""
@@ -122,7 +123,7 @@ def destroy() -> None:
 def barrier(what: str) -> None:
     """All ranks reach this point (no-op without a group); a stopped rank raises the clear error."""
     if world()[1] > 1:
-        with _failing(what):
+        with failing(what):
             dist.barrier()
 
 
@@ -135,7 +136,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 @contextlib.contextmanager
-def _failing(what: str):
+def failing(what: str):
+    """A collective's failure as an error naming ``what`` and the rank (the context of every collective here)."""
     try:
         yield
     except (RuntimeError, ValueError, ConnectionError) as e:
@@ -159,15 +161,18 @@ class DataParallel:
         self.stream = torch.cuda.Stream(dev.device) if dev.cuda else None  # gradient all-reduces
         self.tokens: list[int] = []  # this step: tokens of each rank, in rank order
         self.ids: torch.Tensor | None = None  # (sum(tokens),) long, host: every rank's token ids, in rank order
+        self.saves = Turns(self.rank, self.size)  # who writes a save (Note: [One writer] in collective_save.py)
 
     def begin(self, mbs: list[dict], n_valid: int) -> int:
         """Driver, before the step: returns the global supervised-token count; keeps every rank's ids.
 
-        Blocks the CPU until every rank has arrived (one small gather: counts and token ids).
+        Blocks the CPU until every rank has arrived (one small gather: counts and token ids). First the
+        save gate: a rank waits for rank 0 while it writes a save alone (Note: [One writer]).
         """
+        self.saves.at_step()
         ids = torch.cat([mb["input_ids"].flatten() for mb in mbs])
         got: list = [None] * self.size
-        with _failing("the step's start (token counts)"):
+        with failing("the step's start (token counts)"):
             dist.all_gather_object(got, (int(n_valid), ids))
         self.tokens = [int(t.numel()) for _, t in got]
         self.ids = torch.cat([t for _, t in got])
@@ -175,7 +180,7 @@ class DataParallel:
 
     def sum_(self, t: torch.Tensor, what: str) -> None:
         """Current stream: ``t`` becomes the sum over ranks (in place)."""
-        with _failing(what):
+        with failing(what):
             dist.all_reduce(t)
 
     def sum_ints(self, xs: list[int]) -> list[int]:
@@ -221,7 +226,7 @@ class DataParallel:
         pad = torch.zeros(most, dtype=dE.dtype, device=dE.device)
         pad[:dE.numel()] = dE
         out = torch.empty(self.size * most, dtype=dE.dtype, device=dE.device)
-        with _failing("the embedding-row gather"):
+        with failing("the embedding-row gather"):
             _all_gather(out, pad)
         parts = [out[r * most:r * most + t * H] for r, t in enumerate(self.tokens)]
         return torch.cat(parts)
@@ -230,6 +235,6 @@ class DataParallel:
         """The ``op`` ("min" or "max") of ``value`` over ranks, so that every rank decides the same
         (placement, activation policy). Host sync on CUDA; between steps or at a step's end only."""
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.dev.device)
-        with _failing("a placement agreement"):
+        with failing("a placement agreement"):
             dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
         return float(t.item())  # .item(): host sync

@@ -1,11 +1,12 @@
 """Runs one training step through the device: the driver of compute and of every dependency.
 
-Owns: the device buffers (weight slots, grad slots, head slot), the plan of a step (which loads,
-when each slot is released), the compute (prelude, forward with kept or checkpointed activations,
+Owns: the device buffers (weight slots, grad slots, head slot), the order of a step's phases, the compute (prelude, forward with kept or checkpointed activations,
 recompute and backward) and the recovery of a failed step. It calls, each at a named point:
 ``head.py`` (the head slot's load; the chunked loss between the forward and the backward),
 ``embedding.py`` (the rows a step gathers first; the embedding's backward, its last op) and
-``memory.py`` (the activation policy from free memory; the memory counters after each layer op).
+``memory.py`` (the activation policy from free memory; the memory counters after each layer op),
+``slot_plan.py`` (a plan's loads into the weight slots, each op's wait for its slot and its release) and
+``between_steps.py`` (forward-only passes through the same loads: ``stream_layers``, ``weights_copy``).
 Weights in and gradients out are ``transfers.py``'s (its streams, threads and staging); together
 these modules hold every stream, event and wait. Over 400 lines because each cross-stream wait of
 the compute side reads best next to the work it orders.
@@ -49,11 +50,11 @@ from ..host.optim import HostAdamW, grad_norm
 from ..host import state_check
 from . import distributed
 from ..machine import placement as placing
-from .schedule import Op, backward_ops, forward_ops, make_blocks, plan_loads
+from .schedule import Op, backward_ops, forward_ops, make_blocks
 from ..machine.longcontext import Checkpoints
 from .tiling import SequenceTiling
 from ..view.trace import add_occupancy
-from . import embedding, head, lean, memory, passes, warmup
+from . import between_steps, embedding, head, lean, memory, passes, slot_plan, warmup
 from .transfers import Offload, Streams, Transfers
 from .workers import AdamWorker, Box
 
@@ -98,6 +99,8 @@ class Engine:
         self.adam.early = functools.partial(embedding.early_rows, self)  # embedding.py
         self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
         self.adam.guard = self._state_ok  # Note: [Non-finite state] in state_check.py
+        if store.ring is not None:  # Note: [Gradient ring] in grad_ring.py: a buffer is free once its update read it
+            self.adam.consumed = store.ring.release
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
         self.dp = distributed.attach(dev)  # several ranks: Note: [Data parallel] in distributed.py; else None
         self.device_updates = DeviceUpdates(arch=arch, store=store, host_optim=optim, ocfg=ocfg, ecfg=ecfg, dev=dev,
@@ -226,16 +229,13 @@ class Engine:
         if self.dev.cuda:
             torch.cuda.synchronize(self.dev.device)  # named sync, error path only: queued GPU work ends
         self.abort.clear()
-        self.slot_box = [Box(ready=True) for _ in self.slots]
-        self.gslot_box = [Box(ready=True) for _ in self.gslots]
-        self.head_box, self.head_gbox = Box(ready=True), Box(ready=True)
-        self.slot_layer = [None] * len(self.slots)
-        self.slot_current = [False] * len(self.slots)
-        self.head_current = False
+        slot_plan.reset(self)  # every slot free, none holding current weights
         self.device_updates.recover()
         self.offload.reset()
         self.attn_cache.clear()  # the failed step's backward will not come for them
         self.pass_, self.carry = passes.ONE, passes.Carry()  # the failed step's passes are dropped whole
+        if self.store.ring is not None:
+            self.store.ring.reset()  # no copy out is in flight now (the unpacker drained, the device synchronized)
         self.adam.error = None
 
     def _step(self, mbs: list[dict], n_valid: int, hook) -> dict:
@@ -264,6 +264,8 @@ class Engine:
         # nothing applied, and the batch runs again as the best candidate so far
         gate = du.gate or du.search.phase in ("C1", "B1")
         self._gated = gate
+        if self.store.ring is not None:  # Note: [Gradient ring]: gated steps and passes hold every gradient at once
+            self.store.ring.spill = gate or len(groups) > 1
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         du.begin(gate)
@@ -377,89 +379,26 @@ class Engine:
         return embedding.gather(self, mb, head_box, ids_dev)  # embedding.py: the rows of the forward
 
     def _plan(self, ops: list[Op], resident: list) -> dict:
-        """Submit every load ``ops`` need to the packer, in order of use.
-
-        Returns {"loads": op index -> (Load, box), "rel": op index -> Box of that op's slot release,
-        "slot": op index -> slot, "state": bwd op index -> (state slot, its load's box, its write-back's
-        box), "after": the layer each slot holds once ``ops`` are done, "cast": slots that a "device"
-        unit's update refilled from its new master (``_backward``)}. A load waits for the release of its
-        slot's previous use: in this plan (``Load.after``) or in an earlier one (``self.slot_box``). The
-        backward of a "device" unit also needs its optimizer state: loaded right after its weights, into
-        the state slot whose last write-back has been copied out (Note: [Streamed updates] in placement.py).
-        """
-        slot_ops = [Op("resident", op.layer, op.phase) if op.layer in self.dev_opt.of else op for op in ops]
-        loads, after, slot_of_op = plan_loads(slot_ops, len(self.slots), resident)  # resident layers take no slot
-        rel = {k: Box(self.abort) for k in slot_of_op}
-        jobs = [(ld.before, 0, ld) for ld in loads]
-        jobs += [(k, 1, submit) for k, submit in self.device_updates.state_loads(ops, self.steps_done, self.abort)]
-        boxes, state = {}, {}
-        for k, kind, what in sorted(jobs, key=lambda j: j[:2]):
-            if kind == 1:
-                state[k] = what()  # a "device" unit's state: after its backward's weights, in packer order
-                continue
-            ld = what
-            freed = self.slot_box[ld.slot] if ld.after is None else rel[ld.after]
-            box = self.io.load(ld.layer, self.slots[ld.slot], [(ld.layer, self._master(ld.layer), 0)], freed,
-                               ops[ld.before].phase, self.steps_done)
-            boxes[ld.before] = (ld, box)
-        for k, s in sorted(slot_of_op.items()):
-            self.slot_box[s] = rel[k]  # ends as each slot's last use in this plan
-        return {"loads": boxes, "rel": rel, "slot": slot_of_op, "state": state, "after": after, "cast": set()}
+        return slot_plan.submit(self, ops, resident)  # slot_plan.py: every load of ``ops``, in order of use
 
     def _use(self, plan: dict, k: int, op: Op) -> torch.Tensor:
-        """Driver: the weight slot op k computes from; the compute stream waits for its load."""
-        if k not in plan["slot"]:
-            return self.dev_opt.of[op.layer].w  # resident: always current, never loaded
-        s = plan["slot"][k]
-        if k in plan["loads"]:
-            ld, box = plan["loads"][k]
-            self._ready(box)
-            self.slot_layer[ld.slot] = ld.layer
-            self.slot_current[ld.slot] = True  # a load waits for its unit's last update: current until the next
-            self._occ.append(("weight", s, op.layer, ("h2d", "h2d", op.layer, op.phase), "loading", "ready"))
-        self._occ.append(("weight", s, op.layer, ("compute", op.kind, op.layer, op.phase), "computing", "ready"))
-        return self.slots[s]
+        return slot_plan.use(self, plan, k, op)  # slot_plan.py: the compute stream waits for op k's load
 
     def _done(self, plan: dict, k: int) -> None:
-        """Driver: op k no longer needs its slot once the compute stream passes this point."""
-        if k in plan["rel"]:
-            plan["rel"][k].put(self.dev.record(self.dev.compute))
+        slot_plan.done(self, plan, k)  # slot_plan.py: op k's slot is free once the compute stream passes here
 
     def _load_head(self, dst: torch.Tensor | None = None, after: Box | None = None) -> Box:
         return head.load(self, dst, after)  # head.py
 
-    # ---- forward-only passes (inference.py): a step's loads, no gradients ----------------------
+    # ---- forward-only passes (between_steps.py): a step's loads, no gradients ------------------
     def stream_layers(self, *, head: bool):
-        """Driver: yield (unit, its weights on the device) for layers 0..L-1, then the head (unit L) if ``head``.
-
-        Loads go through the weight slots from ``_master``, ordered as a step's forward; a slot is
-        released once the caller has enqueued its compute and resumes the generator. The caller
-        runs on the compute stream, under no_grad.
-        """
-        ops = forward_ops(self.L)[:-1]
-        self._occ = []  # this pass's slot uses: no step's trace holds them
-        plan = self._plan(ops, [None] * len(self.slots))
-        head_box = self._load_head() if head else None
-        for k, op in enumerate(ops):
-            yield op.layer, self.store.units[op.layer].layout.views(self._use(plan, k, op))
-            self._done(plan, k)
-        if head:
-            self._ready(head_box)
-            res = self.dev_opt.of.get(self.L)
-            yield self.L, self.head_layout.views(self.head_slot if res is None else res.w)
-            self.head_box = Box(ready=True, value=self.dev.record(self.dev.compute))  # the next head load waits
+        """Driver: yield (unit, its weights on the device) for layers 0..L-1, then the head (unit L) if ``head``
+        (``between_steps.stream_layers``)."""
+        return between_steps.stream_layers(self, head=head)
 
     def weights_copy(self, unit: int) -> dict:
-        """Driver: a device copy of unit ``unit``'s current weights (0..L-1, or L: the head) outside the
-        slots, for a caller that keeps it (generation); the compute stream waits for its load."""
-        lay = self.head_layout if unit == self.L else self.store.units[unit].layout
-        buf = torch.empty(lay.numel, dtype=self.dtype, device=self.dev.device)
-        if unit in self.dev_opt.of:
-            return lay.views(buf.copy_(self.dev_opt.of[unit].w))  # resident: its current weights are there
-        box = (self._load_head(buf, Box(ready=True)) if unit == self.L else
-               self.io.load(unit, buf, [(unit, self._master(unit), 0)], Box(ready=True), "fwd", self.steps_done))
-        self._ready(box)
-        return lay.views(buf)
+        """Driver: a device copy of unit ``unit``'s current weights outside the slots (``between_steps.weights_copy``)."""
+        return between_steps.weights_copy(self, unit)
 
     # ---- compute (driver thread, compute stream) -------------------------------------------
     def _template(self, i: int):
@@ -640,7 +579,7 @@ class Engine:
                         plan["cast"].add(s)
                     gi ^= 1
                 else:
-                    segs = self.store.copies_out(i, [(0, layout.numel, self.store.units[i].grad)])  # shared: the owner's
+                    segs = self.store.copies_out(i, [(0, layout.numel, self.store.grad_dst(i))])  # shared: the owner's
                     self.gslot_box[gi], landed = self.io.grads(i, g, segs, done, "bwd", land=self.pass_.final)
                     if not self.pass_.final:  # Note: [Passes]: the next pass takes it back in (passes.preload)
                         self.carry.out[i] = (self.gslot_box[gi], landed)
@@ -680,6 +619,8 @@ class Engine:
         try:
             self.drain()
         finally:
+            if self.dp is not None:
+                self.dp.saves.leave()  # after the drain: a rank 0 saving alone need not wait for this rank
             self.abort.set()
             self.io.close(), self.adam.close(), self.device_updates.late.close()
 

@@ -93,7 +93,7 @@ def loss(eng: Engine, hs, n_valid: int, head_box: Box, loss_box: Box, small, hoo
     eng.io.read_loss(total, done, loss_box)
     done = eng._reduced(L, gslot, n_head, done)
     eng._committed = not eng._gated  # ungated: the Adam worker may start updates once the loss arrives
-    segs = [(0, n_head, eng.store.units[L].grad)]
+    segs = [(0, n_head, eng.store.grad_dst(L))]  # a ring buffer where it has no slab (Note: [Gradient ring])
     if arch.tied:
         segs.append((n_head, eng.store.units[-1].layout.numel, eng.store.units[-1].grad))
     du = eng.device_updates

@@ -4,8 +4,8 @@ Owns: the forwards ``lean_layer`` installs on a weightless layer template's RMSN
 MLP (Note: [Lean activations]), the autograd function of the MLP's second half (``GatedDown``), and
 switching them on and off for an architecture's templates (``prepare``: the engine's one call).
 Does not own: the one-tile recompute of a norm (``tiling.Tiled``, shared with sequence tiling), the
-detection of norms and dense MLPs (``tiling._is_norm`` / ``_is_dense_mlp``), the memory arithmetic
-(``shape._act_bytes_per_token``), or any weights (they arrive as the views ``binding.call`` binds;
+detection of norms and dense MLPs (``tiling.is_norm`` / ``is_dense_mlp``), the memory arithmetic
+(``shape.act_bytes_per_token``), or any weights (they arrive as the views ``binding.call`` binds;
 saved weights go through whatever saved-tensor hooks are active, e.g. ``binding.SlotRefs``).
 
 Note: [Lean activations] per token of one layer (d = compute dtype bytes, h = hidden, I = intermediate),
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tiling import Tiled, _is_dense_mlp, _is_norm, _TiledForward
+from .tiling import Tiled, is_dense_mlp, is_norm, TiledForward
 
 
 class GatedDown(torch.autograd.Function):
@@ -140,7 +140,7 @@ class _LeanMLP:
 
 def _is_gated(m: nn.Module) -> bool:
     """A dense MLP whose own forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: tried on a small twin."""
-    if not (_is_dense_mlp(m) and callable(getattr(m, "act_fn", None))):
+    if not (is_dense_mlp(m) and callable(getattr(m, "act_fn", None))):
         return False
     twin = nn.Module()
     g = torch.Generator().manual_seed(0)
@@ -164,7 +164,7 @@ def _is_gated(m: nn.Module) -> bool:
 def _install(child: nn.Module, fwd) -> None:
     """``fwd`` as the child's forward below any sequence tiling (tiling wins above its tile size)."""
     current = child.__dict__.get("forward")
-    if isinstance(current, _TiledForward):
+    if isinstance(current, TiledForward):
         current.plain = fwd or type(child).forward.__get__(child)
     elif fwd is None:
         child.__dict__.pop("forward", None)
@@ -174,7 +174,7 @@ def _install(child: nn.Module, fwd) -> None:
 
 def _lean_of(child: nn.Module):
     current = child.__dict__.get("forward")
-    return current.plain if isinstance(current, _TiledForward) else current
+    return current.plain if isinstance(current, TiledForward) else current
 
 
 def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
@@ -205,8 +205,8 @@ def lean_layer(template: nn.Module, on: bool = True) -> list[str]:
                 _install(child, None)
         elif lean:
             out.append(name)
-        elif (_is_norm(child) and not any(True for _ in child.children())) or _is_gated(child):
-            _install(child, _LeanNorm(child) if _is_norm(child) else _LeanMLP(child))
+        elif (is_norm(child) and not any(True for _ in child.children())) or _is_gated(child):
+            _install(child, _LeanNorm(child) if is_norm(child) else _LeanMLP(child))
             out.append(name)
     return sorted(out)
 
@@ -255,7 +255,7 @@ def auto(shape: dict, *, tokens: int, dtype_bytes: int, room, tiled: bool = Fals
     Returns:
         (on, why), as ``choose``.
     """
-    from ..machine.shape import _act_bytes_per_token
+    from ..machine.shape import act_bytes_per_token
     from .tiling import auto_tiles
 
     if room is None:
@@ -263,7 +263,7 @@ def auto(shape: dict, *, tokens: int, dtype_bytes: int, room, tiled: bool = Fals
     free, total = room
 
     def kept(on):  # as Engine._keep_now decides, layer after layer (4 GiB of headroom, two layers ahead)
-        act = tokens * _act_bytes_per_token(shape, dtype_bytes, lean=on)
+        act = tokens * act_bytes_per_token(shape, dtype_bytes, lean=on)
         return min(shape["layers"], max(0, int((free - (4 << 30)) // act) - 1))
 
     return choose(shape["layers"], kept(False), kept(True),

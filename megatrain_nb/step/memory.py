@@ -41,7 +41,7 @@ def keep_now(eng: Engine, i: int) -> bool:
 def place_checkpoints(eng: Engine, mbs) -> None:
     """A new keep policy: ``longcontext.Checkpoints`` predicts this batch's layer bytes and the keep cap;
     where block inputs wait is decided at the forward's first recompute block (``parked``)."""
-    from ..machine.shape import _act_bytes_per_token, model_shape
+    from ..machine.shape import act_bytes_per_token, model_shape
 
     n, d = sum(mb["input_ids"].numel() for mb in mbs), eng.dtype.itemsize
     try:
@@ -51,7 +51,7 @@ def place_checkpoints(eng: Engine, mbs) -> None:
     if eng.cfg.lean_activations is None and s:
         choose_lean(eng, s, n, d)
     seq = max(mb["input_ids"].shape[-1] for mb in mbs)
-    lb = s and layer_bytes(s, n, d, eng.tiler.rows, _act_bytes_per_token(s, d, lean=eng.lean), seq=seq)
+    lb = s and layer_bytes(s, n, d, eng.tiler.rows, act_bytes_per_token(s, d, lean=eng.lean), seq=seq)
     eng._dE_need = pinned_bytes(lb["boundary"]) if lb else 0  # the pinned dE buffer to come (compute dtype)
     eng.offload.release()  # the last placement's parked buffers: their host RAM is free for this one
     if eng._dE_host is not None and eng._dE_host.numel() * eng._dE_host.element_size() < eng._dE_need:

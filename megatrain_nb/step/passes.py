@@ -120,13 +120,14 @@ def preload(eng, unit: int, dst: torch.Tensor, after):
     grad slot), after event ``after`` (the slot's last copy-out) and the last pass's copy-out of the unit.
     Returns the event the backward's compute waits for instead of zeroing the slot (Note: [Passes])."""
     enqueued, landed = eng.carry.out.pop(unit)
-    slab = eng.store.units[unit].grad[:dst.numel()]
+    copied = enqueued.get()  # host wait: the copy out is enqueued, so its ring buffer is taken (Note: [Gradient ring])
+    slab = eng.store.grad_of(unit)[:dst.numel()]  # its slab, or the ring's (or a spill) buffer it holds
     dev = eng.dev
     if not (slab.is_pinned() and slab.dtype == dst.dtype):
         landed.get()  # host wait: a copy through the staging reaches the slab on the unpacker (the CPU's too)
     with dev.on(dev.h2d):
         dev.wait(dev.h2d, after)
-        dev.wait(dev.h2d, enqueued.get())  # a DMA into the pinned slab: ordered on the device
+        dev.wait(dev.h2d, copied)  # a DMA into the pinned slab: ordered on the device
         tok = eng.rec.cuda_begin("h2d", "grad-in", unit, "bwd", slab.numel() * slab.element_size(), dev.h2d)
         dst.copy_(slab, non_blocking=True)
         eng.rec.cuda_end(tok, dev.h2d)

@@ -93,7 +93,7 @@ class Tiled(torch.autograd.Function):
         return None, None, gx, *grads
 
 
-class _TiledForward:
+class TiledForward:
     """Stands in for a submodule's ``forward``: plain below ``rows`` tokens, ``Tiled`` above."""
 
     def __init__(self, module: nn.Module):
@@ -118,11 +118,13 @@ class _TiledForward:
         return torch.func.functional_call(self.twin, dict(zip(self.names, params)), (x,), tie_weights=False)
 
 
-def _is_norm(m: nn.Module) -> bool:
+def is_norm(m: nn.Module) -> bool:
+    """Whether ``m`` is an RMSNorm with a weight (a token-wise child ``tile_layer`` and ``lean`` wrap)."""
     return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), nn.Parameter)
 
 
-def _is_dense_mlp(m: nn.Module) -> bool:
+def is_dense_mlp(m: nn.Module) -> bool:
+    """Whether ``m`` is a dense gated MLP (gate, up and down projections; no experts)."""
     return all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) and \
         not any(isinstance(c, nn.ModuleList) for c in m.children())
 
@@ -145,10 +147,10 @@ def tile_layer(template: nn.Module) -> list[str]:
     """
     out = []
     for name, child in template.named_children():
-        if isinstance(child.__dict__.get("forward"), _TiledForward):
+        if isinstance(child.__dict__.get("forward"), TiledForward):
             out.append(name)
-        elif _is_norm(child) or _is_dense_mlp(child):
-            child.forward = _TiledForward(child)
+        elif is_norm(child) or is_dense_mlp(child):
+            child.forward = TiledForward(child)
             out.append(name)
     return sorted(out)
 
@@ -183,7 +185,7 @@ class SequenceTiling:
         for t in arch.templates:
             tile_layer(t)
         self.wrapped = [c.forward for t in arch.templates for c in t.children()
-                        if isinstance(c.__dict__.get("forward"), _TiledForward)]
+                        if isinstance(c.__dict__.get("forward"), TiledForward)]
         self.rows = 0  # rows per tile this step (0: plain)
         self.backend: str | None = None  # the backend this step's attention runs with; None: torch's default
         self._tokens = None
@@ -316,11 +318,11 @@ def auto_tiles(config, tokens: int, total_bytes: int, dtype_bytes: int = 2, *, l
         total_bytes: device memory (host RAM on "cpu").
         lean: the layers run ``lean.py``'s forwards (``EngineConfig.lean_activations``).
     """
-    from ..machine.shape import _act_bytes_per_token, model_shape
+    from ..machine.shape import act_bytes_per_token, model_shape
 
     try:
         shape = config if isinstance(config, dict) and "params_per_layer" in config else model_shape(config)
-        per_token = _act_bytes_per_token(shape, dtype_bytes, lean=lean)
+        per_token = act_bytes_per_token(shape, dtype_bytes, lean=lean)
     except (ValueError, KeyError, TypeError):
         return False
     return tokens > AUTO_ROWS and tokens * per_token > AUTO_FRACTION * total_bytes

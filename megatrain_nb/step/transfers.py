@@ -26,6 +26,7 @@ import torch
 
 from ..config import EngineConfig, pinned_budget
 from ..machine.longcontext import PARK_CHUNK
+from ..host.grad_ring import RingDst
 from ..host.host_store import HostStore
 from .workers import AdamWorker, Box, Worker
 
@@ -196,6 +197,7 @@ class Transfers:
     def __init__(self, dev: Streams, store: HostStore, ecfg: EngineConfig, rec, adam: AdamWorker,
                  norm_dev: torch.Tensor, abort: threading.Event):
         self.dev, self.rec, self.adam, self.norm_dev, self.abort = dev, rec, adam, norm_dev, abort
+        self.ring = store.ring  # Note: [Gradient ring] in grad_ring.py (None: every unit has a grad slab)
         self.dtype = dtype = ecfg.dtype
         self.delays: dict = {}  # lane -> deliberate delay, for tests that prove ordering (see delay)
         chunk = ecfg.transfer_chunk_bytes // torch.tensor([], dtype=dtype).element_size()
@@ -387,13 +389,15 @@ class Transfers:
 
         def copy_out():
             self.delay("host-unpack")
+            segs = [(off, n, self._ring_take(unit, phase) if isinstance(host, RingDst) else host)
+                    for off, n, host in segments]  # a ring buffer: waits for a free one (Note: [Gradient ring])
             with self.dev.on(stream):
                 self.dev.wait(stream, done_event)
                 self.delay("d2h")
-                nbytes = sum(n for _, n, _ in segments) * src.element_size()
+                nbytes = sum(n for _, n, _ in segs) * src.element_size()
                 tok = self.rec.cuda_begin(lane, op, unit, phase, nbytes, stream)
                 pending: list = []
-                for off, n, host in segments:
+                for off, n, host in segs:
                     if state or (host.dtype == src.dtype and host.is_pinned()):  # DMA, no unpacking: a pinned grad
                         piece = STATE_OUT_CHUNK_BYTES // src.element_size() if state and STATE_OUT_CHUNK_BYTES else n
                         for a, b in chunks(n, max(1, piece)):  # slab; fp32 state (pinned on CUDA), whole or in pieces
@@ -422,6 +426,14 @@ class Transfers:
             return done
 
         return enqueued, (self.writer if state else self.unpacker).submit(job)
+
+    def _ring_take(self, unit: int, phase: str):
+        """Unpacker: unit ``unit``'s ring buffer; where none is free, the wait is a ``wait-ring`` span (the host
+        AdamW is behind: back-pressure, Note: [Gradient ring] in grad_ring.py)."""
+        if not self.ring.would_wait(unit):
+            return self.ring.take(unit, self.abort)
+        with self.rec.span("host-unpack", "wait-ring", unit, phase):
+            return self.ring.take(unit, self.abort)
 
     def _flush(self, item, unit, phase) -> None:
         ev, buf, host = item

@@ -132,6 +132,7 @@ class AdamWorker:
         self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
         self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
         self.guard: Callable[[int], bool] | None = None  # whether a landing unit's state can take its update
+        self.consumed: Callable[[int], None] | None = None  # a unit's gradients are read or skipped (Note: [Gradient ring])
         self.follower = None
         if shared is not None:
             from ..host.shared_store import Follower
@@ -286,6 +287,8 @@ class AdamWorker:
                 self.update(u, cfg["lr"], scale)
                 applied += 1
             done.add(u)
+            if self.consumed is not None:
+                self.consumed(u)  # its gradient buffer may be refilled (Note: [Gradient ring] in grad_ring.py)
             with self.cond:
                 self._processed(u)
         if not cfg["gate"]:
@@ -304,7 +307,7 @@ def run_uninterrupted(fn, driver):
     before the step starts cancels it and is raised as it came.
     Note: [Driver thread] one long-lived thread per session, not one per step: every new thread
     that touches torch leaves per-thread state behind (OpenMP pools, CUDA contexts' thread state);
-    a thread per step grew host RSS by ~2 MB/step on the H200 (bench/soak_probe.py).
+    a thread per step grew host RSS by ~2 MB/step on the H200 (docs/design_log.md).
     """
     import warnings
 

@@ -128,8 +128,8 @@ def _summary_table(sm: dict) -> str:
 
 def _memory_table(rep: dict) -> str:
     n = rep["params"]
-    rows = [(k, f"{format_bytes(v)} ({v / n:.2f} bytes/param)") for k, v in rep.items()
-            if k not in ("total", "params", "bytes_per_param")]
+    rows = [(k, v if isinstance(v, str) else f"{format_bytes(v)} ({v / n:.2f} bytes/param)") for k, v in rep.items()
+            if k not in ("total", "params", "bytes_per_param")]  # a str: words (``gradients``)
     rows += [("total", f"{format_bytes(rep['total'])} ({rep['bytes_per_param']:.2f} bytes/param)"),
              ("parameters", f"{n:,}")]
     return _rows(rows, "memory")

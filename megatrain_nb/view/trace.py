@@ -22,6 +22,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .tables import Summary, Table
+
 LANES = ("compute", "device-adam", "h2d", "h2d-moments", "d2h", "d2h-state", "host-pack", "host-unpack",
          "host-moments", "host-adam", "driver")  # known lanes; others allowed
 PHASES = ("fwd", "loss", "recompute", "bwd", "optim", "io")
@@ -344,7 +346,7 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
         min_ms: shortest gap reported.
 
     Returns:
-        One row per stall: start_ms, end_ms, dur_ms, layer and phase (of the next compute span),
+        A `tables.Table` (a DataFrame, rounded in a notebook), one row per stall: start_ms, end_ms, dur_ms, layer and phase (of the next compute span),
         waited_on ("h2d", "packing", "optimizer", "d2h", "unpacking", "host/launch" or a lane name),
         diagnosis (one sentence), setting (the knob to change); plus step when given.
 
@@ -356,7 +358,7 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
     """
     if "step" in spans.columns and spans.step.nunique() > 1:
         parts = [find_stalls(g, min_ms=min_ms).assign(step=s) for s, g in spans.groupby("step")]
-        return pd.concat(parts, ignore_index=True)
+        return Table(pd.concat(parts, ignore_index=True))
     comp = spans[spans.lane == "compute"].sort_values("start_ms", kind="stable")
     others = spans[spans.lane != "compute"]
     if (others.op == "wait-update").any():  # the engine's own record of holds: AdamW acts only through them
@@ -366,8 +368,8 @@ def find_stalls(spans: pd.DataFrame, *, min_ms: float = 0.05) -> pd.DataFrame:
         if start - busy_until >= min_ms:
             rows.append(_explain(busy_until, start, int(layer), phase, others))
         busy_until = max(busy_until, end)
-    return pd.DataFrame(rows, columns=list(STALL_COLUMNS)).astype(
-        {"start_ms": "float64", "end_ms": "float64", "dur_ms": "float64", "layer": "int64"})
+    return Table(pd.DataFrame(rows, columns=list(STALL_COLUMNS)).astype(
+        {"start_ms": "float64", "end_ms": "float64", "dur_ms": "float64", "layer": "int64"}))
 
 
 def _explain(a: float, b: float, layer: int, phase: str, others: pd.DataFrame) -> tuple:
@@ -400,7 +402,7 @@ def summarize(spans: pd.DataFrame) -> dict:
         spans: `Trace.to_dataframe()` or `Plan.simulate()` of one step.
 
     Returns:
-        dict with step_ms (from 0, the step start, to the last end), compute_busy_ms (device updates included),
+        A `tables.Summary` (a dict, a table in a notebook) with step_ms (from 0, the step start, to the last end), compute_busy_ms (device updates included),
         compute_busy_share, stall_ms, wait_ms_by_cause (waited_on -> ms), bytes_h2d, bytes_d2h,
         h2d_GBps and d2h_GBps (bytes over the lane's busy time; 0.0 when idle).
     """
@@ -416,7 +418,7 @@ def summarize(spans: pd.DataFrame) -> dict:
         nbytes, ms = int(sel.bytes.sum()), _union_ms(sel)
         out[f"bytes_{lane}"] = nbytes
         out[f"{lane}_GBps"] = nbytes / ms / 1e6 if ms else 0.0
-    return out
+    return Summary(out)
 
 
 def slot_segments(slots: pd.DataFrame, *, end_ms: float | None = None) -> pd.DataFrame:
