@@ -108,11 +108,12 @@ def test_transformers_flex_attention_refuses_sinks_on_the_cpu():
         m(input_ids=ids, labels=ids)
 
 
-def test_sink_attention_is_flex_on_cuda():
-    """The choice alone (no GPU needed: nothing runs)."""
-    gpt = load_architecture(make_config("gpt_oss"))
-    impl, why = kernels.choose_attention(gpt, "cuda")
+def test_sink_attention_is_flex_on_cuda_from_head_dim_16():
+    """The choice alone (no GPU needed: nothing runs). The compiled flex kernel refuses head_dim under 16."""
+    impl, why = kernels.choose_attention(load_architecture(make_config("gpt_oss", head_dim=16)), "cuda")
     assert impl == "flex_attention" and "sinks" in why
+    impl, why = kernels.choose_attention(load_architecture(make_config("gpt_oss")), "cuda")  # head_dim 8
+    assert impl == "eager" and "head_dim 8" in why
 
 
 # ---- active parameters ---------------------------------------------------------------------------------

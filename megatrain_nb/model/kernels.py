@@ -101,6 +101,9 @@ def choose_attention(arch, device) -> tuple[str, str]:
         return current, "the config's own"
     if torch.device(device).type != "cuda":
         return "eager", "attention sinks: eager on the CPU (transformers' flex attention refuses sinks there)"
+    hd = getattr(arch.config, "head_dim", None) or arch.config.hidden_size // arch.config.num_attention_heads
+    if hd < 16:  # the compiled flex kernel's limit ("NYI: embedding dimension ... at least 16", torch 2.11 on the H200)
+        return "eager", f"attention sinks: head_dim {hd} is under flex attention's 16"
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
     except ImportError:
