@@ -1,4 +1,4 @@
-"""Qwen2.5-shaped configs for benchmarks (random init; no download)."""
+"""Qwen2.5-shaped configs for benchmarks, and gpt-oss-20b's shape for the MoE plan (random init; no download)."""
 from transformers import Qwen2Config
 
 from megatrain_nb.machine.shape import QWEN25
@@ -48,3 +48,25 @@ def count_params(cfg) -> int:
     kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
     layer = d * d + 2 * d * kv + (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # q k v (+bias) o, mlp, two norms
     return V * d * (1 if cfg.tie_word_embeddings else 2) + L * layer + d
+
+
+# gpt-oss-20b as released (its config.json): 24 layers alternating sliding (128) and full attention with sinks,
+# 32 experts of which 4 per token, yarn rope x32 over 4096 positions. 20.91B parameters, 4.19B active a token
+# (the experts at 4/32; embedding and lm_head counted), for model_shape / plan / a GptOssConfig.
+GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                   num_experts_per_tok=4, vocab_size=201088, tie_word_embeddings=False, attention_bias=True,
+                   sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                   max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                   rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                        original_max_position_embeddings=4096, rope_theta=150000.0))
+
+
+def gpt_oss_config(*, layers: int | None = None):
+    """A transformers GptOssConfig of gpt-oss-20b's shape (``layers`` fewer for a smaller run)."""
+    from transformers import GptOssConfig
+
+    kw = {k: v for k, v in GPT_OSS_20B.items() if k != "model_type"}
+    if layers is not None:
+        kw.update(num_hidden_layers=layers, layer_types=kw["layer_types"][:layers])
+    return GptOssConfig(**kw)

@@ -2,7 +2,8 @@
 
 Run on the GPU machine, e.g.:
     python bench/throughput.py --shape 3b --batch 1 4 8 --seq 4096 --steps 4 --out out/bench.jsonl
-Reports model TFLOPS = 6 * N * tokens / step time (N = all parameters, MegaTrain's formula), tokens/s,
+Reports model TFLOPS = 6 * N * tokens / step time (N = all parameters, MegaTrain's formula; an MoE's
+active ones: its experts at top_k / experts), tokens/s,
 compute-stream busy share, compute time waiting per cause (from the step trace), peak GPU memory,
 host RSS and host bytes/param.
 """
@@ -211,13 +212,14 @@ def main(argv=None) -> None:
             busy = busy_shares(s.engine.rec, raws, summaries[-1]) if summaries else []  # the saved trace: the last's
             t = statistics.median(times)
             tokens = B * a.seq
-            N = rep["params"]
-            row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, batch=B, seq=a.seq, tokens=tokens,
+            N, active = rep["params"], s.arch.active_params()  # active: MoE experts at top_k / experts (= N if dense)
+            row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, active_params=active, batch=B, seq=a.seq,
+                       tokens=tokens,
                        step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
                        steps_s=[round(x, 4) for x in every],  # every step of this batch, the untimed first
                        worst_after_first_x=round(max(every[1:]) / t, 3),  # what "auto" must hold under 1.5
                        first3_over_steady_s=round(sum(every[:3]) - 3 * t, 3),  # the time settling costs
-                       model_tflops=round(6 * N * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
+                       model_tflops=round(6 * active * tokens / t / 1e12, 1), tokens_per_s=round(tokens / t),
                        recomputed_layers=r.recomputed_layers,
                        peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,

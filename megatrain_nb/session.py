@@ -68,8 +68,13 @@ class Session:
                              "None (it needs the store in 90% of host RAM), or use placement='auto' / 'host'")
         cap_device(resolved.device, resolved.device_memory)  # the allocator's hard cap (Note: [Budgets] in machine/budget.py)
         from .data.packing import install
+        from .model import kernels
 
+        self.kernels = kernels.install(self.arch, experts=resolved.experts_implementation, device=resolved.device,
+                                       dtype=resolved.dtype)  # experts and sink attention kernels, and why
+        self._active_params = self.arch.active_params()  # what model TFLOPS counts: MoE experts at top_k / experts
         install(self.arch.config, resolved.device, resolved.dtype)  # how packed examples are kept apart
+        self.kernels["attention"] = self.arch.config._attn_implementation  # varlen where packing chose it
         shared = shared_store.attach(resolved.share_host_store, cuda=torch.device(resolved.device).type == "cuda")
         slabs = grad_ring.slab_reason(enabled=resolved.grad_ring, grad_clip=self.optim_cfg.grad_clip,
                                       overlap_optimizer=resolved.overlap_optimizer, nonfinite=resolved.nonfinite,
@@ -192,7 +197,7 @@ class Session:
             raise torch.OutOfMemoryError(oom_advice(e, cfg, tuple(mbs[0]["input_ids"].shape))) from e
         dt = time.perf_counter() - t0
         r = StepResult(step=self.engine.steps_done, loss=out["loss"], tokens=tokens, seconds=dt, lr=lr,
-                       tflops=6 * self.store.num_params() * tokens / dt / 1e12,
+                       tflops=6 * self._active_params * tokens / dt / 1e12,
                        recomputed_layers=out["recomputed_layers"], grad_norm=out["grad_norm"],
                        skipped=out["nonfinite"], metrics=out["metrics"])
         self.history.append(r)

@@ -102,10 +102,13 @@ def rel_scalar(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def load_reference(path: Path, attn: str):
+def load_reference(path: Path, attn: str, experts: str | None = None):
+    """The HF model of ``path`` in fp32 with attention ``attn`` and, for MoE models, experts ``experts``
+    (None: transformers' default)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
+    kw = {} if experts is None else {"experts_implementation": experts}
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn, **kw)
     model.train()  # dropout is 0 in every tiny config; train() only matches the session's mode
     return model
 

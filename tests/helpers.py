@@ -28,10 +28,11 @@ NOISE_ONLY = ("self_attn.k_proj.bias",)
 
 
 def compare(d, family, tmp_path, *, steps=5, batch=BATCH, seq=SEQ, pad=False, weight_decay=0.0, grad_clip=None,
-            schedule=None, **engine) -> dict:
+            schedule=None, reference_experts=None, **engine) -> dict:
     """Train a Session from ``d`` and the HF reference on the same batches; assert and record the diffs.
 
-    ``schedule``: (lr_schedule, warmup_steps, total_steps) or None (constant).
+    ``schedule``: (lr_schedule, warmup_steps, total_steps) or None (constant). ``reference_experts``: the
+    reference's experts implementation (None: transformers' default).
     """
     settings = dict(device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS, weight_decay=weight_decay,
                     grad_clip=grad_clip, **engine)
@@ -43,7 +44,7 @@ def compare(d, family, tmp_path, *, steps=5, batch=BATCH, seq=SEQ, pad=False, we
         make_sched = lambda opt: hf(opt, warm, total)  # noqa: E731
     s = Session.from_pretrained(d, **settings)
     try:
-        ref = load_reference(d, s.arch.model.config._attn_implementation)
+        ref = load_reference(d, s.arch.model.config._attn_implementation, reference_experts)
         pad_id = (s.config.pad_token_id or 0) if pad else None
         batches = make_batches(VOCAB, steps, batch=batch, seq=seq, pad_id=pad_id)
         got = train_session(s, batches)

@@ -23,6 +23,15 @@ def test_default_settings(hf_dir, family, tmp_path):
     compare(hf_dir(family), family, tmp_path)
 
 
+# ---- every experts implementation of the MoE families, against HF's own loop over the experts ------
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", families("mixtral", "qwen3_moe", "gpt_oss"))
+def test_experts_implementations(hf_dir, family, experts, tmp_path):
+    """Note: [Experts kernel] in model/kernels.py: each implementation the session can run trains as HF's
+    eager experts (a Python loop over the experts) with torch.optim.AdamW; the session reports its choice."""
+    compare(hf_dir(family), family, tmp_path, experts_implementation=experts, reference_experts="eager")
+
+
 # ---- activation policies x micro-batching, on a dense and an MoE family --------------------------
 @pytest.mark.parametrize("micro_batch_size", [None, 1])
 @pytest.mark.parametrize("checkpoint_every", [1, 2, 4, 0])

@@ -35,7 +35,9 @@ def model_shape(config) -> dict:
 
     Counts: attention q/k/v/o (+ q/k/v bias when `attention_bias` or Qwen2, + q/k norms for Qwen3),
     SwiGLU MLP (3 matrices) or MoE experts + router (+ shared expert), two RMSNorms per layer,
-    embedding, final norm, and lm_head unless tied. All layers are taken to be alike.
+    embedding, final norm, and lm_head unless tied; gpt-oss adds its o_proj bias, attention sinks,
+    router bias and expert biases. All layers are taken to be alike (Qwen3-MoE's ``mlp_only_layers``
+    are counted as MoE layers).
 
     Args:
         config: a transformers config (its text config is used for multimodal ones) or a dict
@@ -43,8 +45,10 @@ def model_shape(config) -> dict:
 
     Returns:
         dict: hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied, experts,
-        experts_per_tok, params_per_layer, active_params_per_layer (per token, for FLOPs),
-        embed_params, head_params (lm_head unless tied, plus final norm), n_params, and
+        experts_per_tok, params_per_layer, active_params_per_layer (per token, for FLOPs: the experts at
+        experts_per_tok / experts, all else in full), embed_params, head_params (lm_head unless tied, plus
+        final norm), n_params, active_params (what model TFLOPS counts: layers x active_params_per_layer +
+        embedding + head; n_params for a dense model), and
         layer_tensors: the values of each of a layer's tensors (the experts' as one), summing to
         params_per_layer (which of them keep fp32 moments under a compact optimizer state).
 
@@ -73,14 +77,19 @@ def model_shape(config) -> dict:
     tensors = [h * heads * hd, h * kv * hd, h * kv * hd, heads * hd * h]  # q k v o
     tensors += [heads * hd, kv * hd, kv * hd] if bias else []
     tensors += [hd, hd] if model_type.startswith("qwen3") else []  # q and k norms
+    gpt_oss = model_type == "gpt_oss"  # o_proj bias, attention sinks, router and expert biases
+    tensors += [h, heads] if gpt_oss else []
     attn = sum(tensors)
     if experts:
         inter = int(_get(config, "moe_intermediate_size", None) or _get(config, "intermediate_size"))
         top_k = int(_get(config, "num_experts_per_tok"))
         shared = int(_get(config, "shared_expert_intermediate_size", None) or 0)
         shared_p = 3 * h * shared + (h if shared else 0)
-        mlp, active_mlp = experts * 3 * h * inter + h * experts + shared_p, top_k * 3 * h * inter + h * experts + shared_p
-        tensors += [experts * 3 * h * inter, h * experts] + ([h * shared] * 3 + [h] if shared else [])
+        expert = 3 * h * inter + (2 * inter + h if gpt_oss else 0)  # gate, up, down (+ their biases)
+        router = h * experts + (experts if gpt_oss else 0)
+        mlp, active_mlp = experts * expert + router + shared_p, top_k * expert + router + shared_p
+        tensors += [experts * 3 * h * inter] + ([experts * 2 * inter, experts * h] if gpt_oss else [])
+        tensors += [h * experts] + ([experts] if gpt_oss else []) + ([h * shared] * 3 + [h] if shared else [])
     else:
         inter, top_k = int(_get(config, "intermediate_size")), 0
         mlp = active_mlp = 3 * h * inter
@@ -88,11 +97,12 @@ def model_shape(config) -> dict:
     tensors += [h, h]  # the two norms
     per_layer, embed = attn + mlp + 2 * h, vocab * h
     head = (0 if tied else vocab * h) + h
+    active = attn + active_mlp + 2 * h
     return dict(hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, head_dim=hd,
                 vocab=vocab, tied=tied, experts=experts, experts_per_tok=top_k,
-                params_per_layer=per_layer, active_params_per_layer=attn + active_mlp + 2 * h,
+                params_per_layer=per_layer, active_params_per_layer=active,
                 embed_params=embed, head_params=head, n_params=layers * per_layer + embed + head,
-                layer_tensors=tuple(tensors))
+                active_params=layers * active + embed + head, layer_tensors=tuple(tensors))
 
 
 # Note: [Activation estimate]

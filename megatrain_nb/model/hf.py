@@ -94,6 +94,25 @@ class Architecture:
         """(name, shape) of layer i's parameters, in the template's order."""
         return [(n, p.shape) for n, p in self.layers[i].named_parameters()]
 
+    def active_params(self) -> int:
+        """Parameters one token computes with: every parameter, but each MoE experts module's at
+        ``num_experts_per_tok / num_experts`` (router, attention, embedding, norms and lm_head in full;
+        a tied embedding once). Equals the parameter count of a dense model.
+
+        Example:
+            >>> load_architecture(make_config("gpt_oss")).active_params()  # doctest: +SKIP
+            25584
+        """
+        from .kernels import experts_modules
+
+        top_k = getattr(self.config, "num_experts_per_tok", None)
+        total = sum(p.numel() for p in self.model.parameters())  # .parameters() yields a tied weight once
+        for layer in self.layers:
+            for _, m in experts_modules(layer):
+                n = sum(p.numel() for p in m.parameters())
+                total -= n - n * top_k // m.num_experts
+        return total
+
     def head_params(self) -> list[tuple[str, torch.Size]]:
         """(name relative to the model, shape) of the head unit: final norm, then lm_head unless tied."""
         out = [(self.norm_prefix + n, p.shape) for n, p in self.norm.named_parameters()]

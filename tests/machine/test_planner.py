@@ -550,3 +550,54 @@ def test_host_short_plan_advises_the_optimizer_state():
         p = plan(QWEN25["14B"], batch=1, seq=4096, cast_on_device=True)
     assert not p.fits_host and "Fits with optimizer_state='int8' or optimizer_state='int4'." in p.advice
     assert plan(QWEN25["14B"], batch=1, seq=4096, cast_on_device=True, optimizer_state="int8").fits_host
+
+
+# ---- MoE: compute counts the active parameters, bytes count all of them ------------------------------
+def test_model_shape_counts_moe_tiny_configs_by_hand():
+    """Tiny gpt-oss and Qwen3-MoE (every layer MoE): hidden 32, 4 heads of 8, 2 KV heads, 4 experts, top 2."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from conftest import make_config
+    from megatrain_nb.model.hf import load_architecture
+
+    h, heads, kv, hd, E, k, vocab = 32, 4, 2, 8, 4, 2, 96
+    # gpt-oss: sinks, q k v o with biases; router with bias; gate_up (E, h, 2I) + bias, down (E, I, h) + bias
+    attn = heads + (h * heads * hd + heads * hd) + 2 * (h * kv * hd + kv * hd) + (heads * hd * h + h)
+    expert = h * 2 * 32 + 2 * 32 + 32 * h + h
+    s = model_shape(make_config("gpt_oss"))
+    assert s["params_per_layer"] == attn + (E * h + E) + E * expert + 2 * h
+    assert s["active_params_per_layer"] == attn + (E * h + E) + k * expert + 2 * h
+    assert s["active_params"] == 2 * s["active_params_per_layer"] + 2 * vocab * h + h == 25584
+    assert s["active_params"] == load_architecture(make_config("gpt_oss")).active_params()
+    # Qwen3-MoE: q k v o, q / k norms; router; experts of moe_intermediate_size 32
+    cfg = make_config("qwen3_moe", mlp_only_layers=[])
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd
+    s = model_shape(cfg)
+    assert s["active_params_per_layer"] == attn + E * h + k * 3 * h * 32 + 2 * h
+    assert s["n_params"] == 2 * (attn + E * h + E * 3 * h * 32 + 2 * h) + 2 * vocab * h + h
+    arch = load_architecture(cfg)
+    assert (s["n_params"], s["active_params"]) == (sum(p.numel() for p in arch.model.parameters()), arch.active_params())
+
+
+def test_plan_of_an_moe_computes_active_params_and_moves_all():
+    """Routing more experts a token costs compute only: the same weights cross PCIe and live on the host."""
+    moe = dict(model_type="gpt_oss", hidden_size=2048, intermediate_size=2048, num_hidden_layers=4,
+               num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=16,
+               vocab_size=32000, tie_word_embeddings=False, attention_bias=True)
+    few = plan(dict(moe, num_experts_per_tok=2), batch=8, seq=4096, _advise=False)
+    many = plan(dict(moe, num_experts_per_tok=16), batch=8, seq=4096, _advise=False)
+    assert few.host_bytes == many.host_bytes and few.layer_ms["h2d"] == many.layer_ms["h2d"]
+    assert many.layer_ms["fwd"] > 2 * few.layer_ms["fwd"]
+    assert few.shape["active_params"] < few.shape["n_params"] == many.shape["n_params"] == many.shape["active_params"]
+
+
+def test_gpt_oss_20b_shape_counts_as_the_released_model():
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    from shapes import GPT_OSS_20B, gpt_oss_config
+    from megatrain_nb.model.hf import load_architecture
+
+    s = model_shape(GPT_OSS_20B)
+    arch = load_architecture(gpt_oss_config())  # a skeleton on the meta device: nothing allocated
+    assert s["n_params"] == sum(p.numel() for p in arch.model.parameters()) == 20_914_757_184
+    assert s["active_params"] == arch.active_params() == 4_187_440_704
