@@ -1,7 +1,7 @@
 """MoE kernels on CUDA (model/kernels.py): grouped_mm against HF's eager experts, on the slots' views,
 and gpt-oss's sink attention through flex attention against eager. Marked gpu: skipped without CUDA.
 
-Run on the H200 with `python -m pytest -q -m gpu tests/test_gpu_moe.py`.
+Run on the H200 with `python -m pytest -q -m gpu tests/model/test_gpu_moe.py`.
 """
 import pytest
 import torch
