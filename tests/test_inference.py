@@ -150,7 +150,7 @@ def test_train_plots_eval_loss_next_to_training_loss(model_dir, data_file):
         assert df.eval_loss.iloc[-1] < before  # it learned something the held-out set shares
         fig = s.plot_history()
         names = [t.name for t in fig.data]
-        assert "eval loss" in names and "loss" in names  # legend words (palette.METRIC_LABELS)
+        assert "eval loss" in names and "training loss" in names  # legend words (palette.METRIC_LABELS)
         trace = fig.data[names.index("eval loss")]
         assert list(trace.x) == [0, 2, 4, 5]
         with pytest.raises(TypeError, match="iterator"):

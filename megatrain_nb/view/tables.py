@@ -90,6 +90,8 @@ class MemoryReport(dict):
                 continue
             if k == "fp32_moment_params":
                 rows.append(("parameters with fp32 AdamW moments", f"{int(v):,}"))
+            elif isinstance(v, str):  # words: where the gradients wait, and why (Note: [Gradient ring])
+                rows.append((k, v))
             else:
                 rows.append((f"{label(k, MEMORY_LABELS)} ({k})", _bytes(v) + (f" · {v / n:.2f} B/param" if n else "")))
         if "total" in self:
