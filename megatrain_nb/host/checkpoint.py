@@ -399,7 +399,8 @@ def _load_slabs(store, path: Path, state: dict) -> None:
                                  "incomplete")
     for (u, kind), t in staged.items():
         unit, k = store.units[u], KINDS.index(kind) - 1
-        fp32 = t if saved[u] is None else compact_state.dequantize(t, saved[u], k)
+        fp32 = t if saved[u] is None else compact_state.dequantize(  # the whole slab: Note: [Alignment tail]
+            t, saved[u], k, out=torch.empty(unit.layout.numel))
         if unit.compact is None:
             getattr(unit, kind).copy_(fp32)
         else:

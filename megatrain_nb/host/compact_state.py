@@ -15,6 +15,13 @@ Note: [Compact slab] a compact moment of a unit with n positions lives in one fl
 it as it moves fp32 moments: [codes: ceil(n/B)*B bytes (int8) or half that (int4), as words | scales:
 ceil(n/B) fp32 | exempt: the kept positions' fp32 moments, span after span]. All zeros is the zero moment.
 
+Note: [Alignment tail] a unit's flat slabs hold ``layout.numel`` positions, its tensors each starting
+64-aligned (binding.ALIGN); ``Layout.n`` ends at its last tensor's end, so the slab's last
+``numel - n`` positions (no parameter's, zero gradient) have no compact moment. Their fp32 moment is zero:
+``dequantize`` writes it, whatever ``out`` held. A resident group's device moments are fp32 buffers of
+``numel`` (made with ``torch.empty``): were the tail left as allocated, the fused AdamW would read the
+allocator's old bytes there (a negative ``exp_avg_sq`` gives a NaN master, which fails ``check_state``).
+
 Note: [Subnormals] on the H200 host (Intel Xeon) torch's fused CPU AdamW ran 8-13x slower when moments were
 subnormal (shared/LIMITS.md). The host's C kernel sets flush-to-zero and denormals-are-zero on each of its threads;
 ``denormals.py`` does the same for the fp32 path's threads.
@@ -197,10 +204,16 @@ def _kept_mask(lay: Layout, a: int, b: int, device) -> torch.Tensor | None:
 
 def dequantize(slab: torch.Tensor, lay: Layout, which: int, out: torch.Tensor | None = None,
                chunk_blocks: int = 1 << 16) -> torch.Tensor:
-    """A moment as fp32 (n,) from its compact slab (``which`` 0: exp_avg, 1: exp_avg_sq), chunk by chunk."""
+    """A moment as fp32 (n,) from its compact slab (``which`` 0: exp_avg, 1: exp_avg_sq), chunk by chunk.
+    ``out``: (m,) fp32 with m >= n, e.g. a unit's whole flat slab; every position is written, those from n
+    on zero (Note: [Alignment tail])."""
     codes, scales, kept = parts(slab, lay)
     q = qmaps(lay.kind)[which].to(slab.device)
     out = torch.empty(lay.n, dtype=torch.float32, device=slab.device) if out is None else out
+    if out.numel() < lay.n:
+        raise ValueError(f"dequantize: out has {out.numel()} elements, the moment {lay.n}; pass one of at least "
+                         f"{lay.n}")
+    out[lay.n:].zero_()
     B, bits = BLOCK[lay.kind], BITS[lay.kind]
     for k0 in range(0, lay.nblocks, chunk_blocks):
         k1 = min(lay.nblocks, k0 + chunk_blocks)

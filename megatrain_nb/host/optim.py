@@ -190,6 +190,10 @@ class DeviceAdamW:
     Does not own: when updates run or what is resident (the engine applies ``placement.choose``).
     """
 
+    poison: float | None = None
+    """Test hook: a value each new group buffer is filled with instead of being left unset (NaN proves that
+    nothing reads a buffer before it is written, whatever the allocator hands out)."""
+
     def __init__(self, store: HostStore, host: HostAdamW, cfg: OptimConfig, device: torch.device, dtype: torch.dtype):
         self.store, self.host, self.cfg, self.device, self.dtype = store, host, cfg, device, dtype
         self.groups: dict[tuple[int, ...], Resident] = {}
@@ -208,11 +212,11 @@ class DeviceAdamW:
             n = self.store.units[u].layout.numel
             segs.append((u, off, off + n))
             off += n
-        mk = lambda dt: torch.empty(off, dtype=dt, device=self.device)  # noqa: E731
+        mk = lambda dt: self._buffer(off, dt)  # noqa: E731
         emb = -1 in units
         r = Resident(units=units, segs=segs, w=mk(self.dtype), grad=None if units == (-1,) else mk(self.dtype),
                      master=mk(torch.float32), exp_avg=mk(torch.float32), exp_avg_sq=mk(torch.float32),
-                     egrad=torch.empty(self.store.units[-1].layout.numel, device=self.device) if emb else None,
+                     egrad=self._buffer(self.store.units[-1].layout.numel, torch.float32) if emb else None,
                      steps={})
         for u, a, b in segs:
             put(r.master[a:b], self.store.units[u].master)
@@ -224,6 +228,12 @@ class DeviceAdamW:
         self.of.update(dict.fromkeys(units, r))
         self.nbytes += _nbytes(r)
         return r
+
+    def _buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new group buffer of ``n`` elements, unset (``poison``: filled with it)."""
+        if self.poison is None:
+            return torch.empty(n, dtype=dtype, device=self.device)
+        return torch.full((n,), self.poison, dtype=dtype, device=self.device)
 
     def load_moments(self, r: Resident, put) -> None:
         """A resident group's moments from the host store into its device buffers, on the current stream;
@@ -237,7 +247,7 @@ class DeviceAdamW:
                 for k, (slab, out) in enumerate(((unit.exp_avg, r.exp_avg), (unit.exp_avg_sq, r.exp_avg_sq))):
                     words = torch.empty_like(slab, device=self.device)
                     put(words, slab)
-                    compact_state.dequantize(words, unit.compact, k, out=out[a:b])
+                    compact_state.dequantize(words, unit.compact, k, out=out[a:b])  # all of it: Note: [Alignment tail]
 
     def stream_add(self, u: int) -> None:
         """Unit ``u`` is placed "device": its state streams through, its step count lives here."""

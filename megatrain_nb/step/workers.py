@@ -109,6 +109,8 @@ class AdamWorker:
     first and the embedding's whole update goes last, after every other unit that has landed. A unit
     the device updated (``noop``; the host's update of it does nothing) counts as soon as it has
     landed with a finite norm, ahead of host updates (Note: [Early state] in device_updates.py).
+    The update order never changes which units are skipped: that follows the order they landed in
+    (Note: [Non-finite gradients] in docs/engine.md), whether the worker keeps up or not.
     When ``gate`` is set (gradient clipping, or overlap off) no unit updates before all have landed:
     the global norm needs every gradient.
     """
@@ -221,7 +223,7 @@ class AdamWorker:
             return None
         if self.noop is not None:  # Note: [Early state]: a unit the device updated counts at once, not behind host
             quick = [u for u in todo if self.noop(u) and math.isfinite(self.landed[u])]  # updates (a finite one
-            if quick:  # changes no verdict: a non-finite one keeps its place, and what follows it is skipped)
+            if quick:  # changes no verdict; verdicts follow the landing order, whatever the update order)
                 return quick[0]
         if len(self.landed) == len(self.order):
             return min(todo, key=lambda u: (u in deferred, self.order.index(u)))
@@ -255,7 +257,7 @@ class AdamWorker:
 
     def _one_step(self, cfg: dict) -> None:
         loss = cfg["loss"].get()  # lands with the head's gradients, before any other unit
-        skip = not math.isfinite(loss)
+        every = not math.isfinite(loss)  # every unit of the step is skipped
         scale, total = 1.0, float("nan")
         done: set = set()
         deferred: set = set()  # units whose early part went first: their whole update waits for the others
@@ -267,7 +269,8 @@ class AdamWorker:
                         raise Aborted("step abandoned")
                     self.cond.wait(0.05)
             total, scale = cfg["clip"](dict(self.landed))
-            skip = skip or not math.isfinite(total)
+            every = every or not math.isfinite(total)
+        skip = every
         while len(done) < len(self.order):
             with self.cond:
                 u = self._next(done, deferred)
@@ -276,14 +279,15 @@ class AdamWorker:
                         raise Aborted("step abandoned")
                     self.cond.wait(0.05)
                     u = self._next(done, deferred)
-                norm = self.landed[u]
-            if not skip and not math.isfinite(norm):
-                skip = True  # Note: [Non-finite gradients] see docs/engine.md: later units are skipped too
-            if (not skip and u not in deferred and self.early is not None and len(self.landed) == len(self.order)
+                landed = self.arrivals[:self.arrivals.index(u) + 1]  # u and every unit that landed before it
+                off = every or not all(math.isfinite(self.landed[x]) for x in landed)
+            skip = skip or off  # Note: [Non-finite gradients] see docs/engine.md: u is skipped when it, or a unit
+            # that landed before it, has a non-finite norm, whichever the worker reaches first
+            if (not off and u not in deferred and self.early is not None and len(self.landed) == len(self.order)
                     and self.early(u, cfg["step"], cfg["lr"], scale)):
                 deferred.add(u)  # Note: [Early rows] the rows the next forward gathers are out; the rest waits
                 continue
-            if not skip or u in deferred:  # a unit whose rows went out early counts as updated where they did
+            if not off:  # a deferred unit's rows went out with this same verdict: its update runs
                 self.update(u, cfg["lr"], scale)
                 applied += 1
             done.add(u)

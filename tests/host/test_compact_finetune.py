@@ -163,3 +163,32 @@ def test_resume_under_another_optimizer_state_converts_with_a_warning(short, tmp
     # the moments are re-quantized once, then held under the new setting: the runs drift apart slowly
     assert _rel(converted, straight) <= 1e-2, (converted, straight)
     assert converted[-1] < converted[0]
+
+
+def test_resume_of_a_layer_with_an_alignment_tail_converts(hf_dir, tmp_path):
+    """Note: [Alignment tail] a layer whose last tensor (a norm of 32 values) ends off the 64-alignment holds more
+    positions than its compact moment has: converted to fp32 at resume, the moment fills the whole slab, the
+    tail zero."""
+    from conftest import VOCAB, make_batches
+    from megatrain_nb import Session
+    from megatrain_nb.host import compact_state as cs
+
+    s = Session.from_pretrained(hf_dir("llama"), device="cpu", dtype=torch.float32, lr=LR, optimizer_state="int8")
+    try:
+        for b in make_batches(VOCAB, 2):
+            s.step(b)
+        s.save_checkpoint(tmp_path / "ck")
+        unit = s.store.units[0]
+        lay = unit.compact
+        assert lay is not None and lay.n < unit.layout.numel
+        want = [cs.dequantize(unit.exp_avg, lay, 0), cs.dequantize(unit.exp_avg_sq, lay, 1)]
+    finally:
+        s.close()
+    with pytest.warns(UserWarning, match="converted"):
+        r = Session.resume(tmp_path / "ck", optimizer_state="fp32")
+    try:
+        got = r.store.units[0]
+        for m, w in zip((got.exp_avg, got.exp_avg_sq), want):
+            assert torch.equal(m[:lay.n], w) and not m[lay.n:].any()
+    finally:
+        r.close()

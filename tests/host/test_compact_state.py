@@ -110,6 +110,20 @@ def test_zero_slab_is_zero_moment(kind):
         assert torch.equal(cs.dequantize(torch.zeros(lay.words), lay, which), torch.zeros(lay.n))
 
 
+@pytest.mark.parametrize("kind", cs.KINDS)
+def test_dequantize_writes_the_alignment_tail(kind):
+    """Note: [Alignment tail] ``out`` as long as a unit's flat slab: the positions past the moment's end get zero,
+    whatever ``out`` held (a resident group's device moments are made with ``torch.empty``)."""
+    lay, _, _, m, v = _unit(kind)
+    for which, slab in enumerate((m, v)):
+        out = torch.full((lay.n + 37,), float("nan"))
+        cs.dequantize(slab, lay, which, out=out)
+        assert torch.equal(out[:lay.n], cs.dequantize(slab, lay, which))
+        assert torch.equal(out[lay.n:], torch.zeros(37))
+    with pytest.raises(ValueError, match=f"at least {lay.n}"):
+        cs.dequantize(m, lay, 0, out=torch.empty(lay.n - 1))
+
+
 # ---- the host kernel against the torch path -----------------------------------------------------------
 
 @pytest.mark.parametrize("kind", cs.KINDS)

@@ -117,14 +117,19 @@ def test_a_bad_moment_skips_the_step_with_nothing_written(kind, value, gated):
         s.close()
 
 
-def test_overlapped_units_after_a_bad_one_are_skipped_those_before_keep_theirs():
-    """Note: [Non-finite gradients]'s rule: layer 0 lands after the head and layer 1, before the embedding."""
+@pytest.mark.parametrize("slow", [False, True], ids=["prompt", "slow-worker"])
+def test_overlapped_units_after_a_bad_one_are_skipped_those_before_keep_theirs(slow):
+    """Note: [Non-finite gradients]'s rule: layer 0 lands after the head and layer 1, before the embedding.
+    ``slow``: the worker's first update sleeps until every unit has landed, so it takes the rest in forward order
+    (the embedding first): the same units are skipped."""
     s = _session("fp32")
     try:
         batches = make_batches(VOCAB, 2)
         s.step(batches[0])
         s.engine.drain()
         s.store.units[0].exp_avg[3] = math.nan
+        if slow:
+            s.engine.delays = {"host-adam": 0.5}
         before = _state(s)
         with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
             r = s.step(batches[1])
@@ -155,15 +160,18 @@ def test_nonfinite_raise_raises_with_nothing_applied():
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_bad_resident_moment_skips_the_step_with_nothing_written(kind, gated):
+@pytest.mark.parametrize("gated,slow", [(False, False), (False, True), (True, False)])
+def test_a_bad_resident_moment_skips_the_step_with_nothing_written(kind, gated, slow):
     """A resident unit's state lives on the device (on the CPU: DeviceAdamW's own tensors); its check folds
-    into its norm there, before the copy to the host."""
+    into its norm there, before the copy to the host. ``slow``: every unit has landed before the worker reaches
+    layer 0 (it goes in forward order then, the embedding first); the embedding is skipped all the same."""
     s = _session(kind, placement={0: "resident", 1: "resident"}, **({"grad_clip": 1.0} if gated else {}))
     try:
         batches = make_batches(VOCAB, 3)
         s.step(batches[0])
         s.engine.drain()
+        if slow:
+            s.engine.delays = {"host-adam": 0.5}
         r0 = s.engine.dev_opt.of[0]
         a, b = r0.seg(0)
         keep = r0.exp_avg_sq[a:b].clone()

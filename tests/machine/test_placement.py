@@ -128,6 +128,22 @@ def test_placements_train_equal_to_reference(hf_dir, family, mix, tmp_path):
     compare(d, family, tmp_path, placement=mix_)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_resident_compact_units_train_equal_whatever_their_buffers_held(hf_dir, kind, tmp_path, monkeypatch):
+    """Note: [Resident compact] fp32 moments on the device: every unit resident, the run equals the reference.
+    Each new device buffer is NaN first (``DeviceAdamW.poison``), so that a position no load writes (a layer's
+    alignment tail, Note: [Alignment tail] in compact_state.py) fails the run every time, not when the allocator
+    happens to hand out a negative there."""
+    from megatrain_nb.host.optim import DeviceAdamW
+
+    monkeypatch.setattr(DeviceAdamW, "poison", float("nan"))
+    d = hf_dir("llama")
+    import json
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["hidden_size"] % 64 != 0  # a layer's last tensor, a norm of hidden_size values, leaves a tail
+    compare(d, "llama", tmp_path, placement=MIXES["all_resident"](cfg["num_hidden_layers"]), optimizer_state=kind)
+
+
 @pytest.mark.parametrize("family", families("llama_tied", "qwen3_moe"))
 def test_resident_with_clip_decay_schedule_and_recompute(hf_dir, family, tmp_path):
     compare(hf_dir(family), family, tmp_path, steps=6, schedule=("linear", 1, 5), weight_decay=0.1, grad_clip=0.5,

@@ -7,6 +7,7 @@ before the embedding's whole slab.
 """
 from __future__ import annotations
 
+import math
 import threading
 from types import SimpleNamespace
 
@@ -125,9 +126,14 @@ def test_the_worker_updates_the_others_before_the_embedding_whose_rows_went_firs
     assert calls == [("rows", -1, 0), ("adam", 0), ("adam", 1), ("adam", 2), ("adam", -1)]
 
 
-def test_a_non_finite_unit_after_the_early_rows_still_lets_the_embedding_update():
-    """Note: [Non-finite gradients] units after a non-finite one are skipped; the embedding, whose rows the
-    next forward already read, counts as updated where its rows went out: its whole update still runs."""
+@pytest.mark.parametrize("landings,want", [
+    (((-1, 1.0), (1, 1.0), (0, math.nan)), [("rows", -1), ("adam", 1), ("adam", -1)]),
+    (((1, 1.0), (0, math.nan), (-1, 1.0)), [("adam", 1)]),
+], ids=["embedding-lands-first", "embedding-lands-last"])
+def test_a_non_finite_unit_skips_the_units_that_landed_after_it_whatever_the_update_order(landings, want):
+    """Note: [Non-finite gradients] by landing order: a unit that landed before the non-finite one keeps its update,
+    one after it is skipped, though every unit has landed and the worker goes in forward order (embedding first).
+    The embedding's rows go out early only where its own verdict is finite; then its whole update runs."""
     from megatrain_nb.step.workers import AdamWorker, Box
 
     calls = []
@@ -136,14 +142,15 @@ def test_a_non_finite_unit_after_the_early_rows_still_lets_the_embedding_update(
     w.early = lambda u, step, lr, scale: u == -1 and not calls.append(("rows", u))
     try:
         loss = Box(abort)
-        w.begin(step=0, lr=1e-3, gate=True, clip=lambda norms: (0.0, 1.0), loss=loss)
-        for u, norm in ((1, 1.0), (0, float("nan")), (-1, 1.0)):
+        w.begin(step=0, lr=1e-3, gate=False, clip=lambda norms: (0.0, 1.0), loss=loss)
+        for u, norm in landings:  # all land before the loss: the worker finds every unit there
             w.land(u, norm)
         loss.put(1.0)
         w.wait_all(1)
     finally:
         w.close()
-    assert calls == [("rows", -1), ("adam", -1)]  # 0 is non-finite: 0 and 1 skipped, the embedding not
+    assert calls == want
+    assert w.stats["skipped"] and w.stats["applied"] == len([c for c in want if c[0] == "adam"])
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied"])
