@@ -156,7 +156,7 @@ def test_compact_moments_of_a_layer_with_an_alignment_tail_come_in_whole_on_cuda
     moment's end. Its device buffers NaN first (``DeviceAdamW.poison``) or zero: the same bits, no step skipped."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from test_gpu import _run
+    from helpers import gpu_run
 
     c = LlamaConfig(vocab_size=1024, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512)
@@ -165,9 +165,9 @@ def test_compact_moments_of_a_layer_with_an_alignment_tail_come_in_whole_on_cuda
     AutoModelForCausalLM.from_config(c).save_pretrained(tmp_path)
     kw = dict(placement={0: "resident", 1: "resident"}, optimizer_state=state)
     monkeypatch.setattr(DeviceAdamW, "poison", 0.0)
-    base_l, base_w = _run(tmp_path, {}, **kw)
+    base_l, base_w = gpu_run(tmp_path, {}, **kw)
     monkeypatch.setattr(DeviceAdamW, "poison", float("nan"))
-    l, w = _run(tmp_path, {}, **kw)
+    l, w = gpu_run(tmp_path, {}, **kw)
     assert l == base_l
     assert all(torch.equal(a, b) for a, b in zip(w, base_w))
     assert all(bool(torch.isfinite(x).all()) for x in w)
