@@ -264,8 +264,18 @@ def _run(lab, ctx, name: str) -> Seen:
     page.goto(f"{lab['url']}/lab/workspaces/{stem}-reopened/tree/notebooks/{name}?reset&token={lab['token']}")
     page.locator(f"{NB} .jp-CodeCell").first.wait_for(timeout=120_000)
     page.wait_for_timeout(3000)  # let the saved figures draw
-    seen.reopened = page.evaluate(_FIGURES_JS)
-    seen.reopened_text = page.locator(NB).first.inner_text()
+    # JupyterLab windows a long notebook (only the cells in view are drawn): scroll it through, keeping every
+    # figure seen on the way, the last output's dashboard included
+    page.locator(NB).first.hover()
+    found, text = [], ""
+    for _ in range(80):
+        found += [f for f in page.evaluate(_FIGURES_JS) if f not in found]
+        text += page.locator(NB).first.inner_text()
+        if any(f["title"].startswith(DASHBOARD_TITLE) and f["drawn"] >= 1 for f in found):
+            break
+        page.mouse.wheel(0, 700)
+        page.wait_for_timeout(400)
+    seen.reopened, seen.reopened_text = found, text
     page.close()
     _shut_down_kernels(lab)
     return seen

@@ -3,10 +3,11 @@
 Owns: the device buffers (weight slots, grad slots, head slot), the order of a step's phases, the compute (prelude, forward with kept or checkpointed activations,
 recompute and backward) and the recovery of a failed step. It calls, each at a named point:
 ``head.py`` (the head slot's load; the chunked loss between the forward and the backward),
-``embedding.py`` (the rows a step gathers first; the embedding's backward, its last op) and
+``embedding.py`` (the rows a step gathers first; the embedding's backward, its last op),
 ``memory.py`` (the activation policy from free memory; the memory counters after each layer op),
-``slot_plan.py`` (a plan's loads into the weight slots, each op's wait for its slot and its release) and
-``between_steps.py`` (forward-only passes through the same loads: ``stream_layers``, ``weights_copy``).
+``slot_plan.py`` (a plan's loads into the weight slots, each op's wait for its slot and its release),
+``between_steps.py`` (forward-only passes through the same loads: ``stream_layers``, ``weights_copy``) and
+``recovery.py`` (what a failed step leaves, put back).
 Weights in and gradients out are ``transfers.py``'s (its streams, threads and staging); together
 these modules hold every stream, event and wait. Over 400 lines because each cross-stream wait of
 the compute side reads best next to the work it orders.
@@ -54,7 +55,7 @@ from .schedule import Op, backward_ops, forward_ops, make_blocks
 from ..machine.longcontext import Checkpoints
 from .tiling import SequenceTiling
 from ..view.trace import add_occupancy
-from . import between_steps, embedding, head, lean, memory, passes, slot_plan, warmup
+from . import between_steps, embedding, head, lean, memory, passes, recovery, slot_plan, warmup
 from .transfers import Offload, Streams, Transfers
 from .workers import AdamWorker, Box
 
@@ -214,30 +215,8 @@ class Engine:
         return self.step(mbs, n_valid, hook)
 
     def _recover(self) -> None:
-        """After a failed step: stop its jobs, let the GPU finish what was queued, reset the handoffs.
-
-        Updates that the Adam worker had already applied stay applied (see docs/engine.md, [Failed
-        steps]); nothing is half-written: each unit's update is whole or absent: the state write-backs,
-        which no step waits for (Note: [Late write-backs]), finish before anything is dropped.
-        """
-        with contextlib.suppress(Exception):  # a failed write-back: the failed step's own error stands
-            self.device_updates.wait_writes()
-        self.abort.set()
-        self.io.drain_quietly()
-        with self.adam.cond:
-            while self.adam.steps:  # the worker drops the abandoned step at its next wait
-                self.adam.cond.wait(0.05)
-        if self.dev.cuda:
-            torch.cuda.synchronize(self.dev.device)  # named sync, error path only: queued GPU work ends
-        self.abort.clear()
-        slot_plan.reset(self)  # every slot free, none holding current weights
-        self.device_updates.recover()
-        self.offload.reset()
-        self.attn_cache.clear()  # the failed step's backward will not come for them
-        self.pass_, self.carry = passes.ONE, passes.Carry()  # the failed step's passes are dropped whole
-        if self.store.ring is not None:
-            self.store.ring.reset()  # no copy out is in flight now (the unpacker drained, the device synchronized)
-        self.adam.error = None
+        """After a failed step: recovery.py puts back what it left (Note: [Failed steps] in docs/engine.md)."""
+        recovery.recover(self)
 
     def _step(self, mbs: list[dict], n_valid: int, hook) -> dict:
         L, dev, rec, du = self.L, self.dev, self.rec, self.device_updates

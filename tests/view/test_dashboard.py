@@ -84,7 +84,7 @@ def test_figures_have_the_structure_of_the_viz_functions(session, backend):
     assert [t.name for t in hist.data] == ["training loss", "tokens/s", "model TFLOP/s"]  # one subplot each
     tl = d.figures["timeline"]
     bars = [t for t in tl.data if t.type == "bar"]
-    assert bars and {t.legendgroup for t in bars} <= {"fwd", "loss", "recompute", "bwd", "optim", "io"}
+    assert bars and {t.legendgroup for t in bars} <= {"fwd", "loss", "recompute", "bwd", "optim", "io", "wait"}  # wait: held, not working
     assert "compute" in tl.layout.yaxis.categoryarray and tl.layout.xaxis.title.text.endswith("(ms)")
     assert sum(len(t.x) for t in bars) == len(session.trace.to_dataframe())  # one bar per span
     mem = d.figures["memory"]  # CPU: no device counters, no device panel; the host store by category, in MiB
