@@ -24,7 +24,7 @@ from .step.engine import Engine
 from .model.hf import load_architecture
 from .host.host_store import HostStore
 from .host.optim import HostAdamW
-from .step.workers import run_uninterrupted as _run_uninterrupted
+from .step.workers import run_uninterrupted
 from .view.results import StepResult  # noqa: F401  (public here too: megatrain_nb.session.StepResult)
 from .view.trace import Recorder
 
@@ -189,7 +189,7 @@ class Session:
         t0 = time.perf_counter()
         lr = self.optim_cfg.lr_at(self.engine.steps_done)
         try:
-            out, interrupted = _run_uninterrupted(lambda: self.engine.step(mbs, n_valid, hook), self._driver)
+            out, interrupted = run_uninterrupted(lambda: self.engine.step(mbs, n_valid, hook), self._driver)
         except torch.OutOfMemoryError as e:
             from .machine.preflight import oom_advice
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..host import compact_state, grad_ring as _ring
+from ..host import compact_state
+from ..host.split_master import enabled as split_enabled
+from ..host.grad_ring import ring_bytes
 from . import placement as placing
-from ..host import split_master as _split
 from ..config import OPTIMIZER_STATES, pinned_budget
 from .budget import hardware_within, parse_bytes
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
@@ -465,10 +466,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     L, d, T, h, V, P, N = (s["layers"], dtype_bytes, batch * seq, s["hidden"], s["vocab"],
                            s["params_per_layer"], s["n_params"])
     if lean_activations is None:  # auto: the engine's rule (lean.auto, Note: [Lean auto]) on the buffers it holds then
-        from ..step import lean as _lean
+        from ..step import lean
 
         held = (weight_slots + GRAD_SLOTS) * P * d + 2 * (V * h + h) * d
-        lean_activations = _lean.auto(s, tokens=T, dtype_bytes=d, tiled=bool(tile_tokens and T > tile_tokens),
+        lean_activations = lean.auto(s, tokens=T, dtype_bytes=d, tiled=bool(tile_tokens and T > tile_tokens),
                                       room=(keep_frac * hardware.device_mem_bytes - held,
                                             hardware.device_mem_bytes))[0]
     settings = dict(batch=batch, seq=seq, tokens=T, dtype_bytes=d, checkpoint_every=checkpoint_every,
@@ -480,13 +481,13 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
                     attention_cache=attention_cache, split_master=split_master, optimizer_state=optimizer_state,
                     device_memory=device_memory, host_memory=host_memory, grad_ring=grad_ring)
     ring = grad_ring and overlap_optimizer and not grad_clip  # Note: [Gradient ring]: no slab for layers and head
-    split = _split.enabled(split_master, d == 2, pin_store, False) and optimizer_state == "fp32"  # as DeviceUpdates.split
+    split = split_enabled(split_master, d == 2, pin_store, False) and optimizer_state == "fp32"  # as DeviceUpdates.split
     E, head_n = s["embed_params"], V * h + h  # embedding unit; head slot elements (final norm + lm_head or embedding)
     moments = moment_bytes(s, optimizer_state)  # unit -> both moments' host bytes
     layer_state = 4 * P + moments[0]  # a "device" layer's state over PCIe: fp32 master and moments (12 P with fp32)
     head_state = 4 * head_n + moments[L] + (moments[-1] if s["tied"] else 0)  # the head group's (Note: [Streamed head])
     host = {"master_fp32": 4 * N, "adam_moments": sum(moments.values()),  # embedding grads: fp32
-            "grads": 4 * E + (_ring.ring_bytes({0: P, L: s["head_params"]}, d) if ring else d * (N - E)),
+            "grads": 4 * E + (ring_bytes({0: P, L: s["head_params"]}, d) if ring else d * (N - E)),
             "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N

@@ -593,7 +593,7 @@ def test_plan_of_an_moe_computes_active_params_and_moves_all():
 
 def test_gpt_oss_20b_shape_counts_as_the_released_model():
     import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "bench"))
     from shapes import GPT_OSS_20B, gpt_oss_config
     from megatrain_nb.model.hf import load_architecture
 
