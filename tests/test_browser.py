@@ -228,9 +228,12 @@ def _run(lab, ctx, name: str) -> Seen:
                     dash = page.locator(f"{NB} .widget-vbox:has(.megatrain-header)").first
                     try:  # the live widget goes when training ends (its static figure replaces it)
                         path = _shot(dash, f"{stem}-dashboard-running.png")
-                        after = _step_of(dash.locator(".megatrain-header").inner_text(timeout=2000))
+                        after_text = dash.locator(".megatrain-header").inner_text(timeout=2000)
+                        after = _step_of(after_text)
                     except Exception:
                         continue
+                    if after is not None and after != step:  # the live header moved on while the shot was taken
+                        seen.live_headers.append(after_text)
                     shot_live = after is not None and after < STEPS  # else the run ended: try again if it has not
                     if path not in seen.screenshots:
                         seen.screenshots.append(path)
