@@ -90,6 +90,16 @@ _FIGURES_JS = """() => {
     drawn: [...el.querySelectorAll('g.trace')].filter(g => !g.closest('.legend') && [...g.querySelectorAll('path')]
         .some(p => { const d = p.getAttribute('d') ?? ''; return d.length > 6 && d !== 'M0,0Z'; })).length}));
 }""".replace("%NB", NB)
+# Every text a dashboard header showed, recorded in the page itself as the DOM changes: the Python loop
+# below polls, and a screenshot or a busy box can make it miss a whole short run.
+_WATCH_HEADERS_JS = """() => {
+  window.__mtHeaders = [];
+  const note = () => document.querySelectorAll('%NB .megatrain-header').forEach(el => {
+    const t = el.textContent, h = window.__mtHeaders;
+    if (h.length === 0 || h[h.length - 1] !== t) h.push(t);
+  });
+  new MutationObserver(note).observe(document.body, {subtree: true, childList: true, characterData: true});
+}""".replace("%NB", NB)
 _PROGRESS_JS = """() => [...document.querySelectorAll('%NB .widget-hprogress')].map(el => ({
     width: el.querySelector('.progress-bar')?.style.width ?? '',
     text: el.closest('.widget-hbox')?.innerText ?? ''}))""".replace("%NB", NB)
@@ -214,6 +224,7 @@ def _run(lab, ctx, name: str) -> Seen:
     page.goto(f"{lab['url']}/lab/workspaces/{stem}/tree/notebooks/{name}?reset&token={lab['token']}")
     page.locator(f"{NB} .jp-CodeCell").first.wait_for(timeout=120_000)
     page.get_by_text("| Idle").wait_for(timeout=120_000)  # the kernel's status in the status bar
+    page.evaluate(_WATCH_HEADERS_JS)
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     deadline, shot_live = time.monotonic() + RUN_S, False
@@ -247,6 +258,9 @@ def _run(lab, ctx, name: str) -> Seen:
             break  # the tests below say which cells never ran
         time.sleep(0.1)
     page.wait_for_timeout(1500)  # let the last figures finish drawing
+    drawn = page.evaluate("() => window.__mtHeaders")  # every header the page drew, in order: what the polls
+    if drawn:                                            # saw and what they missed
+        seen.live_headers = drawn
     seen.figures = page.evaluate(_FIGURES_JS)
     seen.progress = page.evaluate(_PROGRESS_JS)
     finals = [f["title"] for f in seen.figures if f["title"].startswith(DASHBOARD_TITLE)]
