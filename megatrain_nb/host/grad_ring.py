@@ -19,8 +19,12 @@ slot: the device never runs more than the ring ahead of the host. No deadlock: e
 belongs to a unit that has landed (the unpacker takes one at a time, after the last one's landing), and
 an ungated worker updates every landed unit without waiting for any other.
 A step that needs every gradient at once (an "auto" placement's trial step is gated; "auto"'s passes
-keep each unit's gradients over passes) takes ``spill`` buffers beyond the ring (plain host memory,
-dropped after the update): that step's host RAM peaks as slabs would, and ``spilled`` counts them.
+keep each unit's gradients over passes) takes ``spill`` buffers beyond the ring (plain host memory, kept
+while the steps after it spill too, dropped by the first that does not): that step's host RAM peaks as slabs
+would, and ``spilled`` counts them.
+"auto" enters a trial only where the host has room for that (``spill_bytes`` within ``host_available``,
+the ``host_memory`` budget included); elsewhere its search keeps "activations first" and says why
+(``Session.placement``): a host that holds the store without slabs may not hold them for one step.
 The embedding's gradient keeps its fp32 slab: rows' gradients are scattered into it (``embedding.py``).
 """
 from __future__ import annotations
@@ -68,6 +72,11 @@ def ring_bytes(numel: dict[int, int], dtype_bytes: int, buffers: int = BUFFERS) 
     return buffers * _width(ring_units(numel)) * dtype_bytes
 
 
+def spill_bytes(numel: dict[int, int], dtype_bytes: int) -> int:
+    """Host bytes a step that holds every ring unit's gradients at once takes beyond the ring (at most)."""
+    return sum(ring_units(numel).values()) * dtype_bytes
+
+
 def _width(numel: dict[int, int]) -> int:
     return -(-max(numel.values()) // 64) * 64
 
@@ -101,20 +110,37 @@ class GradRing:
         self.held: dict[int, torch.Tensor] = {}  # unit -> its buffer's view (numel,)
         self._index: dict[int, int | None] = {}  # unit -> ring index (None: a spill buffer)
         self.cond = threading.Condition()
-        self.spill = False  # set per step: this step's gradients must all wait at once (no waiting for the ring)
+        self._spill = False
+        self._spare: dict[int, torch.Tensor] = {}  # unit -> its spill buffer, kept while spill steps follow
         self.waits = 0  # copies out that waited for a free buffer (back-pressure), since construction
         self.wait_s = 0.0
         self.spilled = 0  # spill buffers taken, since construction
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the ring's buffers."""
-        return sum(b.numel() * b.element_size() for b in self.bufs)
+        """Host bytes of the ring's buffers, and of spill buffers kept for the next spill step."""
+        with self.cond:
+            spare = sum(b.numel() * b.element_size() for b in self._spare.values())
+        return sum(b.numel() * b.element_size() for b in self.bufs) + spare
+
+    @property
+    def spill(self) -> bool:
+        """This step's gradients must all wait at once: ``take`` never waits for the ring (set per step).
+        Spill buffers released are kept for the next step while it spills too ("auto"'s passes: every step,
+        allocated once, not faulted in afresh each step), and dropped by the first step that does not."""
+        return self._spill
+
+    @spill.setter
+    def spill(self, on: bool) -> None:
+        with self.cond:
+            self._spill = bool(on)
+            if not on:
+                self._spare.clear()
 
     def would_wait(self, unit: int) -> bool:
         """Whether ``take(unit)`` would wait now (for the caller's trace span)."""
         with self.cond:
-            return unit not in self.held and not self.free and not self.spill
+            return unit not in self.held and not self.free and not self._spill
 
     def take(self, unit: int, abort: threading.Event | None = None) -> torch.Tensor:
         """The buffer unit ``unit``'s gradients go into: the one it holds already (an earlier pass's), a free one
@@ -125,7 +151,7 @@ class GradRing:
             if unit in self.held:
                 return self.held[unit]
             t0 = None
-            while not self.free and not self.spill:
+            while not self.free and not self._spill:
                 if abort is not None and abort.is_set():
                     raise RingAborted("step abandoned while waiting for a gradient buffer")
                 t0 = t0 or time.perf_counter()
@@ -137,7 +163,9 @@ class GradRing:
                 k = self.free.pop(0)
                 view = self.bufs[k][:n]
             else:
-                k, view = None, torch.empty(n, dtype=self.dtype)
+                k, view = None, self._spare.pop(unit, None)
+                if view is None:
+                    view = torch.empty(n, dtype=self.dtype)
                 self.spilled += 1
             self.held[unit], self._index[unit] = view, k
             return view
@@ -156,16 +184,18 @@ class GradRing:
         with self.cond:
             if unit not in self.held:
                 return
-            del self.held[unit]
+            view = self.held.pop(unit)
             k = self._index.pop(unit)
             if k is not None:
                 self.free.append(k)
+            elif self._spill:
+                self._spare[unit] = view
             self.cond.notify_all()
 
     def reset(self) -> None:
         """After a failed step, once no copy into a buffer is in flight: every buffer is free."""
         with self.cond:
-            self.held.clear(), self._index.clear()
+            self.held.clear(), self._index.clear(), self._spare.clear()
             self.free = list(range(len(self.bufs)))
             self.cond.notify_all()
 

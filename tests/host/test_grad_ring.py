@@ -50,6 +50,27 @@ def test_spill_and_abort_and_reset():
     assert not ring.held and ring.free == [0]
 
 
+def test_spill_buffers_stay_while_steps_spill_and_go_with_the_first_that_does_not():
+    ring = GradRing({0: 8, 1: 8, 2: 8}, torch.float32, buffers=1)
+    base = ring.nbytes
+    ring.spill = True  # "auto"'s passes: every step holds every gradient
+    first = {u: ring.take(u).data_ptr() for u in (0, 1, 2)}  # unit 0 the ring's buffer, 1 and 2 spill
+    for u in (0, 1, 2):
+        ring.release(u)
+    assert ring.nbytes == base + 2 * 8 * 4  # the two spill buffers kept for the next step
+    again = {u: ring.take(u).data_ptr() for u in (0, 1, 2)}
+    assert again == first and ring.spilled == 4  # the same memory, not allocated afresh
+    for u in (0, 1, 2):
+        ring.release(u)
+    ring.spill = False  # a step that waits for the ring: the spill buffers go
+    assert ring.nbytes == base and ring.take(0).data_ptr() == first[0]
+    ring.release(0)
+    ring.spill = True
+    ring.take(0), ring.take(1)
+    ring.reset()  # a failed step: nothing held, nothing kept
+    assert ring.nbytes == base and not ring.held and ring.free == [0]
+
+
 def test_slab_reason_names_what_needs_gradients_at_rest():
     ok = dict(enabled=True, grad_clip=None, overlap_optimizer=True, nonfinite="skip", pass_batch_size=None, shared=False)
     assert slab_reason(**ok) is None
@@ -172,3 +193,32 @@ def test_gated_steps_spill_beyond_the_ring(hf_dir):
         s.close()
     _, want, slab_w = _train(d, batches, grad_ring=False)
     assert got == want and all(torch.equal(w[u], slab_w[u]) for u in w)
+
+
+def test_a_trial_runs_only_where_the_host_holds_its_spill(hf_dir):
+    """"auto"'s trial step holds every gradient at once: the search enters it only where the host has room for
+    that beside what the process holds, under ``host_memory`` where set; else it says why and keeps A."""
+    from megatrain_nb.host.grad_ring import spill_bytes
+    from megatrain_nb.machine.budget import host_rss
+    from megatrain_nb.step.device_updates import SPILL_HOST_MARGIN
+
+    d = hf_dir("llama", num_hidden_layers=DEEP)
+    roomy = Session.from_pretrained(d, device="cpu", dtype=torch.float32)
+    try:
+        need = spill_bytes(roomy.store.ring.numel, 4)
+        assert need == sum(n for u, n in roomy.store.ring.numel.items() if u != -1) * 4 > 0
+        assert roomy.engine.device_updates._no_room_for_spill() is None  # a tiny model's spill on a box with GiBs free
+    finally:
+        roomy.close()
+    budget = host_rss() + SPILL_HOST_MARGIN // 2  # the runtime fits; a trial's spill and its margin do not
+    tight = Session.from_pretrained(d, device="cpu", dtype=torch.float32, host_memory=budget)
+    try:
+        why = tight.engine.device_updates._no_room_for_spill()
+        assert why is not None and f"host_memory={budget}" in why and "GiB free" in why, why
+    finally:
+        tight.close()
+    slabs = Session.from_pretrained(d, device="cpu", dtype=torch.float32, host_memory=budget, grad_ring=False)
+    try:
+        assert slabs.store.ring is None and slabs.engine.device_updates._no_room_for_spill() is None  # slabs: already held
+    finally:
+        slabs.close()
