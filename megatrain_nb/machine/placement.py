@@ -397,7 +397,10 @@ class Search:
     run, so an out-of-memory error anywhere in it leaves nothing applied and the engine runs the batch
     again as A (``abandon``). Its later steps overlap as every later one will; they peak where the first
     did, bar the device AdamW's fp32 copy of one unit's gradients beside the backward. (3B x 16: C1 ran
-    out in its backward after the loss had started the updates, and the error ended the run.)
+    out in its backward after the loss had started the updates, and the error ended the run.) Holding
+    every gradient until the backward ends costs host RAM where the gradient ring replaced the slabs
+    (2 bytes a parameter, once): where the host has not that much free, C and B are not entered and A
+    wins, saying why (``planned``'s ``no_trial``): a slower placement rather than a host out of memory.
     Phases: measure -> done (A), or measure -> C1 / B1 -> done. Settled from the third step at most.
     """
 
@@ -454,10 +457,12 @@ class Search:
         else:
             self.phase = "plan"
 
-    def planned(self, predict) -> None:
+    def planned(self, predict, no_trial: str | None = None) -> None:
         """Decide from the planner (see the Note); ``predict(free_bytes)`` -> (steady step s, the forward's
         wait for host updates s) of the candidate with that many bytes for residents, or None where the
-        planner cannot say (then A)."""
+        planner cannot say (then A). ``no_trial``: why a gated trial step cannot run here (the host cannot
+        hold its gradients at once: Note [Gradient ring] in ``host/grad_ring.py``), or None; where set, A
+        wins, since C and B are entered only through a trial."""
         if predict is None:
             self.phase, self.winner, self.why = "done", "A", "the planner cannot predict this model"
             return
@@ -468,6 +473,9 @@ class Search:
             self.predicted["C"], self.waited["C"] = predict(c)
         self.predicted["B"], self.waited["B"] = predict(self.free["B"])
         self.winner, self.why = pick(self.predicted)
+        if self.winner != "A" and no_trial is not None:
+            self.why = f"{self.NAMES[self.winner]} was {self.why}, but its trial step cannot run: {no_trial}"
+            self.winner = "A"
         self.phase = "done" if self.winner == "A" else self.winner + "1"
 
     def stepped(self, seconds: float, keep: list, waited: float = 0.0) -> None:

@@ -22,12 +22,15 @@ import time
 import torch
 
 from ..machine import placement as placing
-from ..host import split_master, state_check
+from ..host import grad_ring, split_master, state_check
 from ..host.optim import DeviceAdamW, grad_norm, state_slices
 from .late_moments import LateMoments
-from ..machine.budget import device_total, memory_total
+from ..machine.budget import device_total, host_available, memory_total
 from .transfers import PendingLoad
 from .workers import Box
+
+SPILL_HOST_MARGIN = 2 << 30
+"""Host bytes a step's spill buffers leave free (Note: [Gradient ring]): room for the runtime's own growth."""
 
 
 class DeviceUpdates:
@@ -333,11 +336,27 @@ class DeviceUpdates:
                                  host_bound=placing.host_bound(elapsed, adam_s), head=head,
                                  checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
             if self.search.phase == "plan":  # the one point where the planner decides (autoplan.py)
-                self.search.planned(self._predictor(mbs, total, rate if seconds else None))
+                self.search.planned(self._predictor(mbs, total, rate if seconds else None), self._no_room_for_spill())
             self.io.take_update_wait()
         elif self.search.phase != "done" or self.search.observing:
             self.search.stepped(self.agree(time.perf_counter() - self.t_start, "max"), keep,
                                 waited=self.agree(self.io.take_update_wait(), "max"))
+
+    def _no_room_for_spill(self) -> str | None:
+        """Why the host cannot hold every unit's gradients at once, or None. With the gradient ring a step that
+        needs them all (a gated trial, "auto"'s passes) takes spill buffers (Note: [Gradient ring] in
+        ``host/grad_ring.py``); they must fit what the host has free, under ``host_memory`` where set, with
+        ``SPILL_HOST_MARGIN`` to spare. Without the ring the slabs hold them already: None."""
+        ring = self.store.ring
+        if ring is None:
+            return None
+        need = grad_ring.spill_bytes(ring.numel, torch.tensor([], dtype=self.dtype).element_size())
+        room = int(self.agree(host_available(self.ecfg.host_memory), "min"))
+        if need + SPILL_HOST_MARGIN <= room:
+            return None
+        under = f" under host_memory={self.ecfg.host_memory}" if self.ecfg.host_memory is not None else ""
+        return (f"every unit's gradients at once take {need / 2**30:.1f} GiB, and the host has "
+                f"{room / 2**30:.1f} GiB free{under}")
 
     def _predictor(self, mbs, device_bytes: int, adam_rate: float | None):
         """``Search.planned``'s predict for this batch (Note: [Auto search]): the planner on a profile
@@ -374,6 +393,13 @@ class DeviceUpdates:
                 or not (self.dev.cuda and self.mode == "auto") or self.dp is not None):
             return None
         r, self.pass_reason = self._planned(self.passes, "pass_rows", batch, seq)
+        if r < batch:  # passes hold every unit's gradients until the last pass (Note: [Gradient ring])
+            no = self._no_room_for_spill()
+            if no is not None:
+                planned = self.pass_reason.split(",")[0]
+                r, self.pass_reason = batch, (f"one pass of {batch} rows: the planner's choice was {planned}, "
+                                              f"but passes hold every gradient until the last: {no}")
+                self.passes[(batch, seq)] = (r, self.pass_reason)
         return r
 
     def _planned(self, cache: dict, choice: str, batch: int, seq: int) -> tuple[int, str]:

@@ -16,7 +16,9 @@ from megatrain_nb.machine import autoplan, planner
 from megatrain_nb.machine import placement as placing
 from megatrain_nb.config import EngineConfig, OptimConfig
 from megatrain_nb.machine.shape import QWEN25
-from megatrain_nb.step.device_updates import DeviceUpdates
+from megatrain_nb.host.grad_ring import ring_units
+from megatrain_nb.step import device_updates
+from megatrain_nb.step.device_updates import SPILL_HOST_MARGIN, DeviceUpdates
 
 SHAPES = {name.lower(): shape for name, shape in QWEN25.items()}  # the Qwen2.5 shapes, as the planner takes them
 SEQ = 4096
@@ -50,21 +52,25 @@ def test_micro_batch_step_never_beats_the_whole_batch_at_h200_shapes(shape, batc
 
 
 # ---- DeviceUpdates' CUDA path on fakes ----------------------------------------------------------------
-def _fake_updates(monkeypatch, cfg: dict, *, batch: int, adam_rate: float = 1.8e9, **ecfg):
+def _fake_updates(monkeypatch, cfg: dict, *, batch: int, adam_rate: float = 1.8e9, host_free: int | None = None,
+                  **ecfg):
     """A DeviceUpdates of ``cfg`` on a pretend H200 (no tensors of the model), and what its measuring step
-    of ``batch`` x SEQ would measure there: (updates, keep, layer bytes, micro-batches)."""
+    of ``batch`` x SEQ would measure there: (updates, keep, layer bytes, micro-batches). ``host_free``: bytes
+    the host has free, with the gradient ring (None: slabs, no ring)."""
     s = planner.model_shape(cfg)
     L = s["layers"]
     numel = {-1: s["embed_params"], **dict.fromkeys(range(L), s["params_per_layer"]), L: s["head_params"]}
     du = DeviceUpdates.__new__(DeviceUpdates)  # only what after_step and micro_batch read
     du.store = SimpleNamespace(units={u: SimpleNamespace(layout=SimpleNamespace(numel=n)) for u, n in numel.items()},
-                               shared=None, num_params=lambda: sum(numel.values()))
+                               shared=None, num_params=lambda: sum(numel.values()),
+                               ring=None if host_free is None else SimpleNamespace(numel=ring_units(numel)))
+    monkeypatch.setattr(device_updates, "host_available", lambda budget: host_free)
     du.arch = SimpleNamespace(tied=s["tied"], config=cfg, embed=SimpleNamespace(weight=torch.empty(0, s["hidden"])),
                               num_layers=L)
     du.dev, du.mode, du.dp, du.gate, du.share = SimpleNamespace(cuda=True, device="cuda:0"), "auto", None, False, 0.0
     du.ecfg, du.ocfg, du.dtype = EngineConfig(device="cpu", **ecfg), OptimConfig(), torch.bfloat16
     du.ecfg.cast_on_device = True  # as the engine resolves it on CUDA (preflight.resolve_pinning)
-    du.search, du.micro, du.micro_reason = placing.Search(), {}, ""
+    du.search, du.micro, du.micro_reason, du.passes, du.pass_reason = placing.Search(), {}, "", {}, ""
     du.adam_rate = (sum(numel.values()), sum(numel.values()) / adam_rate)
     du.io = SimpleNamespace(take_update_wait=lambda: 0.0)
     # what the measuring step (nothing resident) would measure: the planner's own plan of A
@@ -112,6 +118,38 @@ def test_7b_x8_takes_the_forwards_head_resident_at_the_measured_host_rate(monkey
     assert s.predicted and all(f"{v:.3f} s" in s.summary() for v in s.predicted.values()), line
     assert s.winner == "C" and s.phase == "C1" and s.trial, (s.winner, line)
     assert 3.0 < s.predicted["C"] < 3.7 and s.predicted["A"] > 3.5, line
+
+
+def test_a_trial_that_the_host_cannot_hold_is_not_entered(monkeypatch):
+    """With the gradient ring, C's trial step holds 7B's every gradient at once (14.2 GiB of bf16): entered where the
+    host has that and the margin free, else A, saying why (a slower step, not a host out of memory)."""
+    need = (planner.model_shape(SHAPES["7b"])["n_params"] - planner.model_shape(SHAPES["7b"])["embed_params"]) * 2
+    du, keep, act, mbs = _fake_updates(monkeypatch, SHAPES["7b"], batch=8, adam_rate=2.55e9,
+                                       host_free=need + SPILL_HOST_MARGIN)
+    du.after_step(keep=keep, act_bytes=act, mbs=mbs)
+    assert du.search.phase == "C1" and du.search.trial, du.search.summary()
+    du, keep, act, mbs = _fake_updates(monkeypatch, SHAPES["7b"], batch=8, adam_rate=2.55e9,
+                                       host_free=need + SPILL_HOST_MARGIN - 1, host_memory="64GiB")
+    du.after_step(keep=keep, act_bytes=act, mbs=mbs)
+    s = du.search
+    assert (s.phase, s.winner, s.trial) == ("done", "A", False), s.summary()
+    assert f"but its trial step cannot run: every unit's gradients at once take {need / 2**30:.1f} GiB" in s.summary()
+    assert f"under host_memory={64 << 30}" in s.summary(), s.summary()
+
+
+def test_passes_are_chosen_only_where_the_host_holds_every_gradient(monkeypatch):
+    """3B x 16 runs as two passes of 8 (Note: [Pass choice]); with the ring, passes hold every gradient until the
+    last, so where the host cannot hold them the batch runs as one pass, and the reason says so."""
+    du, *_ = _fake_updates(monkeypatch, SHAPES["3b"], batch=16)  # slabs
+    assert du.pass_rows(16, SEQ) == 8 and du.pass_reason.startswith("2 passes of 8 rows"), du.pass_reason
+    du, *_ = _fake_updates(monkeypatch, SHAPES["3b"], batch=16, host_free=1 << 40)
+    assert du.pass_rows(16, SEQ) == 8, du.pass_reason
+    du, *_ = _fake_updates(monkeypatch, SHAPES["3b"], batch=16, host_free=4 << 30)
+    assert du.pass_rows(16, SEQ) == 16 and du.pass_rows(16, SEQ) == 16, du.pass_reason
+    assert du.pass_reason.startswith("one pass of 16 rows: the planner's choice was 2 passes of 8 rows, but passes "
+                                     "hold every gradient until the last: every unit's gradients at once take"), \
+        du.pass_reason
+    assert du.passes[(16, SEQ)] == (16, du.pass_reason)  # decided once for the shape
 
 
 def test_micro_batch_under_auto_is_the_planners_and_a_setting_wins(monkeypatch):

@@ -576,6 +576,21 @@ def test_a_trial_that_runs_out_of_memory_falls_back_to_a():
     assert s.seconds == {"C": float("inf"), "A": 3.41} and not s.observing
 
 
+def test_no_room_for_a_trial_keeps_a_and_says_why():
+    s = placing.Search()
+    s.measured(free=1 * GiB, keep=[True] * 40 + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
+               everything_fits=False, head=HEAD)
+    s.planned(_fake_planner(s, {"A": 3.41, "C": 3.21, "B": 3.50}, 0.15), no_trial="the host has 1.0 GiB free")
+    assert (s.phase, s.winner, s.trial) == ("done", "A", False), s.summary()
+    assert "the forward's head resident was predicted fastest, but its trial step cannot run: the host has 1.0 GiB" \
+        in s.summary(), s.summary()
+    s = placing.Search()
+    s.measured(free=1 * GiB, keep=[True] * 40 + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
+               everything_fits=False, head=HEAD)
+    s.planned(_fake_planner(s, {"A": 3.20, "C": 3.40, "B": 3.50}, 0.15), no_trial="the host has 1.0 GiB free")
+    assert s.winner == "A" and "trial" not in s.summary()  # A won anyway: nothing to explain
+
+
 def test_a_trial_keeps_the_policy_its_first_forward_chose():
     s, ran = _run_search({"A": 3.41, "C": 3.40, "B": 2.90})
     assert s.keep["B"] == [True] * 35 + [False] * 6 and s.keep["A"] == [True] * 40 + [False]
