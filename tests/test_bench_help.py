@@ -49,3 +49,16 @@ def test_a_file_without_main_is_a_module_of_the_tools(path):
     """Not a forgotten tool: another bench file imports it."""
     users = [p.name for p in FILES if p != path and re.search(rf"^\s*(from|import) {path.stem}\b", p.read_text(), re.M)]
     assert users, f"bench/{path.name} has no __main__ and no bench tool imports it"
+
+
+def test_the_moe_plan_in_the_docs_is_what_the_tool_prints_now():
+    """docs/benchmarks.md's gpt-oss-20b table is a prediction of this code's planner: a change to the planner
+    that moves it fails here until the table is printed again (``bench/moe_plan.py``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(BENCH / "moe_plan.py")], cwd=BENCH.parent, env=env, capture_output=True,
+                       text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    printed = [line for line in r.stdout.splitlines() if line.startswith("| H200 |")]
+    docs = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    shown = [line for line in docs.splitlines() if line.startswith("| H200 |")]
+    assert len(printed) == 9 and printed == shown, "\n".join(["printed:", *printed, "docs:", *shown])
