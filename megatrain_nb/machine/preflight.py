@@ -99,8 +99,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
 
     # host store, as HostStore.__init__ allocates it
     numel = {u: lay.numel for u, lay in units.items()}
-    ring = grad_ring.slab_reason(enabled=cfg.grad_ring, grad_clip=grad_clip, overlap_optimizer=cfg.overlap_optimizer,
-                                 nonfinite=cfg.nonfinite, pass_batch_size=cfg.pass_batch_size, shared=False) is None
+    ring = _ring(cfg, grad_clip)
     store = _store(layouts, d, pin, unit_moment_words(arch, optimizer_state, keep_fp32, layouts), ring)
 
     # engine buffers, as Engine.__init__ allocates them (Note: [Staging])
@@ -140,7 +139,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
 
 
 def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[str, ...] | None = None,
-               engine_cfg: EngineConfig | None = None):
+               engine_cfg: EngineConfig | None = None, grad_clip: float | None = None):
     """Host RAM of each ``optimizer_state`` for a few models, and the deepest model of each width it holds.
 
     The store is counted exactly as ``estimate`` counts it (per unit, from the model's skeleton on the meta
@@ -158,9 +157,11 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
             within ``engine_cfg.host_memory``).
         keep_fp32: as ``OptimConfig.compact_keep_fp32`` (None: the input embedding keeps fp32 moments).
         engine_cfg: an EngineConfig instead of the CUDA default (pinning then as ``resolve_pinning``).
+        grad_clip: as ``OptimConfig.grad_clip``: with it every unit keeps a gradient slab; without it (and with
+            ``engine_cfg.grad_ring``) the ring holds the layers' and head's (Note: [Gradient ring]).
     Returns:
         pandas DataFrame, one row per model and optimizer_state: model, optimizer_state, layers, params,
-        master / grad / moments / shadow / store (bytes a parameter), store_GiB, staging_GiB, host_GiB
+        gradients ("ring" or "slabs"), master / grad / moments / shadow / store (bytes a parameter), store_GiB, staging_GiB, host_GiB
         (store + staging), available_GiB, fits, max_layers and max_params (the deepest model of this
         width that fits: 0 where not even the embedding and head do).
     Raises:
@@ -180,6 +181,7 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
     host_bytes = budgets.host_available(cfg.host_memory) if host_bytes is None else int(host_bytes)
     cuda = engine_cfg is None or torch.device(cfg.device).type == "cuda"
     d = torch.tensor([], dtype=cfg.dtype).element_size()
+    ring = _ring(cfg, grad_clip)
     rows = []
     for name, config in configs.items():
         if isinstance(config, dict):
@@ -192,14 +194,15 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         for state in OPTIMIZER_STATES:
             pin, cast = resolve_pinning(cfg, arch, optimizer_state=state) if engine_cfg else (False, True)
             words = unit_moment_words(arch, state, keep_fp32, layouts)
-            store = _store(layouts, d, pin, words, cfg.grad_ring)  # no grad_clip: the ring (Note: [Gradient ring])
+            store = _store(layouts, d, pin, words, ring)
             staging = _staging(cfg, d, max(numel.values()), pin or cast, cuda)[2]
             need, P = store["total"] + staging, store["params"]
-            grad = 0 if cfg.grad_ring else d  # a layer more adds no ring buffer (alike layers: the largest stays)
+            grad = 0 if ring else d  # a layer more adds no ring buffer (alike layers: the largest stays)
             per_layer = sum((4 + grad + (d if pin else 0)) * numel[i] + 8 * words[i] for i in range(L)) / L
             deepest = max(0, L + math.floor((host_bytes - need) / per_layer))
             rows.append(dict(model=name or f"{type(config).__name__.removesuffix('Config')} {_count(P)}",
-                             optimizer_state=state, layers=L, params=P, master=store["master"] / P,
+                             optimizer_state=state, gradients="ring" if ring else "slabs", layers=L, params=P,
+                             master=store["master"] / P,
                              grad=store["grad"] / P, moments=(store["exp_avg"] + store["exp_avg_sq"]) / P,
                              shadow=store["shadow"] / P, store=store["bytes_per_param"], store_GiB=store["total"] / _GIB,
                              staging_GiB=staging / _GIB, host_GiB=need / _GIB, available_GiB=host_bytes / _GIB,
@@ -236,6 +239,12 @@ def unit_moment_words(arch, optimizer_state: str = "fp32", keep_fp32: tuple[str,
 def _check_state(optimizer_state) -> None:
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer_state={optimizer_state!r}: choose one of {OPTIMIZER_STATES}")
+
+
+def _ring(cfg: EngineConfig, grad_clip) -> bool:
+    """Whether the gradient ring holds the layers' and head's gradients (no slabs) under these settings."""
+    return grad_ring.slab_reason(enabled=cfg.grad_ring, grad_clip=grad_clip, overlap_optimizer=cfg.overlap_optimizer,
+                                 nonfinite=cfg.nonfinite, pass_batch_size=cfg.pass_batch_size, shared=False) is None
 
 
 def _store(layouts: dict, d: int, pin: bool, words: dict[int, int], ring: bool = False) -> dict:

@@ -387,6 +387,23 @@ def test_host_table_extrapolates_layers_exactly(monkeypatch):
     assert row["model"] == "Qwen2 552,064"  # no name given: the class and the count
 
 
+def test_host_table_with_grad_clip_counts_slabs_as_estimate_does(monkeypatch):
+    """With grad_clip every unit keeps a gradient slab: the table says so and its bytes are estimate's."""
+    cfg = _cuda_cast(monkeypatch)
+    ring = preflight.host_table(_qwen2(), host_bytes=1 << 40).set_index("optimizer_state")
+    slabs = preflight.host_table(_qwen2(), host_bytes=1 << 40, grad_clip=1.0).set_index("optimizer_state")
+    assert (ring.gradients == "ring").all() and (slabs.gradients == "slabs").all()
+    for state in ("fp32", "int8", "int4"):
+        est = estimate(_qwen2(), cfg, optimizer_state=state, grad_clip=1.0)
+        assert slabs.loc[state, "host_GiB"] * (1 << 30) == pytest.approx(est["host"]["needed"])
+        assert slabs.loc[state, "grad"] == est["bytes_per_param"]["grad"]
+        # slabs: a bf16 gradient for every non-embedding parameter, fp32 for the embedding's; the ring: its buffers
+        N = EMBED + 2 * sum(LAYER) + HEAD
+        assert slabs.loc[state, "grad"] * N == 4 * EMBED + 2 * (N - EMBED)
+        assert ring.loc[state, "grad"] * N == 4 * EMBED
+        assert slabs.loc[state, "max_layers"] <= ring.loc[state, "max_layers"]
+
+
 def test_qwen25_14b_fits_118_gib_with_int8_not_fp32(monkeypatch):
     from megatrain_nb.machine.shape import QWEN25
 
