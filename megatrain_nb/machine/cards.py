@@ -117,7 +117,8 @@ def largest_models(host_memory: int | str | Hardware, configs=None):
     return out.rename_axis("like").reset_index().assign(host_GiB=ram / _GIB)[["like", "host_GiB", *out.columns]]
 
 
-def table(models=("7B", "14B"), batch: int = 4, seq: int = 1024, host_memory: int | str = "128GiB"):
+def table(models=("7B", "14B"), batch: int = 4, seq: int = 1024, host_memory: int | str = "128GiB",
+          optimizer_state: str = "fp32"):
     """Every card's predicted steady step for Qwen2.5 models under the defaults (placement "auto", the master
     pinned and cast on the device), labelled as predictions (Note: [Predicted cards]).
 
@@ -125,9 +126,10 @@ def table(models=("7B", "14B"), batch: int = 4, seq: int = 1024, host_memory: in
         models: keys of ``shape.QWEN25``.
         batch, seq: the step's shape.
         host_memory: each machine's host RAM.
+        optimizer_state: "fp32", "int8" or "int4": the moments the plans' host stores hold.
     Returns:
         pandas DataFrame, one row per card and model: card, device_GiB, pcie_gen, dense_bf16_TFLOPS (datasheet),
-        model, batch, seq, predicted_step_s, predicted_model_TFLOPS, resident_units, fits_host, largest_fp32_B /
+        model, optimizer_state, batch, seq, predicted_step_s, predicted_model_TFLOPS, resident_units, fits_host, largest_fp32_B /
         largest_int8_B (the largest model of that width the host RAM holds: ``largest_models``).
     Example:
         >>> table(("7B",))[["card", "predicted_model_TFLOPS"]]  # doctest: +SKIP
@@ -146,10 +148,11 @@ def table(models=("7B", "14B"), batch: int = 4, seq: int = 1024, host_memory: in
         for m in models:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a plan that does not fit still predicts; fits_host says so
-                p = plan(QWEN25[m], batch=batch, seq=seq, hardware=hw, placement="auto", cast_on_device=True)
+                p = plan(QWEN25[m], batch=batch, seq=seq, hardware=hw, placement="auto", cast_on_device=True,
+                         optimizer_state=optimizer_state)
             step_s = p.steady_step_ms / 1e3
             rows.append(dict(card=name, device_GiB=mem / _GIB, pcie_gen=gen, dense_bf16_TFLOPS=tflops, model=m,
-                             batch=batch, seq=seq, predicted_step_s=round(step_s, 2),
+                             optimizer_state=optimizer_state, batch=batch, seq=seq, predicted_step_s=round(step_s, 2),
                              predicted_model_TFLOPS=round(6 * model_shape(QWEN25[m])["n_params"] * batch * seq / step_s
                                                           / 1e12, 1),
                              resident_units=sum(c == "resident" for c in p.placement.values()), fits_host=p.fits_host,
