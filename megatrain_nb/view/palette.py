@@ -69,6 +69,8 @@ METRIC_LABELS = {"loss": "training loss", "eval_loss": "eval loss", "tokens_per_
                  "tflops": "model TFLOP/s", "peak_device_bytes": "peak device memory", "host_rss_bytes": "host RSS"}
 METRIC_COLORS = {"loss": "#222222", "eval_loss": "#E15759", "tokens_per_s": "#17BECF", "tflops": "#9467BD",
                  "peak_device_bytes": "#8C564B", "host_rss_bytes": "#7F7F7F"}
+# `optimizer_state`: the moments' precision, in every figure that compares them.
+STATE_PRECISION_COLORS = {"fp32": "#2B2D80", "int8": "#E6550D", "int4": "#31A354"}
 # For names no table above knows (a loss hook's metrics, a new counter): taken in order within one figure.
 EXTRA_COLORS = ("#1B9E77", "#D95F02", "#7570B3", "#E7298A", "#66A61E", "#E6AB02", "#A6761D", "#666666",
                 "#FF9DA7", "#86BCB6", "#D4A6C8", "#B5BD61")

@@ -184,3 +184,13 @@ def test_every_memory_category_has_its_own_colour_and_words():
     cmap = palette.color_map(sorted(keys), palette.MEMORY_LABELS, palette.MEMORY_COLORS)
     assert cmap[palette.MEMORY_LABELS["activations_kept"]] != cmap[palette.MEMORY_LABELS["master_fp32"]]
     assert cmap[palette.MEMORY_LABELS["resident_state"]] != cmap[palette.MEMORY_LABELS["head_slots"]]
+
+
+def test_optimizer_states_have_colours_of_their_own():
+    """fp32 / int8 / int4 look alike in every figure that compares them, and like nothing else."""
+    import re
+
+    used = [c.upper() for c in re.findall(r"#[0-9A-Fa-f]{6}", open(palette.__file__).read())]
+    mine = [c.upper() for c in palette.STATE_PRECISION_COLORS.values()]
+    assert set(palette.STATE_PRECISION_COLORS) == {"fp32", "int8", "int4"}
+    assert all(used.count(c) == 1 for c in mine), "an optimizer state's colour is used elsewhere in the palette"
