@@ -91,15 +91,33 @@ _FIGURES_JS = """() => {
         .some(p => { const d = p.getAttribute('d') ?? ''; return d.length > 6 && d !== 'M0,0Z'; })).length}));
 }""".replace("%NB", NB)
 # Every text a dashboard header showed, recorded in the page itself as the DOM changes: the Python loop
-# below polls, and a screenshot or a busy box can make it miss a whole short run.
+# below polls, and a screenshot or a busy box can make it miss a whole short run. At each header of a step
+# mid-run (1 .. STEPS - 1) the page also keeps a copy of the dashboard's DOM as drawn (plotly draws SVG), so the
+# mid-run picture can be taken after the run where no poll caught the live widget.
 _WATCH_HEADERS_JS = """() => {
   window.__mtHeaders = [];
+  window.__mtLive = null;
   const note = () => document.querySelectorAll('%NB .megatrain-header').forEach(el => {
     const t = el.textContent, h = window.__mtHeaders;
-    if (h.length === 0 || h[h.length - 1] !== t) h.push(t);
+    if (h.length !== 0 && h[h.length - 1] === t) return;
+    h.push(t);
+    const m = t.match(/step\\s+(\\d+)/), step = m ? Number(m[1]) : 0;
+    const dash = document.querySelector('%NB .widget-vbox:has(.megatrain-header)');
+    if (dash && step > 0 && step < %STEPS) window.__mtLive = dash.cloneNode(true);
   });
   new MutationObserver(note).observe(document.body, {subtree: true, childList: true, characterData: true});
-}""".replace("%NB", NB)
+}""".replace("%NB", NB).replace("%STEPS", str(STEPS))
+# The kept copy, shown on top of the page at the live widget's width, for its screenshot.
+_SHOW_LIVE_COPY_JS = """() => {
+  if (!window.__mtLive) return false;
+  const box = document.createElement('div');
+  box.id = 'mt-live-copy';
+  box.className = 'jp-Notebook jp-OutputArea-output';
+  box.style.cssText = 'position:fixed;left:0;top:0;width:1200px;background:white;z-index:100000;padding:8px';
+  box.appendChild(window.__mtLive);
+  document.body.appendChild(box);
+  return true;
+}"""
 _PROGRESS_JS = """() => [...document.querySelectorAll('%NB .widget-hprogress')].map(el => ({
     width: el.querySelector('.progress-bar')?.style.width ?? '',
     text: el.closest('.widget-hbox')?.innerText ?? ''}))""".replace("%NB", NB)
@@ -111,6 +129,7 @@ class Seen:
 
     prompts: list[str]
     live_headers: list[str] = field(default_factory=list)  # dashboard header texts while its cell ran
+    running_shot: str = ""  # where the mid-run picture came from: the live widget, or the page's copy of it
     live_progress: list[dict] = field(default_factory=list)  # the last progress bars seen while a cell ran
     final_header: str | None = None  # the title of the static dashboard that replaced the widget
     figures: list[dict] = field(default_factory=list)
@@ -219,6 +238,7 @@ def _run(lab, ctx, name: str) -> Seen:
     page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
     stem = name.removesuffix(".ipynb")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / f"{stem}-dashboard-running.png").unlink(missing_ok=True)  # an earlier run's says nothing of this one
     seen = Seen(prompts=[])
     # A workspace of its own, reset: only this notebook open (not the one of the previous test).
     page.goto(f"{lab['url']}/lab/workspaces/{stem}/tree/notebooks/{name}?reset&token={lab['token']}")
@@ -261,6 +281,13 @@ def _run(lab, ctx, name: str) -> Seen:
     drawn = page.evaluate("() => window.__mtHeaders")  # every header the page drew, in order: what the polls
     if drawn:                                            # saw and what they missed
         seen.live_headers = drawn
+    if not shot_live and page.evaluate(_SHOW_LIVE_COPY_JS):  # no poll caught the live widget mid-run (a short
+        path = _shot(page.locator("#mt-live-copy"), f"{stem}-dashboard-running.png")  # run, a busy box): the
+        page.evaluate("() => document.getElementById('mt-live-copy').remove()")      # page's copy of it
+        seen.screenshots.append(path)
+        seen.running_shot = "the page's copy of the live dashboard"
+    elif shot_live:
+        seen.running_shot = "the live dashboard"
     seen.figures = page.evaluate(_FIGURES_JS)
     seen.progress = page.evaluate(_PROGRESS_JS)
     finals = [f["title"] for f in seen.figures if f["title"].startswith(DASHBOARD_TITLE)]
@@ -399,7 +426,7 @@ def test_the_dashboard_numbers_changed_while_training_ran(seen):
     known = [st for st in steps if st is not None]
     assert known == sorted(known)  # the step only goes up
     assert _step_of(s.final_header) == STEPS and "loss" in s.final_header
-    assert (ARTIFACTS / "00_quickstart-dashboard-running.png").exists()
+    assert (ARTIFACTS / "00_quickstart-dashboard-running.png").exists() and s.running_shot, s.running_shot
 
 
 def test_the_live_dashboard_became_a_static_figure_the_saved_notebook_keeps(seen):
