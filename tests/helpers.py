@@ -4,7 +4,8 @@ dp_helpers.py; chat data and tokenizers in sft_helpers.py).
 - the equivalence check: a Session against the HF model + ``torch.optim.AdamW`` (``compare``, its LR, BETAS, EPS);
 - real model shapes for the planner (``QWEN25_7B``);
 - placements: ``losses_under`` and ``head_unit``;
-- the CUDA tests' model, batches and run (``gpu_config``, ``gpu_batches``, ``gpu_run``, ``GPU_MIXED``).
+- the CUDA tests' model, batches and run (``gpu_config``, ``gpu_batches``, ``gpu_run``, ``GPU_MIXED``);
+- a spy on the grouped GEMMs of MoE experts (``spy_grouped_mm``).
 """
 from __future__ import annotations
 
@@ -131,3 +132,19 @@ def gpu_run(model_dir, delays, steps=3, **kw):
     weights = [s.store.units[u].master.clone() for u in s.store.order]
     s.close()
     return losses, weights
+
+
+# ---- MoE kernels (tests/model) --------------------------------------------------------------------
+def spy_grouped_mm(monkeypatch) -> list:
+    """Record each ``torch.nn.functional.grouped_mm`` call's weight storage (``mat_b``'s data pointer) while it
+    runs as before; returns the list the calls append to."""
+    import torch.nn.functional as F
+
+    calls, real = [], F.grouped_mm
+
+    def spy(mat_a, mat_b, *a, **k):
+        calls.append(mat_b.untyped_storage().data_ptr())
+        return real(mat_a, mat_b, *a, **k)
+
+    monkeypatch.setattr(F, "grouped_mm", spy)
+    return calls

@@ -74,3 +74,20 @@ def word_tokenizer(d):
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             unk_token="<unk>").save_pretrained(str(d))
     return d
+
+
+def assert_resumes(make, skip: int, check: int = 3) -> dict:
+    """``make()`` -> a batch iterator with ``state_dict`` / ``load_state_dict``: past ``skip`` batches (past its
+    first epoch), its state loaded into a fresh one gives the same next ``check`` batches. Returns the state."""
+    a = make()
+    for _ in range(skip):
+        next(a)
+    state = a.state_dict()
+    assert state["epoch"] >= 1
+    want = [next(a) for _ in range(check)]
+    b = make()
+    b.load_state_dict(state)
+    for w in want:
+        got = next(b)
+        assert all(torch.equal(got[k], w[k]) for k in w)
+    return state

@@ -6,7 +6,7 @@ import torch
 from megatrain_nb.post import losses
 from megatrain_nb.data import preference_batches
 from megatrain_nb.data.sft import IGNORE
-from sft_helpers import make_tokenizer, write_jsonl
+from sft_helpers import assert_resumes, make_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -137,21 +137,11 @@ def test_sources_jsonl_list_and_dataset_agree(tmp_path, tok):
 
 def test_resume_gives_the_same_next_batches(tmp_path, tok):
     f = write_jsonl(tmp_path / "p.jsonl", plain(5))
-    a = preference_batches(f, tok, batch=4, seq=64, seed=5)
-    for _ in range(4):  # past the first epoch
-        next(a)
-    state = a.state_dict()
-    assert state["epoch"] >= 1
-    want = [next(a) for _ in range(3)]
-    b = preference_batches(f, tok, batch=4, seq=64, seed=5)
-    b.load_state_dict(state)
-    for w in want:
-        got = next(b)
-        assert all(torch.equal(got[k], w[k]) for k in w)
+    state = assert_resumes(lambda: preference_batches(f, tok, batch=4, seq=64, seed=5), skip=4)
     with pytest.raises(ValueError, match="same seed and shuffle"):
         preference_batches(f, tok, batch=4, seq=64, seed=6).load_state_dict(state)
     with pytest.raises(ValueError, match="out of range"):
-        b.load_state_dict({**state, "index": 99})
+        preference_batches(f, tok, batch=4, seq=64, seed=5).load_state_dict({**state, "index": 99})
 
 
 def test_a_side_without_a_supervised_token_is_skipped():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import make_config
+from helpers import spy_grouped_mm
 from megatrain_nb import Session
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -60,16 +61,7 @@ def test_session_runs_grouped_mm_on_cuda_and_trains_as_eager(family, monkeypatch
     """Auto picks grouped_mm on CUDA in bf16, its GEMMs read the weight slots (no copies; placement "host":
     every layer streams), and three steps track a session forced to eager experts, which runs no grouped
     GEMM, within bf16 rounding (2% of the loss)."""
-    import torch.nn.functional as F
-
-    calls = []
-    real = F.grouped_mm
-
-    def spy(mat_a, mat_b, *a, **k):
-        calls.append(mat_b.untyped_storage().data_ptr())
-        return real(mat_a, mat_b, *a, **k)
-
-    monkeypatch.setattr(F, "grouped_mm", spy)
+    calls = spy_grouped_mm(monkeypatch)
     g = torch.Generator().manual_seed(2)
     batches = [{"input_ids": torch.randint(0, 96, (4, 64), generator=g)} for _ in range(3)]
     losses, seen = {}, {}

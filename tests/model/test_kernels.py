@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_batches, make_config
+from helpers import spy_grouped_mm
 from megatrain_nb import EngineConfig, Session
 from megatrain_nb.model import kernels
 from megatrain_nb.model.hf import load_architecture
@@ -61,16 +62,7 @@ def test_bad_setting_is_refused_by_the_config():
 def test_session_runs_its_choice_on_views_of_the_slab(family, experts, monkeypatch):
     """Every grouped GEMM's weight is a view of a weight slot (its storage is the slot's, not a copy);
     eager runs none."""
-    import torch.nn.functional as F
-
-    calls = []
-    real = F.grouped_mm
-
-    def spy(mat_a, mat_b, *a, **k):
-        calls.append(mat_b.untyped_storage().data_ptr())
-        return real(mat_a, mat_b, *a, **k)
-
-    monkeypatch.setattr(F, "grouped_mm", spy)
+    calls = spy_grouped_mm(monkeypatch)
     s = Session.from_config(make_config(family), device="cpu", experts_implementation=experts)
     try:
         assert s.kernels["experts"] == experts and s.kernels["experts_reason"] == f"experts_implementation={experts!r}"
