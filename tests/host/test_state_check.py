@@ -83,6 +83,15 @@ def _same(a, b) -> bool:
     return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a[:3], b[:3])) and a[3] == b[3]
 
 
+def _warned_step(s, batch, unit: int):
+    """A step that warns of ``unit``'s optimizer state: (its result, every unit's state before, after)."""
+    before = _state(s)
+    with pytest.warns(UserWarning, match=rf"optimizer state of units \[{unit}\]"):
+        r = s.step(batch)
+    s.engine.drain()
+    return r, before, _state(s)
+
+
 def _raises_and_changes_nothing(s, batch, units: str) -> None:
     """Under nonfinite="raise", the step raises naming ``units``' optimizer state (a regex), and no unit changed."""
     before = _state(s)
@@ -109,12 +118,8 @@ def test_a_bad_moment_skips_the_step_with_nothing_written(kind, value, gated):
             assert s.store.units[0].compact is not None  # the layer's moments are compact indeed
         keep = s.store.units[bad].exp_avg_sq.clone()
         _corrupt(s, bad, value)
-        before = _state(s)
-        with pytest.warns(UserWarning, match=rf"optimizer state of units \[{bad}\]"):
-            r = s.step(batches[1])
-        s.engine.drain()
+        r, before, after = _warned_step(s, batches[1], bad)
         assert r.skipped and s.skipped_steps == 1 and math.isfinite(r.loss)
-        after = _state(s)
         assert all(_same(before[u], after[u]) for u in before), [u for u in before if not _same(before[u], after[u])]
         s.store.units[bad].exp_avg_sq.copy_(keep)
         with warnings.catch_warnings():
@@ -140,11 +145,7 @@ def test_overlapped_units_after_a_bad_one_are_skipped_those_before_keep_theirs(s
         s.store.units[0].exp_avg[3] = math.nan
         if slow:
             s.engine.delays = {"host-adam": 0.5}
-        before = _state(s)
-        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
-            r = s.step(batches[1])
-        s.engine.drain()
-        after = _state(s)
+        r, before, after = _warned_step(s, batches[1], 0)
         assert r.skipped and _same(before[0], after[0]) and _same(before[-1], after[-1])
         assert not _same(before[1], after[1])  # landed before layer 0: updated
     finally:
@@ -266,12 +267,8 @@ def test_a_bad_streamed_unit_is_skipped_with_nothing_written(kind, value):
             assert s.store.units[1].compact is not None  # the layer's moments are compact indeed
         keep = s.store.units[1].exp_avg_sq.clone()
         _corrupt(s, 1, value)
-        before = _state(s)
-        with pytest.warns(UserWarning, match=r"optimizer state of units \[1\]"):
-            r = s.step(batches[1])
-        s.engine.drain()
+        r, before, after = _warned_step(s, batches[1], 1)
         assert r.skipped and s.skipped_steps == 1 and math.isfinite(r.loss)
-        after = _state(s)
         for u in (1, 0):  # the bad one, and the streamed unit whose update follows it
             assert _same(before[u], after[u]), u
         s.store.units[1].exp_avg_sq.copy_(keep)
@@ -297,11 +294,8 @@ def test_a_bad_streamed_head_is_skipped_with_nothing_written():
         s.engine.drain()
         assert s.engine.device_updates.head_streamed
         s.store.units[2].exp_avg_sq[3] = -1.0
-        before = _state(s)
-        with pytest.warns(UserWarning, match=r"optimizer state of units \[2\]"):
-            assert s.step(batches[1]).skipped
-        s.engine.drain()
-        after = _state(s)
+        r, before, after = _warned_step(s, batches[1], 2)
+        assert r.skipped
         assert all(_same(before[u], after[u]) for u in (0, 1, 2))
     finally:
         s.close()
