@@ -21,6 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import memory_snapshot  # noqa: E402
 from rows import busy_shares, emit, host_adam_rate, rss_bytes  # noqa: E402
 from shapes import qwen_config  # noqa: E402
 
@@ -97,6 +98,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device-memory", default=None, help="EngineConfig.device_memory, e.g. 24GiB (a smaller card, emulated)")
     ap.add_argument("--host-memory", default=None, help="EngineConfig.host_memory, e.g. 64GiB (a smaller host, emulated)")
     ap.add_argument("--grad-ring", choices=("on", "off"), default="on", help="EngineConfig.grad_ring (default on)")
+    ap.add_argument("--oom-snapshot", default=None, metavar="FILE",
+                    help="record the device allocations' stacks (slower steps) and write to FILE what held the memory: "
+                         "at the first failed allocation, else the recorded peak at the end (bench/memory_snapshot.py)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--stacks-every", type=float, default=0, help="debug: dump all threads' stacks every N s (faulthandler; a 14B run "
@@ -139,6 +143,10 @@ def main(argv=None) -> None:
     pinning = "none" if a.no_pin_store else "cast" if a.cast_on_device else a.pinning
     pin_store, cast = {"auto": (None, None), "cast": (None, True), "shadow": (True, False), "none": (False, False)}[pinning]
     cfg = qwen_config(a.shape, layers=a.layers, seq=a.seq)
+    if a.oom_snapshot:
+        if not a.device.startswith("cuda"):
+            ap.error(f"--oom-snapshot {a.oom_snapshot}: records the CUDA allocator; use it with --device cuda")
+        memory_snapshot.on_oom(a.oom_snapshot)
     t0 = time.perf_counter()
     s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, checkpoint_every=a.checkpoint_every,
                             micro_batch_size=a.micro_batch, pass_batch_size=a.pass_batch, weight_slots=a.slots,
@@ -243,6 +251,7 @@ def main(argv=None) -> None:
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                        pass_rows=a.pass_batch or du.passes.get((B, a.seq), (B,))[0],  # Note: [Pass choice]
                        pass_reason=du.pass_reason, micro_reason=du.micro_reason,
+                       memory_history=bool(a.oom_snapshot),  # stacks recorded: steps slower than without
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:
                 sm = summaries[-1]
@@ -259,6 +268,8 @@ def main(argv=None) -> None:
                 os.makedirs(a.save_trace, exist_ok=True)
                 s.trace.meta.update(dict(shape=a.shape, batch=B, seq=a.seq, step_s=t, gpu=row["gpu"]))
                 s.trace.save(os.path.join(a.save_trace, f"trace_{a.shape}_b{B}{suffix}.json.gz"))
+    if a.oom_snapshot:
+        memory_snapshot.write_peak(a.oom_snapshot)
     s.close()
 
 
