@@ -68,7 +68,12 @@ def summarize(snapshot: dict, top: int = 30) -> str:
 def on_oom(path: str, *, pickle_path: str | None = None) -> None:
     """From now on record every allocation's Python stack; at the first failed allocation write the live
     blocks' summary to ``path`` (and torch's whole snapshot to ``pickle_path``, for
-    https://pytorch.org/memory_viz) before the error reaches the caller. CUDA only."""
+    https://pytorch.org/memory_viz) before the error reaches the caller. CUDA only. Sets the allocator as a
+    Session would (``preflight.cuda_allocator``) first: recording starts CUDA, after which the setting
+    can only be switched at run time."""
+    from megatrain_nb.machine.preflight import cuda_allocator
+
+    cuda_allocator()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     done = []
 
@@ -90,6 +95,13 @@ def on_oom(path: str, *, pickle_path: str | None = None) -> None:
                 pickle.dump(snap, f)
 
     torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
+def expandable() -> bool | None:
+    """Whether the caching allocator's segments are expandable (``expandable_segments``, Note: [Allocator]
+    in preflight.py): None before any segment exists."""
+    segs = torch.cuda.memory._snapshot().get("segments", [])
+    return any(bool(s.get("is_expandable")) for s in segs) if segs else None
 
 
 def peak(snapshot: dict) -> tuple[int, collections.Counter]:
