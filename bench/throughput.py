@@ -194,7 +194,14 @@ def main(argv=None) -> None:
                 ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
                 done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto": its measuring step and a trial step
                 with _profiled(a.profile_step and k in a.profile_step, a.save_trace, f"{a.shape}_b{B}{suffix}_step{k}"):
-                    r = s.step({"input_ids": ids})
+                    try:
+                        r = s.step({"input_ids": ids})
+                    except torch.OutOfMemoryError:
+                        e, c = s.engine, s.engine.ckpts  # the activation policy the failed step ran under
+                        print(f"  out of memory in step {k}: kept {None if e.keep is None else sum(e.keep)} layers, "
+                              f"block {c.block}, parked {c.park}, cap {c.cap}, cached {len(c.cached)}, tile rows "
+                              f"{e.tiler.rows}, lean {e.lean}", file=sys.stderr, flush=True)
+                        raise
                 losses.append(r.loss)
                 every.append(r.seconds)
                 du = s.engine.device_updates
