@@ -83,7 +83,9 @@ def main(argv=None) -> None:
                     help="cast: pin the fp32 master, the GPU casts (auto's choice when RAM allows); shadow: a pinned "
                          "bf16 copy; none: pack from pageable memory")
     ap.add_argument("--no-pin-store", action="store_true", help="same as --pinning none")
-    ap.add_argument("--offload-checkpoints", action="store_true", help="park recompute-block inputs in host memory")
+    ap.add_argument("--offload-checkpoints", nargs="?", const="on", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.offload_checkpoints: auto (the default, None: the engine places recompute-block "
+                         "inputs), on (park them all in host memory; the flag alone), off (keep them all on the device)")
     ap.add_argument("--lean", choices=("auto", "on", "off"), default="auto",
                     help="lean_activations None (auto, the default) / True / False (Hugging Face's own forwards)")
     ap.add_argument("--no-lean", action="store_true", help="same as --lean off")
@@ -152,7 +154,8 @@ def main(argv=None) -> None:
                             micro_batch_size=a.micro_batch, pass_batch_size=a.pass_batch, weight_slots=a.slots,
                             pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
-                            offload_checkpoints=a.offload_checkpoints, placement=a.placement,
+                            offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints],
+                            placement=a.placement,
                             optimizer_state=a.optimizer_state, device_memory=a.device_memory,
                             host_memory=a.host_memory, grad_ring=a.grad_ring == "on",
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])

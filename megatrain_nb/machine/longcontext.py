@@ -351,14 +351,25 @@ def cache_first(lb: dict) -> float:
 
 
 def keep_cap(*, layers: int, act: float, boundary: int, used: float, budget: float, reserve, host_free: float,
-             host_each: int, block: int | None = None, extra: float = 0) -> int:
+             host_each: int, block: int | None = None, extra: float = 0, inputs: bool | None = None) -> int:
     """Most leading layers the forward may keep so that the others' checkpoints still have a place.
 
-    The keep rule is greedy (a layer is kept while its activations fit); at long context that would
-    leave no room for the later layers' checkpoints. Returns ``layers`` when nothing binds. ``extra``:
-    device bytes each recomputed layer holds beside its block input (its kept attention output): those
-    come first, a kept layer only where all of them still fit.
+    The keep rule is greedy (a layer is kept while its activations fit); at any length where the
+    device is small beside a layer (long context, or a ``device_memory`` budget) that would leave no
+    room for the later layers' checkpoints. Returns ``layers`` when nothing binds. ``extra``: device
+    bytes each recomputed layer holds beside its block input (its kept attention output): those come
+    first, a kept layer only where all of them still fit. ``inputs``: ``EngineConfig.offload_checkpoints``;
+    where it fixes the inputs' place (blocks of one layer), False leaves them all on the device (no host
+    room) and True parks them all (no host limit here: preflight counts their host bytes).
+
+    Example:
+        >>> cap = lambda inputs: keep_cap(layers=10, act=10, boundary=1, used=0, budget=60, reserve=lambda k: 10 * k,
+        ...                               host_free=100, host_each=1, inputs=inputs)
+        >>> cap(None), cap(False), cap(True)  # False: the 10 - k inputs stay beside the k kept layers
+        (5, 4, 5)
     """
+    if inputs is not None:
+        host_free, block = (math.inf if inputs else 0), 1
     for k in range(layers, -1, -1):
         if k == layers:
             if used + layers * act <= budget:
@@ -426,22 +437,26 @@ class Checkpoints:
     def reset(self, lb: dict | None, memory=None) -> None:
         """A new keep policy: ``lb`` is ``layer_bytes`` at its tokens (None: unknown shape, nothing
         predicted); ``memory`` (None off CUDA) returns (device bytes in use, device bytes in all, host
-        bytes free for parked inputs). The cap applies only when both settings are automatic."""
+        bytes free for parked inputs). The cap applies wherever ``checkpoint_every`` is automatic; a fixed
+        ``offload_checkpoints`` fixes where the inputs wait, and the cap leaves them room there."""
         self.park, self.cap, self.share = None, self.L, keep_share(self.budget_setting)
         self.act, self.transient = (lb["act"], lb["transient"]) if lb else (0, 0)
         self.cache_bytes = cache_bytes(lb, self.cache_setting)
         self.attn_out = lb.get("attn_out", 0) if self.cache_bytes else 0
         self.cached = frozenset()
-        if lb is None or memory is None or self.fixed is not None or self.setting is not None:
+        if lb is None or memory is None or self.fixed is not None:
             return
         used, total, host_free = memory()
         used += 2 * lb["boundary"]  # + the embedding rows
-        self.share = self._fit(layers=self.L, ckpt_bytes=lb["boundary"], used=used, total=total, host_free=host_free)
+        if self.setting is None:  # where the inputs wait is ours to choose: so is the share
+            self.share = self._fit(layers=self.L, ckpt_bytes=lb["boundary"], used=used, total=total,
+                                   host_free=host_free)
         self.cap = keep_cap(layers=self.L, act=lb["act"], boundary=lb["boundary"], used=used,
                             budget=self.share * total - DEVICE_RESERVE,
                             reserve=lambda k: k * lb["act"] + lb["transient"],
                             host_free=host_free, host_each=parked_bytes(lb["boundary"]),
-                            extra=cache_first(lb) if self.cache_bytes else 0)
+                            extra=cache_first(lb) if self.cache_bytes and self.setting is None else 0,
+                            inputs=self.setting)
 
     def parked(self, i: int, nbytes: int, memory=None) -> bool:
         """Whether the input (``nbytes`` on the device) of the recompute block starting at layer ``i``

@@ -521,9 +521,10 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         reserve=reserve, host_free=host_free)  # as longcontext.Checkpoints.reset on measured memory
     budget = share * hw.device_mem_bytes - DEVICE_RESERVE
     if checkpoint_every is None:
-        cap = L if offload_checkpoints is not None else keep_cap(
+        cap = keep_cap(  # as longcontext.Checkpoints.reset
             layers=L, act=act, boundary=boundary, used=sum(device.values()) + placed, budget=budget, reserve=reserve,
-            host_free=host_free, host_each=parked_bytes(boundary), extra=cache_first(lb) if cache_b else 0)
+            host_free=host_free, host_each=parked_bytes(boundary),
+            extra=cache_first(lb) if cache_b and offload_checkpoints is None else 0, inputs=offload_checkpoints)
         keep, used = [], sum(device.values()) + placed
         for i in range(L):
             keep.append(i < cap and used + 2 * act + _KEEP_HEADROOM < keep_frac * hw.device_mem_bytes)

@@ -32,6 +32,32 @@ def test_keep_cap_leaves_room_for_the_later_checkpoints():
     place_checkpoints(layers=28 - cap, ckpt_bytes=1, device_free=60 - cap * 5, reserve=r, host_free=0, host_each=1)
 
 
+def test_a_fixed_place_for_the_inputs_still_leaves_them_room():
+    """offload_checkpoints=False keeps every block input on the device, so the kept layers leave the
+    inputs room, as where it is automatic. Measured on the H200 under device_memory=24GiB, 7B x 8: with no
+    cap the greedy rule kept 7 layers and the 21 inputs ran the backward out of memory at 23.67 GiB."""
+    from megatrain_nb.machine.longcontext import layer_bytes
+    from megatrain_nb.machine.shape import act_bytes_per_token, model_shape
+
+    s, T, d = model_shape(QWEN25_7B), 8 * 4096, 2
+    lb = layer_bytes(s, T, d, 16384, act_bytes_per_token(s, d, lean=False), seq=4096)
+    total, used = 24 << 30, 4 << 30  # the budget; the slots, the head and the embedding rows
+    for setting in (False, True):
+        c = Checkpoints(s["layers"], checkpoint_every=None, offload_checkpoints=setting)
+        c.reset(lb, lambda: (used, total, 0))  # no host room: True parks regardless (preflight counts it)
+        assert c.cap < s["layers"]
+        on_device = 0 if setting else (s["layers"] - c.cap) * lb["boundary"]
+        assert used + 2 * lb["boundary"] + c.cap * lb["act"] + on_device + lb["act"] + lb["transient"] \
+            <= c.share * total - DEVICE_RESERVE
+    off = Checkpoints(s["layers"], checkpoint_every=None, offload_checkpoints=False)
+    on = Checkpoints(s["layers"], checkpoint_every=None, offload_checkpoints=True)
+    for c in (off, on):
+        c.reset(lb, lambda: (used, total, 0))
+    assert on.cap > off.cap  # inputs in host memory leave the device to kept layers
+    pl = plan(QWEN25_7B, batch=8, seq=4096, optimizer_state="int8", device_memory="24GiB", offload_checkpoints=False)
+    assert sum(pl.keep) <= off.cap and pl.fits_device
+
+
 def test_nothing_parked_needs_no_host_ram():
     """On the H200 at 256K after 128K (2026-12-01) host RAM had -0.5 GiB to spare and every
     input fitted on the device: blocks of 1, none parked, is a placement, not an error."""
@@ -124,7 +150,8 @@ def test_attention_is_counted_once_and_fits_the_rows_measured_before_tiling():
     assert p.layer_ms["bwd"] == pytest.approx(2 * near + 2.5 * far + 2 * elementwise / 3)
     # LIMITS.md: 7B x 1, default settings before tiling, checkpoint placement and lean: 32K 5.06 s, 128K 42.7 s
     for seq, measured in ((32768, 5.06), (131072, 42.7)):
-        old = plan(QWEN25_7B, batch=1, seq=seq, tile_tokens=0, offload_checkpoints=False, lean_activations=False)
+        old = plan(QWEN25_7B, batch=1, seq=seq, tile_tokens=0, offload_checkpoints=False, lean_activations=False,
+                   attention_cache=False)  # nor an attention cache
         assert old.step_ms / 1e3 == pytest.approx(measured, rel=0.10)
 
 
