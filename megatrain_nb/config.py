@@ -186,7 +186,8 @@ class EngineConfig:
     bytes per block each way over PCIe. False: all on the device. None: on CUDA, as many on the device
     as ``activation_budget`` leaves room for beside the backward's working set, the earliest blocks in
     host memory (``planner.place_checkpoints``, decided with the keep policy and again when tokens
-    grow); on "cpu" all stay (host RAM either way)."""
+    grow); on "cpu" all stay (host RAM either way). Under every setting but ``checkpoint_every`` fixed, the
+    kept layers leave the inputs room where they wait (``longcontext.keep_cap``)."""
     tile_tokens: int | None = None
     """Rows (tokens) per tile of a layer's norms and dense MLP (``tiling.py``): their whole-sequence
     intermediates then exist one tile at a time, for one more MLP forward per layer in the backward.
