@@ -261,8 +261,8 @@ def main(argv=None) -> None:
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
                        pass_rows=a.pass_batch or du.passes.get((B, a.seq), (B,))[0],  # Note: [Pass choice]
                        pass_reason=du.pass_reason, micro_reason=du.micro_reason,
-                       memory_history=bool(a.oom_snapshot),
-                       expandable_segments=memory_snapshot.expandable() if cuda else None,  # Note: [Allocator]  # stacks recorded: steps slower than without
+                       memory_history=bool(a.oom_snapshot),  # stacks recorded: steps slower than without
+                       expandable_segments=memory_snapshot.expandable() if cuda else None,  # Note: [Allocator]
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
             if summaries:
                 sm = summaries[-1]
