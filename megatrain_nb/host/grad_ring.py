@@ -11,7 +11,16 @@ its AdamW once, soon after they land: no unit needs a gradient slab at rest (2 b
 compute dtype, bf16 on CUDA). The layers' and head's gradients then go out into ``BUFFERS`` buffers of
 the largest such unit's size instead: the copy out of unit ``u`` takes a free buffer (the unpacker thread
 holds the copy back until one is free), the Adam worker reads it there and hands it back once ``u``'s
-update is applied or skipped. Ownership: from ``take`` to ``release`` a buffer is its unit's; nothing
+update is applied or skipped. Where one unit is larger than all others (an untied head: 545M elements
+beside 7B's 233M a layer, 779M beside 14B's 275M), ``BUFFERS`` buffers of its size would idle most of
+the step: the ring is then ``BUFFERS - 1`` buffers of the next largest unit's size and one region of the
+largest's, which that unit takes whole and the others use as ``region // width`` buffers of their size
+while it is free (``layout``); the others take the plain buffers first. The head is the first unit out
+in a backward, when every slot is free (the forward waited for each unit's last update, and a slot is
+released before its update counts as done); after it, any ``BUFFERS`` units fit at once as with equal
+buffers: no copy waits that would not have waited before, for 1.9 GiB instead of 3.0 at 7B (2.5 instead
+of 4.3 at 14B). Were the largest unit a layer, its copy could wait for the region to empty: a wait, never
+a deadlock (whoever holds a slot has landed). Ownership: from ``take`` to ``release`` a buffer is its unit's; nothing
 else writes it, and the unit's next copy out comes only after its update (the next step's forward waited
 for that update). Back-pressure: if the host AdamW falls behind, the unpacker waits for a buffer
 (a ``wait-ring`` span on lane "host-unpack"), so the grad slot is not freed, so the backward waits for the
@@ -67,9 +76,31 @@ def ring_units(numel: dict[int, int]) -> dict[int, int]:
     return {u: n for u, n in numel.items() if u != -1}
 
 
+def layout(numel: dict[int, int], buffers: int = BUFFERS) -> tuple[int, int | None, int]:
+    """(width, big, region) of a ring for these units' numel (the embedding's, -1, left out), in elements
+    rounded up to 64: ``buffers`` buffers of ``width`` where no unit is larger than every other (``big``
+    None, ``region`` 0); else ``buffers - 1`` of ``width`` (the next largest) and one ``region`` that unit
+    ``big`` takes whole (Note: [Gradient ring]).
+
+    Example:
+        >>> layout({-1: 9999, 0: 100, 1: 100, 2: 300})  # an untied head (unit 2) three layers wide
+        (128, 2, 320)
+        >>> layout({0: 100, 1: 100, 2: 10})
+        (128, None, 0)
+    """
+    units = ring_units(numel)
+    big = max(units, key=lambda u: (units[u], u))
+    rest = [n for u, n in units.items() if u != big]
+    width, region = _round(max(rest, default=units[big])), _round(units[big])
+    if region <= width or buffers < 2:
+        return region, None, 0
+    return width, big, region
+
+
 def ring_bytes(numel: dict[int, int], dtype_bytes: int, buffers: int = BUFFERS) -> int:
-    """Host bytes of the ring for these units' numel (the largest, rounded up to 64 elements, ``buffers`` times)."""
-    return buffers * _width(ring_units(numel)) * dtype_bytes
+    """Host bytes of the ring for these units' numel (``layout``'s buffers and region)."""
+    width, big, region = layout(numel, buffers)
+    return ((buffers if big is None else buffers - 1) * width + region) * dtype_bytes
 
 
 def spill_bytes(numel: dict[int, int], dtype_bytes: int) -> int:
@@ -77,8 +108,8 @@ def spill_bytes(numel: dict[int, int], dtype_bytes: int) -> int:
     return sum(ring_units(numel).values()) * dtype_bytes
 
 
-def _width(numel: dict[int, int]) -> int:
-    return -(-max(numel.values()) // 64) * 64
+def _round(n: int) -> int:
+    return -(-n // 64) * 64
 
 
 class RingDst:
@@ -91,24 +122,32 @@ class RingDst:
 
 
 class GradRing:
-    """``buffers`` host buffers of the largest ring unit's numel, lent to one unit at a time."""
+    """Host buffers lent to one unit at a time (``layout``: equal buffers, or equal ones and a region that the
+    largest unit takes whole and the others share out while it is free)."""
 
     def __init__(self, numel: dict[int, int], dtype: torch.dtype, *, buffers: int = BUFFERS, pin: bool = False):
         """
         Args:
             numel: unit -> numel of every unit whose gradients go through the ring.
             dtype: the gradients' dtype (the compute dtype).
-            buffers: buffers in the ring (>= 1).
+            buffers: units whose gradients the ring holds at once (>= 1).
             pin: page-locked (CUDA): the copy out is one DMA into the buffer.
         """
         if buffers < 1:
             raise ValueError(f"buffers={buffers}: a ring needs at least one buffer")
         self.numel, self.dtype = dict(numel), dtype
-        width = _width(self.numel)
-        self.bufs = [torch.zeros(width, dtype=dtype, pin_memory=pin) for _ in range(buffers)]
-        self.free = list(range(buffers))  # indices of free buffers
+        width, self.big, region = layout(self.numel, buffers)
+        plain = buffers if self.big is None else buffers - 1
+        self.bufs = [torch.zeros(width, dtype=dtype, pin_memory=pin) for _ in range(plain)]  # the storage
+        if self.big is not None:
+            self.bufs.append(torch.zeros(region, dtype=dtype, pin_memory=pin))
+        # slots, each ``width`` wide: the plain buffers first (a unit takes the lowest free one, so the region
+        # stays free for the big unit where it can), then the region's pieces
+        self.slots = self.bufs[:plain] + ([] if self.big is None else list(self.bufs[-1][:region // width * width].split(width)))
+        self.region = tuple(range(plain, len(self.slots)))  # the slots the big unit takes at once
+        self.free = list(range(len(self.slots)))  # indices of free slots, ascending
         self.held: dict[int, torch.Tensor] = {}  # unit -> its buffer's view (numel,)
-        self._index: dict[int, int | None] = {}  # unit -> ring index (None: a spill buffer)
+        self._index: dict[int, tuple[int, ...] | None] = {}  # unit -> the slots it holds (None: a spill buffer)
         self.cond = threading.Condition()
         self._spill = False
         self._spare: dict[int, torch.Tensor] = {}  # unit -> its spill buffer, kept while spill steps follow
@@ -122,6 +161,14 @@ class GradRing:
         with self.cond:
             spare = sum(b.numel() * b.element_size() for b in self._spare.values())
         return sum(b.numel() * b.element_size() for b in self.bufs) + spare
+
+    def describe(self) -> str:
+        """The ring's buffers in words, e.g. "2 buffers of 233,057,792 elements and unit 28's 545,001,472"."""
+        plain = len(self.bufs) - (self.big is not None)
+        words = f"{plain} buffer{'s' * (plain != 1)} of {self.slots[0].numel():,} elements"
+        if self.big is None:
+            return words
+        return f"{words} and unit {self.big}'s {self.bufs[-1].numel():,} (its {len(self.region)} slots while it is free)"
 
     @property
     def spill(self) -> bool:
@@ -137,21 +184,27 @@ class GradRing:
             if not on:
                 self._spare.clear()
 
+    def _wanted(self, unit: int) -> tuple[int, ...] | None:
+        """The free slots ``unit`` would take now (the region's for the big unit, else the lowest free), or None."""
+        if unit == self.big:
+            return self.region if set(self.region) <= set(self.free) else None
+        return (self.free[0],) if self.free else None
+
     def would_wait(self, unit: int) -> bool:
         """Whether ``take(unit)`` would wait now (for the caller's trace span)."""
         with self.cond:
-            return unit not in self.held and not self.free and not self._spill
+            return unit not in self.held and not self._spill and self._wanted(unit) is None
 
     def take(self, unit: int, abort: threading.Event | None = None) -> torch.Tensor:
-        """The buffer unit ``unit``'s gradients go into: the one it holds already (an earlier pass's), a free one
-        (waiting for one if none is: back-pressure), or with ``spill`` set a new plain one.
+        """The buffer unit ``unit``'s gradients go into: the one it holds already (an earlier pass's), free slots
+        (waiting for them where there are none: back-pressure), or with ``spill`` set a new plain one.
         Raises ``workers.Aborted``-like RuntimeError where ``abort`` is set while it waits."""
         n = self.numel[unit]
         with self.cond:
             if unit in self.held:
                 return self.held[unit]
             t0 = None
-            while not self.free and not self._spill:
+            while (got := self._wanted(unit)) is None and not self._spill:
                 if abort is not None and abort.is_set():
                     raise RingAborted("step abandoned while waiting for a gradient buffer")
                 t0 = t0 or time.perf_counter()
@@ -159,15 +212,15 @@ class GradRing:
             if t0 is not None:
                 self.waits += 1
                 self.wait_s += time.perf_counter() - t0
-            if self.free:
-                k = self.free.pop(0)
-                view = self.bufs[k][:n]
+            if got is not None:
+                self.free = [k for k in self.free if k not in got]
+                view = (self.bufs[-1] if unit == self.big else self.slots[got[0]])[:n]
             else:
-                k, view = None, self._spare.pop(unit, None)
+                view = self._spare.pop(unit, None)
                 if view is None:
                     view = torch.empty(n, dtype=self.dtype)
                 self.spilled += 1
-            self.held[unit], self._index[unit] = view, k
+            self.held[unit], self._index[unit] = view, got
             return view
 
     def get(self, unit: int) -> torch.Tensor:
@@ -179,24 +232,24 @@ class GradRing:
             return self.held[unit]
 
     def release(self, unit: int) -> None:
-        """Unit ``unit``'s update read its gradients (or was skipped): its buffer may be refilled. No-op where it
+        """Unit ``unit``'s update read its gradients (or was skipped): its slots may be refilled. No-op where it
         holds none (a unit the device updated)."""
         with self.cond:
             if unit not in self.held:
                 return
             view = self.held.pop(unit)
-            k = self._index.pop(unit)
-            if k is not None:
-                self.free.append(k)
+            got = self._index.pop(unit)
+            if got is not None:
+                self.free = sorted(self.free + list(got))
             elif self._spill:
                 self._spare[unit] = view
             self.cond.notify_all()
 
     def reset(self) -> None:
-        """After a failed step, once no copy into a buffer is in flight: every buffer is free."""
+        """After a failed step, once no copy into a buffer is in flight: every slot is free."""
         with self.cond:
             self.held.clear(), self._index.clear(), self._spare.clear()
-            self.free = list(range(len(self.bufs)))
+            self.free = list(range(len(self.slots)))
             self.cond.notify_all()
 
 

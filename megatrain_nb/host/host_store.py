@@ -144,8 +144,8 @@ class HostStore:
         ringed = {} if slabs is not None else grad_ring.ring_units({u: lay.numel for u, (lay, _) in layouts.items()})
         self.ring = None if not ringed else grad_ring.GradRing(ringed, grad_dtype, pin=pin_ring)
         self.gradients = f"slabs: {slabs}" if self.ring is None else (
-            f"ring: {len(self.ring.bufs)} buffers of {self.ring.bufs[0].numel():,} elements "
-            f"({self.ring.nbytes / 2**20:.1f} MiB), no grad_clip, one pass; the embedding's fp32 slab stays")
+            f"ring: {self.ring.describe()}, {self.ring.nbytes / 2**20:.1f} MiB; no grad_clip, one pass; "
+            "the embedding's fp32 slab stays")
         for u, (layout, _) in layouts.items():
             want[u, "master"] = (layout.numel, torch.float32, pin_master)
             if u not in ringed:

@@ -11,9 +11,10 @@ import torch
 from conftest import VOCAB, load_reference, make_batches, rel, train_reference, train_session
 from helpers import BETAS, EPS, LR
 from megatrain_nb import Session
-from megatrain_nb.host.grad_ring import BUFFERS, GradRing, RingAborted, ring_bytes, slab_reason
+from megatrain_nb.host.grad_ring import BUFFERS, GradRing, RingAborted, layout, ring_bytes, slab_reason
 
 DEEP = 6  # layers: more ring units than buffers, so the ring is reused within a step
+WIDE_VOCAB = 640  # an untied head of 640 x 32 = 20,480 values beside a llama layer's 9,344: the ring's largest unit
 
 
 # ---- the ring alone ------------------------------------------------------------------------------
@@ -69,6 +70,46 @@ def test_spill_buffers_stay_while_steps_spill_and_go_with_the_first_that_does_no
     ring.take(0), ring.take(1)
     ring.reset()  # a failed step: nothing held, nothing kept
     assert ring.nbytes == base and not ring.held and ring.free == [0]
+
+
+def test_the_largest_unit_takes_a_region_the_others_share_while_it_is_free():
+    """An untied head three layers wide: two layer-wide buffers and a head-wide region (2 layer slots), not three
+    head-wide buffers; the head takes the region whole, layers the plain buffers first."""
+    ring = GradRing({-1: 999, 0: 100, 1: 100, 2: 100, 3: 300}, torch.float32)
+    assert layout(ring.numel) == (128, 3, 320) and (ring.big, ring.region, len(ring.slots)) == (3, (2, 3), 4)
+    assert ring.nbytes == ring_bytes(ring.numel, 4) == (2 * 128 + 320) * 4 < BUFFERS * 320 * 4
+    head = ring.take(3)  # first out in a backward: every slot free
+    assert head.numel() == 300 and head.data_ptr() == ring.bufs[-1].data_ptr()
+    a, b = ring.take(2), ring.take(1)
+    assert {a.data_ptr(), b.data_ptr()} == {ring.bufs[0].data_ptr(), ring.bufs[1].data_ptr()}  # the plain ones
+    assert ring.would_wait(0)  # three units held, as with three equal buffers
+    ring.release(3)
+    c = ring.take(0)  # the region's first slot, now the head is out
+    assert c.data_ptr() == ring.bufs[-1].data_ptr() and c.numel() == 100
+    assert ring.would_wait(3)  # the head waits for the whole region
+    ring.release(2), ring.release(1)
+    assert ring.would_wait(3) and not ring.would_wait(1)  # unit 0 still holds a region slot
+    ring.release(0)
+    assert not ring.would_wait(3) and ring.free == [0, 1, 2, 3]
+    assert "2 buffers of 128 elements and unit 3's 320" in ring.describe()
+
+
+def test_after_the_head_any_three_units_fit_at_once():
+    """Once the head is out, no layer's copy waits while fewer than BUFFERS units hold slots, in any order of
+    releases (the region's two slots and the plain buffers): no wait that equal buffers would not have."""
+    g = torch.Generator().manual_seed(0)
+    ring = GradRing({0: 100, 1: 100, 2: 100, 3: 100, 4: 100, 5: 300}, torch.float32)
+    for _ in range(20):  # steps
+        ring.take(5)
+        held, todo = [5], [4, 3, 2, 1, 0]
+        while todo or held:
+            if todo and len(held) < BUFFERS:
+                assert not ring.would_wait(todo[0]), (held, ring.free)
+                ring.take(todo[0])
+                held.append(todo.pop(0))
+            else:  # any landed unit's update may finish first (the worker reads them in order; the test does not)
+                ring.release(held.pop(int(torch.randint(len(held), (1,), generator=g))))
+        assert ring.free == list(range(len(ring.slots))) and ring.waits == 0
 
 
 def test_slab_reason_names_what_needs_gradients_at_rest():
@@ -133,12 +174,26 @@ def test_ring_trains_bitwise_as_slabs(hf_dir, family, placement, state):
     assert not ring.store.ring.held  # every buffer came back
 
 
-def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, monkeypatch):
+@pytest.mark.parametrize("placement,state", [("host", "fp32"), ("host", "int8"), ({0: "resident", 4: "device"}, "fp32")])
+def test_a_head_wider_than_the_layers_trains_through_its_region_as_slabs(hf_dir, placement, state):
+    d = hf_dir("llama", num_hidden_layers=DEEP, vocab_size=WIDE_VOCAB)
+    batches = make_batches(VOCAB, 3)
+    kw = dict(placement=placement, optimizer_state=state, weight_slots=DEEP)
+    ring, ring_losses, ring_w = _train(d, batches, **kw)
+    _, slab_losses, slab_w = _train(d, batches, grad_ring=False, **kw)
+    assert ring.store.ring.big == DEEP and len(ring.store.ring.bufs) == BUFFERS  # the head: two buffers and a region
+    assert ring_losses == slab_losses and all(torch.equal(ring_w[u], slab_w[u]) for u in ring_w)
+    assert not ring.store.ring.held
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, WIDE_VOCAB])
+def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, monkeypatch, vocab):
     """The host AdamW sleeps before each update: the ring fills, copies out wait (``wait-ring`` spans), and the
-    weights still equal HF + torch.optim.AdamW's and the slabs' bit for bit."""
+    weights still equal HF + torch.optim.AdamW's and the slabs' bit for bit; with equal buffers, and with a head
+    wider than the layers (its region)."""
     from megatrain_nb.host import optim
 
-    d = hf_dir("llama", num_hidden_layers=DEEP)
+    d = hf_dir("llama", num_hidden_layers=DEEP, **({} if vocab == VOCAB else {"vocab_size": vocab}))
     batches = make_batches(VOCAB, 3)
     slow = optim.HostAdamW.update
 
@@ -154,6 +209,7 @@ def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, mon
         s.engine.drain()
         ring_w = {u: s.store.units[u].master.clone() for u in s.store.order}
         assert s.store.ring.waits > 0 and s.store.ring.spilled == 0  # back-pressure, never a spill
+        assert s.store.ring.big == (None if vocab == VOCAB else DEEP)
         assert (trace.op == "wait-ring").any() and set(trace[trace.op == "wait-ring"].lane) == {"host-unpack"}
         out = d.parent / f"{d.name}-ring-slow"
         s.save_pretrained(out)
