@@ -1,6 +1,7 @@
 """Data for the trainer: the doors to batches (``batches.py``: synthetic tasks, ``sft_batches``,
 ``jsonl_batches``), fine-tuning records (``sft.py``), preference pairs (``preference.py``:
-``preference_batches``) and packed examples kept apart (``packing.py``).
+``preference_batches``), packed examples kept apart (``packing.py``) and real text without a download
+(``stdlib_text.py``: the standard library's sources, a BPE trained on them; imported by its own path).
 
 Owns: what the trainer eats, batches of ``{"input_ids", "labels"[, "position_ids"]}``; ``files/`` holds
 the demo model's config. Does not own: models, devices or the step. The public names live here:

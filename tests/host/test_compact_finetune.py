@@ -1,7 +1,8 @@
 """Compact Adam moments (``optimizer_state="int8" | "int4"``) fine-tuning real text on the CPU: they learn as
 fp32 moments do, cost fewer host bytes, and hold through placements, held weights and checkpoints.
 
-The text is the standard library's own source, tokenized by a BPE trained on it (compact_helpers.py).
+The text is the standard library's own source, tokenized by a BPE trained on it
+(``megatrain_nb.data.stdlib_text``); the small Llama is compact_helpers.py's.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from compact_helpers import batches, llama_config, stdlib_data
+from megatrain_nb.data.stdlib_text import batches, stdlib_data
+from compact_helpers import llama_config
 
 SEQ, BATCH, LAYERS = 64, 8, 2
 STEPS, LR = 300, 1e-3  # fp32 falls from ~6.24 to ~3.5 on this text
