@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shapes import qwen_config  # noqa: E402
+from shapes import bench_config  # noqa: E402
 
 from megatrain_nb.machine.planner import H200, plan  # noqa: E402
 
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
                      pin_store=False, lean_activations=None, split_master=None)  # the defaults on CUDA it ran with
         if "placement" not in r:
             continue
-        cfg = qwen_config(r["shape"], layers=r["layers"], seq=r["seq"])
+        cfg = bench_config(r["shape"], layers=r["layers"], seq=r["seq"])
         ran = r.get("state_slots", 2)  # rows from before throughput.py recorded it streamed through two
         placing.state_slots = lambda n, *_, k=ran: 0 if not n else k
         placement = r["placement"]

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shapes import qwen_config  # noqa: E402
+from shapes import bench_config  # noqa: E402
 
 from megatrain_nb.machine.planner import H200, model_shape, plan  # noqa: E402
 from megatrain_nb.view.trace import Trace, find_stalls  # noqa: E402
@@ -101,7 +101,7 @@ def pcie_bytes_per_layer(p) -> int:
 
 def fitted(row: dict, work: dict, *, adam_only: bool, layer_bytes: int):
     """H200 with rates read from the row's own trace (fitted to the data compared with)."""
-    s = model_shape(qwen_config(row["shape"], layers=row["layers"]))
+    s = model_shape(bench_config(row["shape"], layers=row["layers"]))
     P = s["params_per_layer"]
     adam_ms = work["adam_ms"] - (P / H200.host_cast_elems_per_s * 1e3 if row.get("pin_store") else 0)  # the
     # traced update includes pin_store's refresh, which the planner adds at the cast rate
@@ -118,7 +118,7 @@ def fitted(row: dict, work: dict, *, adam_only: bool, layer_bytes: int):
 
 def predict(row: dict, hardware, **pinning):
     """Plan the setting of one measured row (pinning as run unless given)."""
-    cfg = qwen_config(row["shape"], layers=row["layers"], seq=row["seq"])
+    cfg = bench_config(row["shape"], layers=row["layers"], seq=row["seq"])
     pinning = pinning or dict(pin_store=bool(row.get("pin_store")), cast_on_device=bool(row.get("cast_on_device")))
     return plan(cfg, batch=row["batch"], seq=row["seq"], hardware=hardware, weight_slots=row.get("slots", 2),
                 checkpoint_every=row.get("checkpoint_every"), overlap_optimizer=row.get("overlap", True), **pinning)

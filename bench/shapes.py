@@ -1,4 +1,7 @@
-"""Qwen2.5-shaped configs for benchmarks, and gpt-oss-20b's shape for the MoE plan (random init; no download)."""
+"""Configs of the benchmarks' model shapes (random init; no download): Qwen2.5-shaped dense models (``SHAPES``)
+and gpt-oss-shaped MoE models (``GPT_OSS``: the released 20b and a tiny one for CPU tests). ``bench_config`` is
+the one door from a ``--shape`` name to a config.
+"""
 from transformers import Qwen2Config
 
 from megatrain_nb.machine.shape import QWEN25
@@ -62,11 +65,42 @@ GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=288
                                         original_max_position_embeddings=4096, rope_theta=150000.0))
 
 
-def gpt_oss_config(*, layers: int | None = None):
-    """A transformers GptOssConfig of gpt-oss-20b's shape (``layers`` fewer for a smaller run)."""
+# A gpt-oss of the same kinds at CPU-test size: hidden 64, 2 layers (sliding 32 then full), 4 experts of which 2 per
+# token, 4 heads of 16 (2 KV heads), vocab 512; the 20b's rope.
+GPT_OSS_TINY = dict(GPT_OSS_20B, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
+                    sliding_window=32, layer_types=["sliding_attention", "full_attention"])
+GPT_OSS = {"gpt-oss-20b": GPT_OSS_20B, "gpt-oss-tiny": GPT_OSS_TINY}  # by --shape name
+
+
+def gpt_oss_config(which: str = "gpt-oss-20b", *, layers: int | None = None):
+    """A transformers GptOssConfig of ``GPT_OSS[which]``'s shape (``layers`` deep, still alternating sliding and full)."""
     from transformers import GptOssConfig
 
-    kw = {k: v for k, v in GPT_OSS_20B.items() if k != "model_type"}
+    kw = {k: v for k, v in GPT_OSS[which].items() if k != "model_type"}
     if layers is not None:
-        kw.update(num_hidden_layers=layers, layer_types=kw["layer_types"][:layers])
+        kinds = ("sliding_attention", "full_attention")
+        kw.update(num_hidden_layers=layers, layer_types=[kinds[i % 2] for i in range(layers)])
     return GptOssConfig(**kw)
+
+
+def bench_config(shape: str, *, layers: int | None = None, seq: int = 4096):
+    """The config of a benchmark's ``--shape``: a Qwen2Config (``SHAPES``) or a GptOssConfig (``GPT_OSS``).
+
+    Args:
+        shape: a name in ``SHAPES`` or ``GPT_OSS``.
+        layers: the depth, where not the shape's own.
+        seq: the longest sequence the run uses.
+    Raises:
+        ValueError: an unknown shape, a depth under 1, or ``seq`` past a gpt-oss shape's positions.
+    """
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers={layers}: give 1 or more, or none for the shape's own depth")
+    if shape in SHAPES:
+        return qwen_config(shape, layers=layers, seq=seq)
+    if shape not in GPT_OSS:
+        raise ValueError(f"shape {shape!r}: choose one of {[*SHAPES, *GPT_OSS]}")
+    cfg = gpt_oss_config(shape, layers=layers)
+    if seq > cfg.max_position_embeddings:
+        raise ValueError(f"seq={seq}: {shape} has {cfg.max_position_embeddings} positions; give a shorter seq")
+    return cfg

@@ -30,11 +30,17 @@
 #                                                                                      -> <tag>-compact-state.jsonl
 #   compact-stream  3B x 1 under "stream" with fp32, int8 and int4 moments, each its own process (~3)
 #                                                                                      -> <tag>-compact-state.jsonl
+#   budgets    the smaller-machine targets, each its own process, x 8, 2 timed steps after 3: 7B int8 under 24 GiB device
+#              / 64 GiB host, 14B int8 under 48 GiB / 118 GiB, 14B int8 without budgets, 7B fp32 defaults (~16)
+#                                                                                      -> <tag>-budgets.jsonl
+#   moe        the gpt-oss-20b shape (MoE) with int4 moments, x 8 on the stdlib's text (`--data stdlib`: the row's
+#              loss_steps), 3 timed steps after 3: 4 layers first (a quick check that it runs), then all 24 (~12)
+#                                                                                      -> <tag>-moe.jsonl
 #   settle     `auto`'s first steps, every step traced with its placement moves: 3B x 8, 7B x 8, then 14B x 2 int4 (~7)
 #                                                                                      -> <tag>-placement.jsonl
 #   planner    the planner against this kind of machine's rows (the H200's on a CPU machine; CPU only, ~1)
 #   tests      the GPU tests: python -m pytest -m gpu over tests/ (~5)
-#   all        tests defaults placement stream long layers sft host planner (~55; not peers, depth, dp)
+#   all        tests defaults placement stream long layers sft host planner (~55; not peers, depth, dp, budgets, moe)
 #   wheels     run HERE, not on the GPU machine: DeepSpeed and its requirements as wheels into .whl/
 #              (the GPU machine has no internet; carry .whl there for peers and depth)
 #
@@ -94,6 +100,20 @@ suite() {
             SUBJECT=compact-state throughput compact-stream-$st --shape 3b --batch 1 --steps 4 --warmup 6 \
                 --placement stream --optimizer-state $st
         done ;;
+    budgets)  # each row a process of its own: one run's host memory and allocator state never meet the next's
+        memlog budgets
+        local B="--batch 8 --steps 2 --warmup 3"
+        SUBJECT=budgets throughput budgets-7b-int8-24g-64g --shape 7b $B --optimizer-state int8 \
+            --device-memory 24GiB --host-memory 64GiB
+        SUBJECT=budgets throughput budgets-14b-int8-48g-118g --shape 14b $B --optimizer-state int8 \
+            --device-memory 48GiB --host-memory 118GiB
+        SUBJECT=budgets throughput budgets-14b-int8 --shape 14b $B --optimizer-state int8
+        SUBJECT=budgets throughput budgets-7b-fp32 --shape 7b $B ;;
+    moe)
+        memlog moe
+        local M="--shape gpt-oss-20b --optimizer-state int4 --batch 8 --data stdlib --steps 3 --warmup 3"
+        SUBJECT=moe throughput moe-gpt-oss-20b-4l $M --layers 4 || return 1  # a quick check that it runs at all
+        SUBJECT=moe throughput moe-gpt-oss-20b $M ;;
     settle)
         SUBJECT=placement throughput settle-3b --shape 3b --batch 8 --steps 3 --warmup 3 --placement auto --trace-steps
         SUBJECT=placement throughput settle-7b --shape 7b --batch 8 --steps 3 --warmup 3 --placement auto --trace-steps

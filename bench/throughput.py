@@ -1,7 +1,11 @@
-"""Throughput of the streaming engine on Qwen2.5-shaped random models: one JSON line per (shape, batch).
+"""Throughput of the streaming engine on Qwen2.5- and gpt-oss-shaped random models: one JSON line per (shape, batch).
 
 Run on the GPU machine, e.g.:
     python bench/throughput.py --shape 3b --batch 1 4 8 --seq 4096 --steps 4 --out out/bench.jsonl
+    python bench/throughput.py --shape gpt-oss-20b --batch 8 --optimizer-state int4 --data stdlib --out out/moe.jsonl
+The batches are random token ids (``--data random``) or windows of Python's own standard library source
+(``--data stdlib``, megatrain_nb.data.stdlib_text: real text, nothing downloaded; the row then carries every
+step's loss, so a reader sees it fall).
 Reports model TFLOPS = 6 * N * tokens / step time (N = all parameters, MegaTrain's formula; an MoE's
 active ones: its experts at top_k / experts), tokens/s,
 compute-stream busy share, compute time waiting per cause (from the step trace), peak GPU memory,
@@ -23,9 +27,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import memory_snapshot  # noqa: E402
 from rows import busy_shares, emit, host_adam_rate, rss_bytes  # noqa: E402
-from shapes import qwen_config  # noqa: E402
+from shapes import GPT_OSS, SHAPES, bench_config  # noqa: E402
 
 from megatrain_nb import Session  # noqa: E402
+from megatrain_nb.data.stdlib_text import batches as text_batches, stdlib_data  # noqa: E402
 from megatrain_nb.machine import placement as placing  # noqa: E402
 from megatrain_nb.host.optim import HostAdamW  # noqa: E402
 from megatrain_nb.step import transfers as _transfers  # noqa: E402
@@ -60,10 +65,32 @@ def _sync_debug(path: str, batch: int) -> None:
     atexit.register(dump)
 
 
+STDLIB_VOCAB = 4096  # --data stdlib's tokenizer: a few thousand tokens, clamped under the model's vocabulary
+
+
+def _stdlib_rows(cfg, a, ap) -> tuple[torch.Tensor, int]:
+    """--data stdlib: ((n, seq) long windows of the stdlib's text, the tokenizer's vocabulary); errors name the fix."""
+    d = stdlib_data(vocab_size=min(STDLIB_VOCAB, cfg.vocab_size), seq=a.seq)
+    rows = d["train"]  # (n, seq) long, ids under the tokenizer's vocabulary, itself <= the model's
+    if len(rows) < max(a.batch):
+        ap.error(f"--data stdlib: the text holds {len(rows)} windows of --seq {a.seq} tokens, fewer than --batch "
+                 f"{max(a.batch)}; give a smaller --seq or --batch, or more modules "
+                 f"(megatrain_nb.data.stdlib_text.TRAIN_MODULES, stdlib_data(train=...))")
+    return rows, d["tokenizer"].get_vocab_size()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="3b")
-    ap.add_argument("--layers", type=int, default=None, help="override the depth (GPU memory vs depth check)")
+    ap.add_argument("--shape", default="3b", choices=[*SHAPES, *GPT_OSS],
+                    help="bench/shapes.py: Qwen2.5 shapes, or gpt-oss's (an MoE; gpt-oss-tiny for CPU tests) "
+                         "(default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=None, help="override the depth, of either family (GPU memory vs "
+                                                             "depth check; gpt-oss keeps alternating sliding and full)")
+    ap.add_argument("--data", choices=("random", "stdlib"), default="random",
+                    help=f"random: uniform token ids (the default); stdlib: windows of --seq tokens of Python's "
+                         f"standard library source (megatrain_nb.data.stdlib_text), tokenized by a byte-level BPE of "
+                         f"{STDLIB_VOCAB} tokens trained on it (fewer where the model's vocabulary is smaller), "
+                         f"batches in a seeded order, labels = input_ids; the row gets loss_steps")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per batch, after the warm-up steps")
@@ -72,6 +99,7 @@ def main(argv=None) -> None:
     ap.add_argument("--placement", default="auto", help="'auto', 'host', 'stream' (EngineConfig.placement)")
     ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8", "int4"),
                     help="OptimConfig.optimizer_state: the Adam moments' form (default: %(default)s)")
+    ap.add_argument("--lr", type=float, default=1e-5, help="the learning rate (default: %(default)s)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--pass-batch", type=int, default=None, help="pass_batch_size (default: one pass, or auto's choice)")
@@ -144,13 +172,17 @@ def main(argv=None) -> None:
         faulthandler.dump_traceback_later(a.stacks_every, repeat=True)
     pinning = "none" if a.no_pin_store else "cast" if a.cast_on_device else a.pinning
     pin_store, cast = {"auto": (None, None), "cast": (None, True), "shadow": (True, False), "none": (False, False)}[pinning]
-    cfg = qwen_config(a.shape, layers=a.layers, seq=a.seq)
+    try:
+        cfg = bench_config(a.shape, layers=a.layers, seq=a.seq)
+    except ValueError as e:
+        ap.error(f"--shape {a.shape} --layers {a.layers} --seq {a.seq}: {e}")
+    text_rows, text_vocab = _stdlib_rows(cfg, a, ap) if a.data == "stdlib" else (None, None)
     if a.oom_snapshot:
         if not a.device.startswith("cuda"):
             ap.error(f"--oom-snapshot {a.oom_snapshot}: records the CUDA allocator; use it with --device cuda")
         memory_snapshot.on_oom(a.oom_snapshot)
     t0 = time.perf_counter()
-    s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, checkpoint_every=a.checkpoint_every,
+    s = Session.from_config(cfg, seed=0, device=a.device, lr=a.lr, checkpoint_every=a.checkpoint_every,
                             micro_batch_size=a.micro_batch, pass_batch_size=a.pass_batch, weight_slots=a.slots,
                             pinned_budget_bytes=None if a.pinned_gb is None else int(a.pinned_gb * (1 << 30)), overlap_optimizer=not a.no_overlap,
                             trace=not a.no_trace, pin_store=pin_store, cast_on_device=cast,
@@ -193,12 +225,17 @@ def main(argv=None) -> None:
                 torch.cuda.reset_peak_memory_stats()
             times, losses, summaries, waits, raws, every = [], [], [], [], [], []
             k = done_steps = 0
-            while len(times) < a.steps and k < a.steps + a.warmup + 10:
-                ids = torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)
+            most = a.steps + a.warmup + 10
+            text = None if text_rows is None else text_batches(text_rows, batch=B, steps=most, seed=0)
+            while len(times) < a.steps and k < most:
+                if text is None:
+                    inputs = {"input_ids": torch.randint(0, cfg.vocab_size, (B, a.seq), generator=g)}
+                else:
+                    inputs = text[k]  # {"input_ids", "labels"}: (B, seq) long each, labels = input_ids
                 done_steps = done_steps + 1 if s.engine.device_updates.settled else 0  # "auto": its measuring step and a trial step
                 with _profiled(a.profile_step and k in a.profile_step, a.save_trace, f"{a.shape}_b{B}{suffix}_step{k}"):
                     try:
-                        r = s.step({"input_ids": ids})
+                        r = s.step(inputs)
                     except torch.OutOfMemoryError:
                         e, c = s.engine, s.engine.ckpts  # the activation policy the failed step ran under
                         print(f"  out of memory in step {k}: kept {None if e.keep is None else sum(e.keep)} layers, "
@@ -231,8 +268,8 @@ def main(argv=None) -> None:
             t = statistics.median(times)
             tokens = B * a.seq
             N, active = rep["params"], s.arch.active_params()  # active: MoE experts at top_k / experts (= N if dense)
-            row = dict(shape=a.shape, layers=cfg.num_hidden_layers, params=N, active_params=active, batch=B, seq=a.seq,
-                       tokens=tokens,
+            row = dict(shape=a.shape, data=a.data, layers=cfg.num_hidden_layers, params=N, active_params=active,
+                       batch=B, seq=a.seq, tokens=tokens,
                        step_s=round(t, 4), step_s_all=[round(x, 4) for x in times],
                        steps_s=[round(x, 4) for x in every],  # every step of this batch, the untimed first
                        worst_after_first_x=round(max(every[1:]) / t, 3),  # what "auto" must hold under 1.5
@@ -244,7 +281,7 @@ def main(argv=None) -> None:
                        device_memory=a.device_memory, host_memory=a.host_memory, grad_ring=a.grad_ring,
                        host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                        host_rss_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
-                       optimizer_state=a.optimizer_state,
+                       optimizer_state=a.optimizer_state, lr=a.lr,
                        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                        checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
                        offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,
@@ -264,6 +301,9 @@ def main(argv=None) -> None:
                        memory_history=bool(a.oom_snapshot),  # stacks recorded: steps slower than without
                        expandable_segments=memory_snapshot.expandable() if cuda else None,  # Note: [Allocator]
                        gpu=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__)
+            if text is not None:
+                row["loss_steps"] = [round(x, 4) for x in losses]  # every step's, the untimed first: the loss falls
+                row["data_vocab"] = text_vocab  # the tokenizer's size: every id is under it
             if summaries:
                 sm = summaries[-1]
                 row["compute_busy_share"] = round(sm.get("compute_busy_share", float("nan")), 3)
