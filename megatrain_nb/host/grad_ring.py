@@ -34,7 +34,8 @@ would, and ``spilled`` counts them.
 "auto" enters a trial only where the host has room for that (``spill_bytes`` within ``host_available``,
 the ``host_memory`` budget included); elsewhere its search keeps "activations first" and says why
 (``Session.placement``): a host that holds the store without slabs may not hold them for one step.
-The embedding's gradient keeps its fp32 slab: rows' gradients are scattered into it (``embedding.py``).
+The embedding's gradient is not in the ring: an untied one's is the rows a step touched (Note: [Embedding rows] in
+``embed_grad.py``), a tied one's its fp32 slab (the head's gradient lands in it whole).
 """
 from __future__ import annotations
 

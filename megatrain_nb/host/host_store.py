@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import compact_state, grad_ring, split_master
+from . import compact_state, embed_grad, grad_ring, split_master
 from ..model.binding import Layout
 from ..model.hf import Architecture, checkpoint_map, convert_to_checkpoint
 
@@ -143,12 +143,14 @@ class HostStore:
         want = {}  # (unit, slab) -> (numel, dtype, pinned)
         ringed = {} if slabs is not None else grad_ring.ring_units({u: lay.numel for u, (lay, _) in layouts.items()})
         self.ring = None if not ringed else grad_ring.GradRing(ringed, grad_dtype, pin=pin_ring)
+        keep = self._embedding_slab(arch, ringed, shared, compact[-1])
+        self.rows = None if keep is not None else embed_grad.RowGrad(*arch.embed.weight.shape)  # Note: [Embedding rows]
         self.gradients = f"slabs: {slabs}" if self.ring is None else (
             f"ring: {self.ring.describe()}, {self.ring.nbytes / 2**20:.1f} MiB; no grad_clip, one pass; "
-            "the embedding's fp32 slab stays")
+            + ("the embedding's touched rows (fp32)" if keep is None else f"the embedding's fp32 slab stays ({keep})"))
         for u, (layout, _) in layouts.items():
             want[u, "master"] = (layout.numel, torch.float32, pin_master)
-            if u not in ringed:
+            if u not in ringed and not (u == -1 and self.rows is not None):
                 want[u, "grad"] = (layout.numel, torch.float32 if u == -1 else grad_dtype, pin and u != -1)
             if shadow_dtype is not None:
                 want[u, "shadow"] = (layout.numel, shadow_dtype, True)
@@ -169,6 +171,20 @@ class HostStore:
                                  grad=slabs.get((u, "grad")), exp_avg=slabs[u, "exp_avg"], exp_avg_sq=slabs[u, "exp_avg_sq"],
                                  shadow=slabs.get((u, "shadow")), compact=compact[u])
         self.split: set[int] = set()  # units whose master slab holds [R | D] planes (Note: [Split master])
+
+    @staticmethod
+    def _embedding_slab(arch: Architecture, ringed: dict, shared, compact) -> str | None:
+        """Why the embedding's gradient keeps a dense fp32 slab, or None where its touched rows suffice (Note:
+        [Embedding rows] in embed_grad.py; "" where the ring is off: the slabs' reason says why)."""
+        if not ringed:
+            return ""
+        if arch.tied:
+            return "tied: the head's gradient lands in it whole"
+        if shared is not None:
+            return "a shared host store"
+        if compact is not None:
+            return "compact embedding moments read a whole slab"
+        return None
 
     @classmethod
     def _alloc_all(cls, want: dict) -> dict:
@@ -227,6 +243,9 @@ class HostStore:
         """Unit ``u``'s landed gradients, (numel,): its slab, or the ring buffer it holds until its update
         (Note: [Gradient ring] in grad_ring.py)."""
         g = self.units[u].grad
+        if g is None and u == -1:
+            raise ValueError("the embedding's gradient is held as rows (Note: [Embedding rows] in embed_grad.py): "
+                             "read HostStore.rows")
         return self.ring.get(u) if g is None else g
 
     def grad_dst(self, u: int):
@@ -260,11 +279,12 @@ class HostStore:
 
     def bytes_report(self) -> dict[str, float]:
         """Bytes by category (master, grad, exp_avg, exp_avg_sq, shadow, grad_ring: the ring's buffers, Note:
-        [Gradient ring]; total) and bytes per parameter. ``gradients`` says in words which holds them."""
+        [Gradient ring]; grad_rows: the embedding's touched rows, Note: [Embedding rows]; total) and bytes per parameter. ``gradients`` says in words which holds them."""
         rep = {k: sum(getattr(u, k).numel() * getattr(u, k).element_size() for u in self.units.values()
                       if getattr(u, k) is not None)
                for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow")}
         rep["grad_ring"] = 0 if self.ring is None else self.ring.nbytes
+        rep["grad_rows"] = 0 if self.rows is None else self.rows.nbytes  # the embedding's touched rows
         rep["total"] = sum(rep.values())
         rep["params"] = self.num_params()
         rep["bytes_per_param"] = rep["total"] / rep["params"]

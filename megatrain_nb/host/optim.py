@@ -77,9 +77,11 @@ class HostAdamW:
     def update(self, u: int, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on unit ``u`` with its grad slab times ``grad_scale`` (the clip factor)."""
         unit = self.store.units[u]
-        grad = self.store.grad_of(u)  # its slab or its ring buffer (Note: [Gradient ring] in grad_ring.py)
         opt = self.opts[u]
         opt.param_groups[0]["lr"] = lr
+        if u == -1 and self.store.rows is not None:  # the touched rows (Note: [Embedding rows] in embed_grad.py)
+            return self._update_in_chunks(unit, None, opt, lr, grad_scale)
+        grad = self.store.grad_of(u)  # its slab or its ring buffer (Note: [Gradient ring] in grad_ring.py)
         if unit.compact is not None:
             step = opt.state[unit.master]["step"]
             compact_host.update_host(unit.compact, unit.master, grad, unit.exp_avg, unit.exp_avg_sq, lr=lr,
@@ -95,19 +97,23 @@ class HostAdamW:
         finally:
             unit.master.grad = None
 
-    def _update_in_chunks(self, unit, g: torch.Tensor, opt: torch.optim.AdamW, lr: float, grad_scale: float) -> None:
+    def _update_in_chunks(self, unit, g: torch.Tensor | None, opt: torch.optim.AdamW, lr: float,
+                          grad_scale: float) -> None:
         """Note: [Chunked upcast] the fused kernel wants fp32 grads. Upcasting a whole bf16 slab
         writes and re-reads 4 bytes/param through DRAM; a chunk of ``chunk_numel`` is still in cache
-        when the kernel reads it. Same kernel, same arguments, per chunk: the same numbers."""
+        when the kernel reads it. Same kernel, same arguments, per chunk: the same numbers. ``g`` None: the
+        embedding's touched rows, each chunk made dense (Note: [Embedding rows] in embed_grad.py)."""
         p = unit.master
         state, group = opt.state[p], opt.param_groups[0]
-        n, c = g.numel(), self.chunk_numel
-        if self._scratch is None or self._scratch.numel() < min(n, c):
-            self._scratch = torch.empty(min(max(x.master.numel() for x in self.store.units.values()), c))
+        rows = self.store.rows if g is None else None
+        n, c = p.numel(), self.chunk_numel
+        pad = 0 if rows is None else 2 * rows.width  # a chunk's rows, from the first it touches to the last
+        if self._scratch is None or self._scratch.numel() < min(n, c) + pad:
+            self._scratch = torch.empty(min(max(x.master.numel() for x in self.store.units.values()), c) + pad)
         step = state["step"]
         for a in range(0, n, c):
             b = min(n, a + c)
-            gs = self._scratch[:b - a].copy_(g[a:b])
+            gs = rows.dense(a, b, self._scratch) if rows is not None else self._scratch[:b - a].copy_(g[a:b])
             if grad_scale != 1.0:
                 gs.mul_(grad_scale)
             self._step.copy_(step)  # adamw() adds 1 to each chunk's step: every chunk sees step + 1
@@ -125,7 +131,13 @@ class HostAdamW:
         opt = self.opts[u]
         state, group = opt.state[unit.master], opt.param_groups[0]
         take = lambda t: t.view(-1, width).index_select(0, rows).flatten()  # noqa: E731 - a copy
-        p, m, v, g = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq), take(self.store.grad_of(u)).float()
+        p, m, v = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq)
+        if u == -1 and self.store.rows is not None:  # Note: [Embedding rows] in embed_grad.py
+            if width != self.store.rows.width:
+                raise ValueError(f"rows of width {width}: the embedding's are {self.store.rows.width} wide")
+            g = self.store.rows.take(rows).flatten()
+        else:
+            g = take(self.store.grad_of(u)).float()
         if grad_scale != 1.0:
             g.mul_(grad_scale)
         _fused(group, lr, p, g, m, v, state["step"].clone())  # adamw() adds 1 to the copy, as the update will

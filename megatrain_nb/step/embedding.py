@@ -4,7 +4,7 @@ Owns: gathering each micro-batch's embedding rows (from the fp32 host master, ne
 the early rows the Adam worker serves ahead of the embedding's update, Note: [Early rows]; or on the device
 where the embedding is resident, or streamed with a tied head), the embedding's backward (its rows'
 gradients to the device's update, to the streamed head group, or through pinned memory to the host), and
-the host's scatter of those rows into the fp32 grad slab.
+the host's scatter of those rows into the fp32 grad slab (or the store's touched rows: host/embed_grad.py).
 Does not own: the early rows' bookkeeping (``early_rows.py``), the device-side gather and update
 (``device_updates.py``), the copies and their waits (``transfers.py``). The engine calls ``gather`` at the
 start of a step (``Engine._gather``), ``backward`` at the last op of the backward, and hands
@@ -98,20 +98,23 @@ def backward(eng: Engine, mbs, st: dict, gs: list) -> Box:
 
 
 def scatter_grads(eng: Engine, ids: torch.Tensor, dE: torch.Tensor, keepalive, version: int) -> float:
-    """Host: scatter the embedding rows' gradients into the fp32 grad slab; returns its L2 norm."""
+    """Host: scatter the embedding rows' gradients into the fp32 grad slab, or the store's touched rows (Note:
+    [Embedding rows] in host/embed_grad.py); returns its L2 norm."""
     unit = eng.store.units[-1]
     H = eng.arch.embed.weight.shape[1]
-    grad = unit.grad.view(-1, H)
     # the last step's update of the embedding reads this slab: a forward on early rows did not wait for it
     # (Note: [Early rows]); a tied head's gradients come in after the head's load, which did
     eng.adam.wait_version(-1, version)
     with eng.rec.span("host-unpack", "embed_grad", -1, "bwd", dE.numel() * dE.element_size()):
-        if not eng.arch.tied and eng._embed_rows is not None:
-            grad.index_fill_(0, eng._embed_rows, 0)  # only rows an earlier step touched are non-zero
         rows = dE.view(-1, H)
         pad = eng.arch.embed.padding_idx
         if pad is not None:
             rows[ids == pad] = 0  # nn.Embedding gives padding_idx no gradient
+        if eng.store.rows is not None:
+            return float(grad_norm(eng.store.rows.scatter(ids, rows)))
+        grad = unit.grad.view(-1, H)
+        if not eng.arch.tied and eng._embed_rows is not None:
+            grad.index_fill_(0, eng._embed_rows, 0)  # only rows an earlier step touched are non-zero
         for a, b in chunks(rows.shape[0], 1 << 16):  # fp32 rows a slice at a time (512K x H would be 7 GiB)
             grad.index_add_(0, ids[a:b], rows[a:b].float())
         if eng.arch.tied:  # the head's gradient landed here, whole: every row counts

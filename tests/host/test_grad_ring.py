@@ -130,15 +130,22 @@ def test_memory_report_shows_the_ring_by_default_and_slabs_with_grad_clip(hf_dir
     rep = s.memory_report()
     emb = s.store.units[-1].layout.numel
     largest = max(u.layout.numel for k, u in s.store.units.items() if k != -1)
-    assert rep["grad"] == 4 * emb  # only the embedding's fp32 slab
+    assert rep["grad"] == 0 and rep["grad_rows"] == 0  # no slab at all; no rows touched yet
     assert rep["grad_ring"] == BUFFERS * (-(-largest // 64) * 64) * 4 > 0
     assert rep["gradients"].startswith("ring") and "no grad_clip, one pass" in rep["gradients"]
-    assert all(s.store.units[u].grad is None for u in range(DEEP + 1))
+    assert "the embedding's touched rows" in rep["gradients"]
+    assert all(s.store.units[u].grad is None for u in range(-1, DEEP + 1))
+    (batch,) = make_batches(VOCAB, 1, seed=3)
+    s.step(batch)
+    touched = batch["input_ids"].unique().numel()
+    H = s.arch.embed.weight.shape[1]
+    assert 0 < touched < VOCAB
+    assert s.memory_report()["grad_rows"] == touched * (4 * H + 8) < 4 * emb  # the rows and their ids
     s.close()
     c = Session.from_pretrained(d, lr=LR, grad_clip=1.0)
     rep = c.memory_report()
     n = sum(u.layout.numel for u in c.store.units.values())
-    assert rep["grad_ring"] == 0 and rep["grad"] == 4 * emb + 4 * (n - emb)  # fp32 on the CPU
+    assert rep["grad_ring"] == 0 and rep["grad_rows"] == 0 and rep["grad"] == 4 * emb + 4 * (n - emb)  # fp32 on CPU
     assert rep["gradients"] == "slabs: grad_clip needs every unit's gradient before any update"
     c.close()
 

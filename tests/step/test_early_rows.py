@@ -27,7 +27,8 @@ def _store(rows: int, width: int, grad_dtype, seed: int = 0):
     unit = SimpleNamespace(master=torch.randn(n, generator=g), grad=torch.randn(n, generator=g).to(grad_dtype),
                            exp_avg=torch.randn(n, generator=g) * 0.1, exp_avg_sq=torch.rand(n, generator=g) * 0.01,
                            compact=None)
-    return SimpleNamespace(units={-1: unit}, step_count=lambda u: torch.tensor(3.0), grad_of=lambda u: unit.grad)
+    return SimpleNamespace(units={-1: unit}, step_count=lambda u: torch.tensor(3.0), grad_of=lambda u: unit.grad,
+                           rows=None)  # a slab (the rows' own: tests/host/test_embed_grad.py)
 
 
 @pytest.mark.parametrize("width", [64, 192])
