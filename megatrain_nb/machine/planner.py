@@ -487,7 +487,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     layer_state = 4 * P + moments[0]  # a "device" layer's state over PCIe: fp32 master and moments (12 P with fp32)
     head_state = 4 * head_n + moments[L] + (moments[-1] if s["tied"] else 0)  # the head group's (Note: [Streamed head])
     host = {"master_fp32": 4 * N, "adam_moments": sum(moments.values()),  # embedding grads: fp32
-            "grads": 4 * E + (ring_bytes({**dict.fromkeys(range(L), P), L: s["head_params"]}, d) if ring else d * (N - E)),
+            "grads": (ring_bytes({**dict.fromkeys(range(L), P), L: s["head_params"]}, d) if ring else d * (N - E))
+            + (min(V, T) * (4 * h + 8) if ring and not s["tied"] else 4 * E),  # the embedding's touched rows, or its
+            # fp32 slab (Note: [Embedding rows] in host/embed_grad.py)
             "pinned_pool": pinned_budget_bytes}
     if pin_store:
         host["pinned_copy"] = d * N

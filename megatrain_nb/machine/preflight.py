@@ -62,7 +62,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
             gradient slab, without it the gradient ring holds them (Note: [Gradient ring] in host/grad_ring.py).
     Returns:
         dict with
-          ``store``: as ``HostStore.bytes_report()`` — master, grad, exp_avg, exp_avg_sq, shadow, grad_ring,
+          ``store``: as ``HostStore.bytes_report()`` — master, grad, exp_avg, exp_avg_sq, shadow, grad_ring, grad_rows,
             total, params, bytes_per_param (exact; a compact moment is its slab of
             ``compact_state.moment_words`` fp32 words per unit);
           ``bytes_per_param``: master, grad, moments (both), shadow, store, staging, host (``host``'s
@@ -100,7 +100,9 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     # host store, as HostStore.__init__ allocates it
     numel = {u: lay.numel for u, lay in units.items()}
     ring = _ring(cfg, grad_clip)
-    store = _store(layouts, d, pin, unit_moment_words(arch, optimizer_state, keep_fp32, layouts), ring)
+    words = unit_moment_words(arch, optimizer_state, keep_fp32, layouts)
+    store = _store(layouts, d, pin, words, ring, _embed_rows(arch, layouts, words, ring,
+                                                               None if batch is None else batch * seq))
 
     # engine buffers, as Engine.__init__ allocates them (Note: [Staging])
     n_layer = max(numel[i] for i in range(arch.num_layers))
@@ -119,7 +121,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
     host = {"store": store["total"], "staging": staging, "device_buffers": 0 if cuda else dev["needed"]}
     host["needed"] = sum(host.values())
     per = {k: v / store["params"] for k, v in (("master", store["master"]), ("grad", store["grad"]),
-                                                ("grad_ring", store["grad_ring"]),
+                                                ("grad_ring", store["grad_ring"]), ("grad_rows", store["grad_rows"]),
                                                 ("moments", store["exp_avg"] + store["exp_avg_sq"]),
                                                 ("shadow", store["shadow"]), ("store", store["total"]),
                                                 ("staging", staging), ("host", host["needed"]))}
@@ -139,7 +141,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
 
 
 def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[str, ...] | None = None,
-               engine_cfg: EngineConfig | None = None, grad_clip: float | None = None):
+               engine_cfg: EngineConfig | None = None, grad_clip: float | None = None, tokens: int | None = None):
     """Host RAM of each ``optimizer_state`` for a few models, and the deepest model of each width it holds.
 
     The store is counted exactly as ``estimate`` counts it (per unit, from the model's skeleton on the meta
@@ -159,9 +161,11 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         engine_cfg: an EngineConfig instead of the CUDA default (pinning then as ``resolve_pinning``).
         grad_clip: as ``OptimConfig.grad_clip``: with it every unit keeps a gradient slab; without it (and with
             ``engine_cfg.grad_ring``) the ring holds the layers' and head's (Note: [Gradient ring]).
+        tokens: a step's tokens (batch x seq): with the ring, an untied embedding's gradient is the rows they
+            touch, counted for that many (Note: [Embedding rows]); None: the whole table, the most a step can touch.
     Returns:
         pandas DataFrame, one row per model and optimizer_state: model, optimizer_state, layers, params,
-        gradients ("ring" or "slabs"), master / grad / moments / shadow / store (bytes a parameter), store_GiB, staging_GiB, host_GiB
+        gradients ("ring" or "slabs"), master / grad (slabs and the embedding's rows) / moments / shadow / store (bytes a parameter), store_GiB, staging_GiB, host_GiB
         (store + staging), available_GiB, fits, max_layers and max_params (the deepest model of this
         width that fits: 0 where not even the embedding and head do).
     Raises:
@@ -194,7 +198,7 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         for state in OPTIMIZER_STATES:
             pin, cast = resolve_pinning(cfg, arch, optimizer_state=state) if engine_cfg else (False, True)
             words = unit_moment_words(arch, state, keep_fp32, layouts)
-            store = _store(layouts, d, pin, words, ring)
+            store = _store(layouts, d, pin, words, ring, _embed_rows(arch, layouts, words, ring, tokens))
             staging = _staging(cfg, d, max(numel.values()), pin or cast, cuda)[2]
             need, P = store["total"] + staging, store["params"]
             grad = 0 if ring else d  # a layer more adds no ring buffer (alike layers: the largest stays)
@@ -203,7 +207,7 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
             rows.append(dict(model=name or f"{type(config).__name__.removesuffix('Config')} {_count(P)}",
                              optimizer_state=state, gradients="ring" if ring else "slabs", layers=L, params=P,
                              master=store["master"] / P,
-                             grad=store["grad"] / P, moments=(store["exp_avg"] + store["exp_avg_sq"]) / P,
+                             grad=(store["grad"] + store["grad_rows"]) / P, moments=(store["exp_avg"] + store["exp_avg_sq"]) / P,
                              shadow=store["shadow"] / P, store=store["bytes_per_param"], store_GiB=store["total"] / _GIB,
                              staging_GiB=staging / _GIB, host_GiB=need / _GIB, available_GiB=host_bytes / _GIB,
                              fits=need <= host_bytes, max_layers=deepest,
@@ -247,15 +251,30 @@ def _ring(cfg: EngineConfig, grad_clip) -> bool:
                                  nonfinite=cfg.nonfinite, pass_batch_size=cfg.pass_batch_size, shared=False) is None
 
 
-def _store(layouts: dict, d: int, pin: bool, words: dict[int, int], ring: bool = False) -> dict:
+def _embed_rows(arch, layouts: dict, words: dict[int, int], ring: bool, tokens: int | None) -> int | None:
+    """Rows the embedding's touched-rows buffer holds at most (Note: [Embedding rows] in host/embed_grad.py): a
+    step's ``tokens``, no more than the table (None: the whole table); None where it keeps a slab (as
+    ``HostStore._embedding_slab``: the ring off, tied, or compact embedding moments)."""
+    if not ring or arch.tied or words[-1] != layouts[-1][0].numel:
+        return None
+    V = arch.embed.weight.shape[0]
+    return V if tokens is None else min(V, tokens)
+
+
+def _store(layouts: dict, d: int, pin: bool, words: dict[int, int], ring: bool = False,
+           embed_rows: int | None = None) -> dict:
     """HostStore.bytes_report() of these unit layouts: grads in ``d`` bytes (the embedding's fp32), a shadow
-    of ``d`` bytes with ``pin``, moments of ``words`` fp32 words each; with ``ring`` only the embedding's grad
-    slab and the ring's buffers (Note: [Gradient ring] in host/grad_ring.py)."""
+    of ``d`` bytes with ``pin``, moments of ``words`` fp32 words each; with ``ring`` no slab for the layers and
+    head, only the ring's buffers (Note: [Gradient ring] in host/grad_ring.py), and with ``embed_rows`` no slab
+    for the embedding either, that many touched rows (fp32, and their ids) instead."""
     numel = {u: lay.numel for u, (lay, _) in layouts.items()}
     N = sum(numel.values())
-    store = {"master": 4 * N, "grad": 4 * numel[-1] + (0 if ring else d * (N - numel[-1])),  # the embedding's: fp32
+    width = layouts[-1][0].shapes[0][-1]
+    store = {"master": 4 * N, "grad": (4 * numel[-1] if embed_rows is None else 0)  # the embedding's: fp32
+             + (0 if ring else d * (N - numel[-1])),
              "exp_avg": 4 * sum(words.values()), "exp_avg_sq": 4 * sum(words.values()), "shadow": d * N if pin else 0,
-             "grad_ring": grad_ring.ring_bytes(numel, d) if ring else 0}
+             "grad_ring": grad_ring.ring_bytes(numel, d) if ring else 0,
+             "grad_rows": 0 if embed_rows is None else embed_rows * (4 * width + 8)}
     store["total"] = sum(store.values())
     store["params"] = sum(s.numel() for lay, _ in layouts.values() for s in lay.shapes)
     store["bytes_per_param"] = store["total"] / store["params"]
@@ -383,6 +402,7 @@ def _host_message(est: dict, others: dict[str, int] | None = None) -> str:
             f"master {gib(s['master'])}, grads {gib(s['grad'])}, Adam moments {gib(s['exp_avg'] + s['exp_avg_sq'])}"
             + (f", pinned shadow {gib(s['shadow'])}" if s["shadow"] else "")
             + (f", gradient ring {gib(s['grad_ring'])}" if s.get("grad_ring") else "")
+            + (f", the embedding's gradient rows {gib(s['grad_rows'])}" if s.get("grad_rows") else "")
             + f"), transfer staging {gib(h['staging'])}"
             + (f", layer buffers and activations {gib(h['device_buffers'])} (device='cpu' keeps them in RAM)"
                if h["device_buffers"] else ""))

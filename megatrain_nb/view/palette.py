@@ -48,6 +48,7 @@ MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "act
                  "state_slots": "streamed units' state slots", "head_state": "streamed head group's state",
                  # Session.memory_report / HostStore.bytes_report
                  "master": "fp32 master weights", "grad": "gradients", "grad_ring": "gradient ring (host buffers)",
+                 "grad_rows": "embedding gradient, touched rows (fp32)",
                  "exp_avg": "AdamW 1st moment",
                  "exp_avg_sq": "AdamW 2nd moment", "shadow": "pinned compute-dtype copy",
                  "device_resident": "units resident on the device"}
@@ -55,7 +56,7 @@ MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "act
 # optimizer state green, activations purple/pink, transfers brown, runtime and reserves grey.
 MEMORY_COLORS = {"master_fp32": "#08306B", "master": "#08306B", "weights": "#2171B5", "weight_slots": "#6BAED6",
                  "head_slots": "#9ECAE1", "embedding_rows": "#17BECF", "shadow": "#393B79",
-                 "grads": "#D94801", "grad": "#D94801", "grad_ring": "#F16913", "grad_slots": "#FDAE6B", "embedding_grad_rows": "#FFD8A8",
+                 "grads": "#D94801", "grad": "#D94801", "grad_ring": "#F16913", "grad_rows": "#A63603", "grad_slots": "#FDAE6B", "embedding_grad_rows": "#FFD8A8",
                  "adam_moments": "#006D2C", "exp_avg": "#41AB5D", "exp_avg_sq": "#A1D99B",
                  "resident": "#BCBD22", "resident_state": "#BCBD22", "device_resident": "#BCBD22",
                  "state_slots": "#8CA252", "head_state": "#CEDB9C",

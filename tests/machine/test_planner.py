@@ -54,7 +54,8 @@ def test_host_bytes_per_param_is_14_plus_fp32_embedding_grads():
     assert round(plan(QWEN25_3B, batch=1, seq=4096, grad_ring=False).host_bytes_per_param, 2) == 14.2
     ring = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30)  # Note: [Gradient ring]: two layers' buffers
     layer, head = ring.shape["params_per_layer"], ring.shape["head_params"]  # and the head's region (the largest unit)
-    assert head > layer and ring.host_bytes["grads"] == 4 * e + 2 * (2 * layer + head)  # both multiples of 64
+    rows = 4096 * (4 * 3584 + 8)  # the embedding's gradient: the rows a step's 4096 tokens touch, at most (Note:
+    assert head > layer and ring.host_bytes["grads"] == rows + 2 * (2 * layer + head)  # [Embedding rows]); both x 64
     assert plan(QWEN25_7B, batch=1, seq=4096, grad_clip=True).host_bytes["grads"] == 2 * n + 2 * e  # clip: slabs
     assert p.fits_host and p.fits_device
     # the default staging pool: 2 GiB with pageable slabs (every load is packed), 512 MiB with pinned ones (config.pinned_budget)
@@ -493,7 +494,7 @@ def test_optimizer_state_host_bytes_agree_with_preflight(state, monkeypatch):
     cfg = EngineConfig(dtype=torch.bfloat16, transfer_chunk_bytes=1 << 20, pinned_budget_bytes=8 << 20)
     cfg.device, cfg.cast_on_device, cfg.pin_store = "cuda", True, False
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
-    est = preflight.estimate(config, cfg, optimizer_state=state)
+    est = preflight.estimate(config, cfg, batch=1, seq=16, optimizer_state=state)  # the embedding's rows: 16 tokens'
     p = plan(TINY_QWEN2, batch=1, seq=16, cast_on_device=True, transfer_chunk_bytes=1 << 20,
              pinned_budget_bytes=8 << 20, optimizer_state=state)
     assert p.host_bytes["adam_moments"] == est["store"]["exp_avg"] + est["store"]["exp_avg_sq"]
