@@ -34,7 +34,7 @@
 #              / 64 GiB host, 14B int8 under 48 GiB / 118 GiB, 14B int8 without budgets, 7B fp32 defaults (~16)
 #                                                                                      -> <tag>-budgets.jsonl
 #   moe        the gpt-oss-20b shape (MoE) with int4 moments, x 8 on the stdlib's text (`--data stdlib`: the row's
-#              loss_steps), 3 timed steps after 3: 4 layers first (a quick check that it runs), then all 24 (~12)
+#              loss_steps), 3 timed steps after 3: 4 layers first (a quick check that it runs), then all 24 (~7 on an H100)
 #                                                                                      -> <tag>-moe.jsonl
 #   settle     `auto`'s first steps, every step traced with its placement moves: 3B x 8, 7B x 8, then 14B x 2 int4 (~7)
 #                                                                                      -> <tag>-placement.jsonl
