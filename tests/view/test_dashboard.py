@@ -88,8 +88,9 @@ def test_figures_have_the_structure_of_the_viz_functions(session, backend):
     assert "compute" in tl.layout.yaxis.categoryarray and tl.layout.xaxis.title.text.endswith("(ms)")
     assert sum(len(t.x) for t in bars) == len(session.trace.to_dataframe())  # one bar per span
     mem = d.figures["memory"]  # CPU: no device counters, no device panel; the host store by category, in MiB
-    assert [t.name for t in mem.data] == ["fp32 master weights", "gradients", "AdamW 1st moment", "AdamW 2nd moment",
-                                          "gradient ring (host buffers)"]  # gradients: the embedding's slab
+    assert [t.name for t in mem.data] == ["fp32 master weights", "AdamW 1st moment", "AdamW 2nd moment",
+                                          "gradient ring (host buffers)", "embedding gradient, touched rows (fp32)"]
+    # no gradient slab at all: the ring's buffers and the untied embedding's touched rows
     assert {t.yaxis for t in mem.data} == {"y"} and mem.layout.yaxis.title.text == "MiB"
     assert sum(t.y[0] for t in mem.data) == pytest.approx(session.memory_report()["total"] / 2**20)
     assert tl.layout.title.text == "step 2, lane by lane"  # short: not the Session's repr

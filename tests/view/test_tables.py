@@ -27,7 +27,8 @@ def session():
 def test_memory_report_is_a_dict_of_bytes_shown_in_mib(session):
     rep = session.memory_report()
     assert isinstance(rep, dict) and isinstance(rep, MemoryReport)
-    assert rep["total"] == sum(rep[k] for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow", "grad_ring"))
+    assert rep["total"] == sum(rep[k] for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow", "grad_ring",
+                                                "grad_rows"))
     json.dumps(rep)  # still plain data
     page = rep._repr_html_()
     assert f"{rep['master'] / 2**20:,.1f} MiB" in page and "fp32 master weights (master)" in page
