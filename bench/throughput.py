@@ -192,6 +192,8 @@ def main(argv=None) -> None:
                             host_memory=a.host_memory, grad_ring=a.grad_ring == "on",
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])
     init_s = time.perf_counter() - t0
+    peak_gib = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)  # noqa: E731
+    init_peak = peak_gib()  # what loading reached: the steps' own peaks are told apart from it
     rep = s.memory_report()
     print(f"{a.shape}{'' if a.layers is None else f'x{a.layers}L'}: {rep['params'] / 1e9:.3f}B params, "
           f"host {rep['total'] / 2**30:.1f} GiB ({rep['bytes_per_param']:.2f} B/param), init {init_s:.0f}s", flush=True)
@@ -223,7 +225,7 @@ def main(argv=None) -> None:
             cuda = a.device.startswith("cuda")
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            times, losses, summaries, waits, raws, every = [], [], [], [], [], []
+            times, losses, summaries, waits, raws, every, peaks, rss = [], [], [], [], [], [], [], []
             k = done_steps = 0
             most = a.steps + a.warmup + 10
             text = None if text_rows is None else text_batches(text_rows, batch=B, steps=most, seed=0)
@@ -244,6 +246,8 @@ def main(argv=None) -> None:
                         raise
                 losses.append(r.loss)
                 every.append(r.seconds)
+                peaks.append(peak_gib())  # the process's peak RSS so far: the step where it rose is the one that raised it
+                rss.append(round(rss_bytes() / 2**30, 1))
                 du = s.engine.device_updates
                 print(f"  batch {B} step {k}: {r.seconds:.3f}s loss {r.loss:.4f} recomputed {r.recomputed_layers} "
                       f"search {du.search.phase} resident {len(du.opt.groups)}", file=sys.stderr, flush=True)
@@ -280,7 +284,8 @@ def main(argv=None) -> None:
                        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
                        device_memory=a.device_memory, host_memory=a.host_memory, grad_ring=a.grad_ring,
                        host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
-                       host_rss_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
+                       host_rss_peak_gib=peak_gib(), host_rss_peak_init_gib=init_peak,
+                       host_rss_peak_steps_gib=peaks, host_rss_steps_gib=rss,  # after each step, the untimed first
                        optimizer_state=a.optimizer_state, lr=a.lr,
                        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                        checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
