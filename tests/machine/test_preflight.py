@@ -248,13 +248,20 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     assert 0 < dev["available"] <= torch.cuda.get_device_properties(0).total_memory
     assert est["host"]["device_buffers"] == 0
     s.close()
+    # untied: the embedding's gradient is its touched rows (Note: [Embedding rows]); without a step's shape the
+    # estimate counts the whole table's rows, the most a step can touch; the store holds none before a step
+    rows = lambda r: {k: v for k, v in host(r).items() if k not in ("grad_rows", "total", "bytes_per_param")}  # noqa: E731
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=False)
-    est = estimate(s)
-    assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] > 0  # pin_store: auto without the cast
+    est, rep = estimate(s), s.memory_report()
+    V, H = s.arch.embed.weight.shape
+    assert rows(est["store"]) == rows(rep) and est["store"]["shadow"] > 0  # pin_store: auto without the cast
+    assert est["store"]["grad_rows"] == V * (4 * H + 8) and rep["grad_rows"] == 0
+    assert est["store"]["total"] - est["store"]["grad_rows"] == rep["total"]
     s.close()
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=True)
-    est = estimate(s)
-    assert est["store"] == host(s.memory_report()) and est["store"]["shadow"] == 0
+    est, rep = estimate(s), s.memory_report()
+    assert rows(est["store"]) == rows(rep) and est["store"]["shadow"] == 0
+    assert est["store"]["total"] - est["store"]["grad_rows"] == rep["total"]
     assert est["device"]["cast_stage"] == nbytes(s.engine.io.dev_stage) > 0
     s.close()
 
