@@ -100,6 +100,7 @@ class Engine:
         self.adam.early = functools.partial(embedding.early_rows, self)  # embedding.py
         self.adam.noop = lambda u: u in self.dev_opt.of or u in self.dev_opt.streamed  # _update skips them
         self.adam.guard = self._state_ok  # Note: [Non-finite state] in state_check.py
+        self.checked = state_check.Checked()  # Note: [Checked state]: units read again only once written
         if store.ring is not None:  # Note: [Gradient ring] in grad_ring.py: a buffer is free once its update read it
             self.adam.consumed = store.ring.release
         self.io = Transfers(dev, store, ecfg, recorder, self.adam, self.norm_dev, self.abort)
@@ -168,7 +169,7 @@ class Engine:
         """Unpacker, as ``unit`` lands: its host state can take its update, on every rank (Note: [State verdicts])."""
         if self.adam.noop(unit):
             return True  # the device updates it: checked there
-        ok = not self.store.owns(unit) or unit in self.store.split or state_check.unit_ok(self.store.units[unit])
+        ok = not self.store.owns(unit) or unit in self.store.split or self.checked.ok(unit, self.store.units[unit])
         return ok if self.dp is None else self.dp.all_ok(ok, f"unit {unit}'s state verdict")
 
     def _ready(self, box: Box) -> None:

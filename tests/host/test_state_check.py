@@ -361,3 +361,54 @@ def test_cuda_a_bad_streamed_unit_is_checked_after_its_state_arrives(kind, lane)
         assert all(torch.isfinite(x.master).all() for x in s.store.units.values())
     finally:
         s.close()
+
+
+# ---- Note: [Checked state] ---------------------------------------------------------------------------
+def test_checked_reads_a_unit_again_only_once_something_else_wrote_it():
+    from types import SimpleNamespace
+
+    from torch.optim.adamw import adamw
+
+    unit = SimpleNamespace(master=torch.rand(5000), exp_avg=torch.rand(5000), exp_avg_sq=torch.rand(5000), compact=None)
+    c = state_check.Checked()
+    assert c.ok(3, unit) and c.ok(3, unit) and c.reads == 1  # nothing wrote it between
+    adamw([unit.master], [torch.randn(5000)], [unit.exp_avg], [unit.exp_avg_sq], [], [torch.zeros(())], fused=True,
+          amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.01, eps=1e-8, maximize=False)
+    assert c.ok(3, unit) and c.reads == 1  # its own update (torch's fused AdamW) leaves the mark as it was
+    unit.exp_avg_sq[7] = -1.0  # by hand: the version moves
+    assert not c.ok(3, unit) and not c.ok(3, unit) and c.reads == 3  # a bad unit is read every time
+    unit.exp_avg_sq[7] = 1.0
+    assert c.ok(3, unit) and c.reads == 4
+    unit.master[100:200].view(10, 10)[2, 3] = math.nan  # through a view of a view
+    assert not c.ok(3, unit) and c.reads == 5
+    unit.master = torch.rand(5000)  # another slab (a reallocation): its address differs
+    assert c.ok(3, unit) and c.reads == 6
+    assert c.ok(4, unit) and c.reads == 7  # each unit its own mark
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_a_good_state_is_read_at_its_first_landing_and_again_only_once_written(kind):
+    """Through the public API: the first step reads every host unit; the next ones read none (fp32: torch's
+    fused AdamW; compact: the C kernel, where it builds, else torch's ops, which advance the mark); a slab
+    written by hand is read at the next landing, and its step skipped."""
+    s = _session(kind, placement="host")
+    try:
+        batches = make_batches(VOCAB, 4)
+        s.step(batches[0])
+        s.engine.drain()
+        first = s.engine.checked.reads
+        assert first == len(s.store.order)
+        for b in batches[1:3]:
+            assert not s.step(b).skipped
+        s.engine.drain()
+        if kind == "fp32":
+            assert s.engine.checked.reads == first
+        else:
+            assert s.engine.checked.reads in (first, 3 * first)
+        reads = s.engine.checked.reads
+        _corrupt(s, 0, -1.0)
+        r, before, after = _warned_step(s, batches[3], 0)
+        assert r.skipped and _same(before[0], after[0])
+        assert s.engine.checked.reads >= reads + 1
+    finally:
+        s.close()
