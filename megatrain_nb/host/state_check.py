@@ -1,8 +1,9 @@
 """Whether a unit's optimizer state can take an AdamW step: a finite master and moments, ``exp_avg_sq >= 0``.
 
 Owns: ``state_ok``, ``slabs_ok`` (fp32 or compact slabs) and ``finite`` (tensors on any device; a 0-dim bool, no
-host sync), ``unit_ok`` (a host store unit, fp32 or compact moments; a Python bool) and ``Checked`` (which
-units passed and were written since by their own updates alone, Note: [Checked state]).
+host sync), ``unit_ok`` (a host store unit, fp32 or compact moments; a Python bool), and ``Checked`` and
+``Verdicts`` (which host units passed, which resident units' verdicts hold, and were written since by their own
+updates alone, Note: [Checked state]).
 Does not own: when the check runs (the Adam worker's ``guard`` at each host unit's landing, workers.py; a
 resident unit's on the device, ``DeviceUpdates.check_state``), nor what a failed check does (the step is
 skipped as for a non-finite gradient).
@@ -29,17 +30,21 @@ AdamW updates is good still: from a good state, an update with a finite gradient
 (the norm is an fp32 sum of squares, so it is finite only where every gradient's square is: the second
 moment cannot overflow; the step the master moves is a few ``lr`` at most, where the master is finite).
 So a unit is read again only where something else wrote its state since it passed: ``Checked`` keeps, per
-unit, each slab's address and torch's in-place version counter (``Tensor._version``: every in-place op
-through torch, views' included, advances it; torch's fused AdamW and our C kernel do not, so that an
-update leaves the mark as it was). A checkpoint load, a write-back from the device, a split or join of the
+unit, a weak reference to each slab (a slab freed and another made at its address do not match) and torch's
+in-place version counter (``Tensor._version``: every in-place op through torch, views' included, advances it;
+torch's fused AdamW and our C kernel do not, so that an update leaves the mark as it was). A checkpoint load, a write-back from the device, a split or join of the
 master and a slab written by hand (``unit.master[3] = x``) each advance it: the next landing checks again.
 Writes torch cannot see (through ``.numpy()`` or raw pointers) are not seen here either; a bad value
-written that way shows as a non-finite loss. Measured on the H200 (2026-12-05, 3B x 4, defaults), the
+written that way shows as a non-finite loss. A resident unit's verdict, computed on the device each step
+before, is kept with its group's mark the same way (``Verdicts``; a group whose moments are still coming in is
+checked by its master alone, and that verdict is not kept). Measured on the H200 (2026-12-05, 3B x 4, defaults), the
 check at every landing read 12 bytes a parameter beside the host AdamW's own traffic: the host's AdamW
 ran at 1.72-1.82 G params/s against 2.39 before the check existed, and compute waited 99-129 ms a step
 for gradient copies the unpacker, checking, enqueued late.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -108,33 +113,66 @@ def unit_ok(unit) -> bool:
     return bool(slabs_ok(unit.compact, unit.master, unit.exp_avg, unit.exp_avg_sq))  # host tensors: no sync
 
 
+def _slabs(holder) -> tuple:
+    return holder.master, holder.exp_avg, holder.exp_avg_sq
+
+
+def mark(holder) -> tuple | None:
+    """Which tensors ``holder`` (a host store unit, or a resident group's device buffers) holds as master and moments,
+    and their in-place versions (Note: [Checked state]); None where one has no version counter (an inference-mode
+    tensor). Weak references: a tensor freed and another made at its address do not match."""
+    try:
+        return tuple((weakref.ref(t), t._version) for t in _slabs(holder))
+    except (RuntimeError, TypeError):
+        return None
+
+
+def holds(m: tuple | None, holder) -> bool:
+    """Whether ``holder`` still holds the very tensors of mark ``m``, none written since but by its own updates."""
+    return m is not None and all(ref() is t and v == t._version for (ref, v), t in zip(m, _slabs(holder)))
+
+
 class Checked:
     """Host units whose state passed ``unit_ok`` and has not been written since but by their own updates
     (Note: [Checked state]); ``ok`` checks only the others."""
 
     def __init__(self):
-        self.marks: dict[int, tuple] = {}  # unit -> its slabs' (address, version) when it last passed
+        self.marks: dict[int, tuple] = {}  # unit -> its slabs' mark when it last passed
         self.reads = 0  # units read by ``ok`` (what the marks saved shows in tests)
-
-    @staticmethod
-    def mark(unit) -> tuple | None:
-        """(address, in-place version) of each of ``unit``'s slabs; None where a slab has no version counter
-        (an inference-mode tensor): then it is read every time."""
-        try:
-            return tuple((t.data_ptr(), t._version) for t in (unit.master, unit.exp_avg, unit.exp_avg_sq))
-        except RuntimeError:
-            return None
 
     def ok(self, u: int, unit) -> bool:
         """Whether host store unit ``unit`` (index ``u``) can take an AdamW step: ``unit_ok``, read only where
         its slabs were written by something other than its own updates since it last passed."""
-        mark = self.mark(unit)
-        if mark is not None and self.marks.get(u) == mark:
+        if holds(self.marks.get(u), unit):
             return True
         self.reads += 1
+        m = mark(unit)  # before the read: a write during it shows at the next landing
         good = unit_ok(unit)
-        if good and mark is not None:
-            self.marks[u] = mark
+        if good and m is not None:
+            self.marks[u] = m
         else:
             self.marks.pop(u, None)
         return good
+
+
+class Verdicts:
+    """Note: [Checked state] on the device: each resident unit's verdict (a 0-dim bool there, which the host never
+    reads on the way) kept with its group's mark, and used again while the mark holds. A bad verdict stays: its
+    step is skipped, so nothing writes the state, until something else does."""
+
+    def __init__(self):
+        self.kept: dict[int, tuple] = {}  # unit -> (its group's mark, its verdict)
+        self.reads = 0  # verdicts computed (tests)
+
+    def get(self, unit: int, group, compute) -> torch.Tensor:
+        """``unit``'s verdict: ``compute()``'s, made again only where ``group``'s buffers were written since
+        by something other than their own updates."""
+        hit = self.kept.get(unit)
+        if hit is not None and holds(hit[0], group):
+            return hit[1]
+        self.reads += 1
+        m = mark(group)
+        ok = compute()
+        if m is not None:
+            self.kept[unit] = (m, ok)
+        return ok

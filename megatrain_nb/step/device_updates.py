@@ -58,6 +58,7 @@ class DeviceUpdates:
         self.sslot_box: list[Box] = []  # each state slot's last write-back (copied out)
         self.bad: torch.Tensor | None = None  # 0-dim bool on the device: a non-finite loss or norm so far this step
         self.state_ok: dict[int, torch.Tensor] = {}  # this step's check_state verdicts (Note: [Non-finite state])
+        self.verdicts = state_check.Verdicts()  # Note: [Checked state]: computed again only once the state is written
         self.state_bad: torch.Tensor | None = None  # 0-dim bool, optimizer stream only: a streamed unit's state failed
         self.seen: set[int] = set()  # units whose gradients are complete this step
         self.updated = None  # event after this step's last overlapped device update
@@ -743,7 +744,7 @@ class DeviceUpdates:
         a, b = r.seg(unit)
         if r.units in self.late.pending:  # Note: [Late moments]: the compute stream never waits for them; an
             return state_check.finite(r.master[a:b])  # arriving group's moments are checked from its next step on
-        return state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b])
+        return self.verdicts.get(unit, r, lambda: state_check.state_ok(r.master[a:b], r.exp_avg[a:b], r.exp_avg_sq[a:b]))
 
     def bad_state(self, units) -> list[int]:
         """Driver, for a skipped step's report only: which of ``units`` failed ``check_state`` this step (reads

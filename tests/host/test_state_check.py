@@ -412,3 +412,41 @@ def test_a_good_state_is_read_at_its_first_landing_and_again_only_once_written(k
         assert s.engine.checked.reads >= reads + 1
     finally:
         s.close()
+
+
+def test_a_resident_units_verdict_is_computed_again_only_once_its_group_is_written():
+    """Verdicts (Note: [Checked state]): resident on the CPU, each unit's verdict is computed once its group's
+    moments are in and kept while only its updates write the group; a value written into the device buffers by hand
+    is seen at the next step, which is skipped."""
+    s = _session("fp32", placement={0: "resident", 1: "resident"})
+    try:
+        batches = make_batches(VOCAB, 5)
+        for b in batches[:2]:
+            assert not s.step(b).skipped
+        s.engine.drain()
+        v = s.engine.device_updates.verdicts
+        reads = v.reads
+        assert reads >= 2 and set(v.kept) >= {0, 1}
+        for b in batches[2:4]:
+            assert not s.step(b).skipped
+        s.engine.drain()
+        assert v.reads == reads  # nothing but the groups' own updates wrote them
+        r0 = s.engine.device_updates.opt.of[0]
+        a, _ = r0.seg(0)
+        r0.exp_avg_sq[a + 5] = -1.0
+        with pytest.warns(UserWarning, match=r"optimizer state of units \[0\]"):
+            assert s.step(batches[4]).skipped
+        assert v.reads == reads + 1
+    finally:
+        s.close()
+
+
+def test_marks_tell_a_new_tensor_from_a_freed_one():
+    from types import SimpleNamespace
+
+    unit = SimpleNamespace(master=torch.rand(4096), exp_avg=torch.rand(4096), exp_avg_sq=torch.rand(4096))
+    m = state_check.mark(unit)
+    assert state_check.holds(m, unit)
+    unit.exp_avg = torch.rand(4096)  # the old one freed; the new one may sit at its address, with version 0 too
+    assert not state_check.holds(m, unit)
+    assert not state_check.holds(None, unit)
