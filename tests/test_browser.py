@@ -59,7 +59,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = Path(os.environ.get("MEGATRAIN_BROWSER_ARTIFACTS", REPO / "out" / "browser"))
 STEPS = 40  # what 00_quickstart trains: s.train(batches, steps=40)
-NOTEBOOKS = ("00_quickstart.ipynb", "02_overlap_stalls.ipynb")
+NOTEBOOKS = ("00_quickstart.ipynb", "01_memory_hierarchy.ipynb", "02_overlap_stalls.ipynb")
 RUN_S = 480  # a notebook's cells must all have run by then (00 takes ~80 s on 2 busy CPU cores)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -409,6 +409,35 @@ def test_every_plotly_figure_drew_a_trace_and_has_a_title(seen, name):
         assert fig["renderer"] == "jupyterlab-plotly", f"drawn by plotly's HTML fallback: {fig}"
         assert fig["title"].strip(), f"figure without a title: {fig}"
     assert all(path.stat().st_size > 5000 for path in s.screenshots)
+
+
+def _colour_clashes(figure: dict) -> list:
+    """Legend entries of one saved plotly figure told apart by colour alone that share a colour.
+
+    Traces are compared within one look (marker symbol, line dash, bar pattern): where a figure varies those
+    by another column (px's ``symbol=`` / ``line_dash=``), its traces of one colour are one category under
+    different marks. A facet repeats a name with its colour, which is no clash."""
+    names: dict = {}
+    for t in figure.get("data", []):
+        marker, line = t.get("marker") or {}, t.get("line") or {}
+        colour = marker.get("color") if isinstance(marker.get("color"), str) else line.get("color")
+        if not isinstance(colour, str) or t.get("showlegend") is False:
+            continue
+        look = (marker.get("symbol"), line.get("dash"), (marker.get("pattern") or {}).get("shape"))
+        names.setdefault((look, colour.lower()), set()).add(t.get("legendgroup") or t.get("name"))
+    return [(look, colour, sorted(map(str, n))) for (look, colour), n in names.items() if len(n) > 1]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_no_two_legend_entries_of_a_figure_share_a_colour(seen, name):
+    """plotly's default sequence has 10 colours: an 11th category drew in the first one's colour (device memory
+    by category read as fp32 master weights). The palette (``view/palette.py``) gives each its own."""
+    s = seen(name)
+    clashes = [(k, o["data"][PLOTLY_MIME].get("layout", {}).get("title", {}).get("text", ""), _colour_clashes(
+        o["data"][PLOTLY_MIME])) for k, c in enumerate(s.saved["cells"]) if c["cell_type"] == "code"
+        for o in c["outputs"] if PLOTLY_MIME in o.get("data", {})]
+    assert len(clashes) > 0
+    assert not [c for c in clashes if c[2]], [c for c in clashes if c[2]]
 
 
 def test_the_progress_bar_sat_in_the_dashboard_and_reached_its_end(seen):

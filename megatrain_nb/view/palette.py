@@ -50,12 +50,13 @@ MEMORY_LABELS = {"weights": "weights", "grads": "gradients", "activations": "act
                  "master": "fp32 master weights", "grad": "gradients", "grad_ring": "gradient ring (host buffers)",
                  "grad_rows": "embedding gradient, touched rows (fp32)",
                  "exp_avg": "AdamW 1st moment",
-                 "exp_avg_sq": "AdamW 2nd moment", "shadow": "pinned compute-dtype copy",
+                 "exp_avg_sq": "AdamW 2nd moment", "shadow": "pinned compute-dtype copy", "pinned_copy": "pinned compute-dtype copy",
+                 "cast_stage": "fp32 landing buffers (cast on the device)",
                  "device_resident": "units resident on the device"}
 # One colour per category above (keys of one label share it). Families: weights blue, gradients orange,
 # optimizer state green, activations purple/pink, transfers brown, runtime and reserves grey.
 MEMORY_COLORS = {"master_fp32": "#08306B", "master": "#08306B", "weights": "#2171B5", "weight_slots": "#6BAED6",
-                 "head_slots": "#9ECAE1", "embedding_rows": "#17BECF", "shadow": "#393B79",
+                 "head_slots": "#9ECAE1", "embedding_rows": "#17BECF", "shadow": "#393B79", "pinned_copy": "#393B79",
                  "grads": "#D94801", "grad": "#D94801", "grad_ring": "#F16913", "grad_rows": "#A63603", "grad_slots": "#FDAE6B", "embedding_grad_rows": "#FFD8A8",
                  "adam_moments": "#006D2C", "exp_avg": "#41AB5D", "exp_avg_sq": "#A1D99B",
                  "resident": "#BCBD22", "resident_state": "#BCBD22", "device_resident": "#BCBD22",
@@ -63,7 +64,7 @@ MEMORY_COLORS = {"master_fp32": "#08306B", "master": "#08306B", "weights": "#217
                  "activations": "#6A51A3", "activations_kept": "#9467BD", "checkpoints": "#C5B0D5",
                  "parked_checkpoints": "#DADAEB", "attention_cache": "#E377C2", "recompute_workspace": "#F7B6D2",
                  "backward_transient": "#AD494A", "logits": "#7B4173",
-                 "pinned_pool": "#8C564B", "pinned_in_use_bytes": "#C49C94", "host_rss_bytes": "#252525",
+                 "pinned_pool": "#8C564B", "pinned_in_use_bytes": "#C49C94", "cast_stage": "#BF812D", "host_rss_bytes": "#252525",
                  "runtime": "#7F7F7F", "reserve": "#C7C7C7"}
 # Columns of `Session.history_dataframe()`.
 METRIC_LABELS = {"loss": "training loss", "eval_loss": "eval loss", "tokens_per_s": "tokens/s",

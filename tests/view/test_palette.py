@@ -170,8 +170,8 @@ def test_waits_and_stalls_are_drawn_unlike_work(timelines):
 
 def test_every_memory_category_has_its_own_colour_and_words():
     """The planner's, the store's and the counters' categories: one colour per category (label), never shared."""
-    p = plan(SHAPE_3B, batch=4, seq=4096)
-    keys = set(p.host_bytes) | set(p.device_bytes) | {"weights", "grads", "resident", "activations",
+    plans = [plan(SHAPE_3B, batch=4, seq=4096, **kw) for kw in ({}, {"cast_on_device": True}, {"pin_store": True})]
+    keys = {k for p in plans for k in (*p.host_bytes, *p.device_bytes)} | {"weights", "grads", "resident", "activations",
                                                       "host_rss_bytes", "pinned_in_use_bytes"}
     keys |= {"master", "grad", "exp_avg", "exp_avg_sq", "shadow"}
     assert keys <= set(palette.MEMORY_COLORS) and keys <= set(palette.MEMORY_LABELS)
@@ -184,6 +184,7 @@ def test_every_memory_category_has_its_own_colour_and_words():
     cmap = palette.color_map(sorted(keys), palette.MEMORY_LABELS, palette.MEMORY_COLORS)
     assert cmap[palette.MEMORY_LABELS["activations_kept"]] != cmap[palette.MEMORY_LABELS["master_fp32"]]
     assert cmap[palette.MEMORY_LABELS["resident_state"]] != cmap[palette.MEMORY_LABELS["head_slots"]]
+    assert {"cast_stage", "pinned_copy"} <= keys  # the settings' own categories are in the check
 
 
 def test_optimizer_states_have_colours_of_their_own():
