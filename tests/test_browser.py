@@ -2,13 +2,15 @@
 
 Python tests pass while the page a person sees can be broken: a frontend extension missing, a renderer
 that does not match, a widget that never updates, a figure with nothing drawn. Here JupyterLab serves
-copies of `notebooks/00_quickstart.ipynb` (trains with the progress bar and the live dashboard) and
+copies of `notebooks/00_quickstart.ipynb` (trains with the progress bar and the live dashboard),
+`notebooks/01_memory_hierarchy.ipynb` (a measured CPU session, the planner's tables and figures) and
 `notebooks/02_overlap_stalls.ipynb` (figures of the recorded H200 traces in tests/fixtures) on 127.0.0.1
 with a token; Debian's Chromium, driven by Playwright, opens each, runs all cells from the Run menu and
 reads the DOM: no error output and no stderr output (no warning wall), the progress bar at its end, the
 dashboard's numbers changing while training runs, the live dashboard replaced by its static figure when
 training ends (saved with the notebook, and drawn again when the saved notebook is reopened, with no "Error
-displaying widget"), every plotly figure drawn with at least one trace and a title, no console error.
+displaying widget"), every plotly figure drawn with at least one trace and a title, no two legend entries of a
+figure in one colour, no console error.
 Screenshots of the dashboard and of every figure go to `out/browser/` (or $MEGATRAIN_BROWSER_ARTIFACTS).
 
 Needs `/usr/bin/chromium` (Debian's, `apt-get install chromium`; another path with $MEGATRAIN_CHROMIUM) and
