@@ -6,6 +6,7 @@ Running them is `python -m pytest --nbmake notebooks/` (each runs top to bottom 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
 from pathlib import Path
@@ -25,6 +26,8 @@ def test_the_five_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_valid_and_without_outputs(path):
+    ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]  # as saved: nbformat.read fills in what lacks one
+    assert None not in ids and len(set(ids)) == len(ids), f"cells without an id or with a repeated one: {ids}"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
