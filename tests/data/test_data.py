@@ -134,7 +134,7 @@ def test_malformed_lines_name_the_line(tmp_path, lines, line_no, match):
 
 
 def test_missing_and_empty_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.warns(UserWarning, match="no tokenizer given"), pytest.raises(FileNotFoundError, match="nope.jsonl"):
         jsonl_batches(tmp_path / "nope.jsonl", None, 1, 8)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="empty"):

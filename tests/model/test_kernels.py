@@ -87,6 +87,7 @@ def test_sink_attention_is_eager_on_the_cpu_and_others_keep_their_own():
     assert not kernels.has_sinks(llama) and kernels.choose_attention(llama, "cpu") == ("sdpa", "the config's own")
 
 
+@pytest.mark.filterwarnings("ignore:_compile flag on create_block_mask:DeprecationWarning")  # transformers' own call
 def test_transformers_flex_attention_refuses_sinks_on_the_cpu():
     """The premise of eager on the CPU (Note: [Sink attention]): transformers' flex path needs the log-sum-exp,
     which it does not ask for on the CPU. If a later transformers runs it, this fails: then test flex against
