@@ -174,7 +174,8 @@ class EngineConfig:
     """Pin the fp32 master slabs themselves (no extra host bytes) and let the device cast them to the
     compute dtype: twice the PCIe bytes of a bf16 copy, but no host cast at all, neither when packing
     nor after the update. CUDA only; excludes pin_store. None: on when CUDA is used, pin_store is not
-    set and the store fits in 90% of host RAM (faster than pin_store on the H200 at every batch)."""
+    set and the store, as allocated (the gradient ring's buffers, not slabs, by default), fits in 90% of host RAM
+    (faster than pin_store on the H200 at every batch)."""
     split_master: bool | None = None
     """Hold a "device" layer's fp32 master in host memory as its bf16 weights plus 16 more bits, exactly, so
     that its state comes in as 10 bytes a parameter instead of 12 (Note: [Split master] in split_master.py).

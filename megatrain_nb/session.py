@@ -57,7 +57,8 @@ class Session:
             cuda_allocator()  # Note: [Allocator] in preflight.py: fragmentation made the auto search's trials fail
         check(self.arch, self.engine_cfg, optimizer_state=self.optim_cfg.optimizer_state,
               keep_fp32=self.optim_cfg.compact_keep_fp32, grad_clip=self.optim_cfg.grad_clip)  # before allocating: refuse with the numbers and the setting to change
-        pin, cast = resolve_pinning(self.engine_cfg, self.arch, optimizer_state=self.optim_cfg.optimizer_state)
+        pin, cast = resolve_pinning(self.engine_cfg, self.arch, optimizer_state=self.optim_cfg.optimizer_state,
+                                    keep_fp32=self.optim_cfg.compact_keep_fp32, grad_clip=self.optim_cfg.grad_clip)
         resolved = dataclasses.replace(self.engine_cfg, pin_store=pin, cast_on_device=cast,  # engine_cfg keeps "auto"
                                        weight_slots=resolve_weight_slots(self.engine_cfg, self.arch),
                                        device=local_device(self.engine_cfg.device))  # data parallel: this rank's GPU

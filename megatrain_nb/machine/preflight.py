@@ -92,7 +92,7 @@ def estimate(arch_or_config, engine_cfg: EngineConfig | None = None, *, batch: i
         raise ValueError(f"pass both batch and seq, or neither (got batch={batch!r}, seq={seq!r})")
 
     cuda = torch.device(cfg.device).type == "cuda"
-    pin, cast = resolve_pinning(cfg, arch, optimizer_state=optimizer_state)
+    pin, cast = resolve_pinning(cfg, arch, optimizer_state=optimizer_state, keep_fp32=keep_fp32, grad_clip=grad_clip)
     d = torch.tensor([], dtype=cfg.dtype).element_size()
     layouts = unit_layouts(arch)
     units = {u: lay for u, (lay, _) in layouts.items()}
@@ -196,7 +196,8 @@ def host_table(configs=None, *, host_bytes: int | None = None, keep_fp32: tuple[
         L, numel = arch.num_layers, {u: lay.numel for u, (lay, _) in layouts.items()}
         layer_params = sum(s.numel() for i in range(L) for s in layouts[i][0].shapes) / L
         for state in OPTIMIZER_STATES:
-            pin, cast = resolve_pinning(cfg, arch, optimizer_state=state) if engine_cfg else (False, True)
+            pin, cast = (resolve_pinning(cfg, arch, optimizer_state=state, keep_fp32=keep_fp32, grad_clip=grad_clip)
+                         if engine_cfg else (False, True))
             words = unit_moment_words(arch, state, keep_fp32, layouts)
             store = _store(layouts, d, pin, words, ring, _embed_rows(arch, layouts, words, ring, tokens))
             staging = _staging(cfg, d, max(numel.values()), pin or cast, cuda)[2]
@@ -533,15 +534,20 @@ def resolve_weight_slots(cfg: EngineConfig, arch) -> int:
                         total)
 
 
-def resolve_pinning(cfg: EngineConfig, arch, *, optimizer_state: str = "fp32") -> tuple[bool, bool]:
+def resolve_pinning(cfg: EngineConfig, arch, *, optimizer_state: str = "fp32", keep_fp32: tuple[str, ...] | None = None,
+                    grad_clip: float | None = None) -> tuple[bool, bool]:
     """Resolve EngineConfig's (pin_store, cast_on_device); pinning needs CUDA.
 
     Auto (None) pins the fp32 master and casts on the device when CUDA is used and the store fits in
     90% of host RAM: measured faster than a pinned bf16 copy at every batch on the H200 (3B:
     227 vs 194 model TFLOPS at 4x4096, docs/benchmarks.md) and 2 bytes/param smaller. With
-    cast_on_device=False, pin_store=None pins a bf16 copy when store + copy fit. The store is taken as
-    6 bytes a parameter (master and grads) plus the moments' (``compact_state.bytes_per_param`` of
-    ``optimizer_state``: 14 with fp32 moments).
+    cast_on_device=False, pin_store=None pins a bf16 copy when store + copy fit. The store is counted as
+    ``HostStore`` allocates it under these settings (``_store``): the master, the moments of ``optimizer_state``
+    (``keep_fp32``'s in fp32) and the gradients where they stay: the gradient ring's buffers and the
+    embedding's touched rows (the whole table's, at most) by default, per-parameter slabs with ``grad_clip`` or
+    passes (Note: [Gradient ring] in host/grad_ring.py). Counting slabs the ring does not allocate refused the
+    device cast to gpt-oss-20b with int4 moments (7.06 bytes a parameter counted, 5.6 allocated): its
+    loads were then packed by the host, beside the host's AdamW.
     """
     cuda = torch.device(cfg.device).type == "cuda"
     if cfg.pin_store and not cuda:
@@ -554,9 +560,12 @@ def resolve_pinning(cfg: EngineConfig, arch, *, optimizer_state: str = "fp32") -
         return False, False
     if cfg.cast_on_device or cfg.pin_store:
         return bool(cfg.pin_store), bool(cfg.cast_on_device)
-    params = sum(p.numel() for p in arch.model.parameters())
+    d = torch.tensor([], dtype=cfg.dtype).element_size()
+    layouts = unit_layouts(arch)
+    words = unit_moment_words(arch, optimizer_state, keep_fp32, layouts)
+    ring = _ring(cfg, grad_clip)
+    store = _store(layouts, d, False, words, ring, _embed_rows(arch, layouts, words, ring, None))
     ram = 0.9 * budgets.host_total(cfg.host_memory)
-    store = 6 + compact_state.bytes_per_param(optimizer_state)  # bytes a parameter, the pinned copy aside
-    if cfg.cast_on_device is None and cfg.pin_store is None and params * store < ram:
+    if cfg.cast_on_device is None and cfg.pin_store is None and store["total"] < ram:
         return False, True
-    return cfg.pin_store is None and params * (store + 2) < ram, False
+    return cfg.pin_store is None and store["total"] + d * store["params"] < ram, False

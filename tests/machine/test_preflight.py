@@ -197,21 +197,26 @@ def test_session_pinning_rule_is_the_one_used(monkeypatch):
     assert estimate(arch)["store"]["shadow"] > 0
 
 
-@pytest.mark.parametrize("settings, ram_params, want", [
-    ({}, 100, (False, True)),                          # auto: pin the fp32 master, the device casts
-    ({}, 13.5, (False, False)),                        # store (14 B/param) does not fit in 90% of RAM
-    ({"cast_on_device": False}, 100, (True, False)),   # no device cast: a pinned bf16 copy when it fits
-    ({"cast_on_device": False}, 15.5, (False, False)),  # ... which needs 16 B/param
-    ({"pin_store": True}, 1, (True, False)),           # explicit settings are obeyed
-    ({"pin_store": False}, 100, (False, False)),
-    ({"cast_on_device": True}, 1, (False, True)),
+def _store_bytes(arch, **kw) -> int:
+    """The store as HostStore allocates it under these settings, with no pinned copy (a CPU estimate)."""
+    return estimate(arch, EngineConfig(device="cpu"), **kw)["store"]["total"]
+
+
+@pytest.mark.parametrize("settings, ram, want", [
+    ({}, lambda store, copy: 1.01 * store, (False, True)),  # auto: the store fits in 90% of RAM: pin the fp32 master, cast on the device
+    ({}, lambda store, copy: 0.99 * store, (False, False)),
+    ({"cast_on_device": False}, lambda store, copy: 1.01 * (store + copy), (True, False)),  # a pinned copy, where it fits too
+    ({"cast_on_device": False}, lambda store, copy: 0.99 * (store + copy), (False, False)),
+    ({"pin_store": True}, lambda store, copy: 1, (True, False)),  # explicit settings are obeyed
+    ({"pin_store": False}, lambda store, copy: 100 * store, (False, False)),
+    ({"cast_on_device": True}, lambda store, copy: 1, (False, True)),
 ])
-def test_pinning_rule(monkeypatch, settings, ram_params, want):
-    """Auto pinning on CUDA by host RAM, in bytes per parameter of the model (RAM is 90% usable)."""
+def test_pinning_rule(monkeypatch, settings, ram, want):
+    """Auto pinning on CUDA by host RAM (90% usable) against the store's bytes, a pinned copy's beside it."""
     arch = load_architecture(make_config("llama"))
     params = sum(p.numel() for p in arch.model.parameters())
-    _fake_ram(monkeypatch, available=1 << 40, total=int(params * ram_params / 0.9))
     cfg = _fake_cuda(monkeypatch, 1 << 40)
+    _fake_ram(monkeypatch, available=1 << 40, total=int(ram(_store_bytes(arch), params * cfg.dtype.itemsize) / 0.9))
     for k, v in settings.items():
         setattr(cfg, k, v)  # after validation, which refuses pinning without CUDA
     assert preflight.resolve_pinning(cfg, arch) == want
@@ -382,18 +387,23 @@ def test_session_optimizer_state_is_estimated(monkeypatch):
     s.close()
 
 
-@pytest.mark.parametrize("state, ram_params, want", [
-    ("fp32", 13.5, (False, False)),  # 14 bytes a parameter do not fit in 90% of RAM
-    ("int8", 13.5, (False, True)),   # 6 + 2.03 do: the master pinned, the device casts
-    ("int8", 8.0, (False, False)),
-    ("int4", 8.0, (False, True)),    # 6 + 1.06
-])
-def test_pinning_rule_counts_the_optimizer_state(monkeypatch, state, ram_params, want):
-    arch = load_architecture(make_config("llama"))
-    params = sum(p.numel() for p in arch.model.parameters())
-    _fake_ram(monkeypatch, available=1 << 40, total=int(params * ram_params / 0.9))
+@pytest.mark.parametrize("state", ["fp32", "int8", "int4"])
+def test_pinning_rule_counts_the_store_as_allocated(monkeypatch, state):
+    """The moments of ``optimizer_state``, and the gradients where they stay: by default the ring's buffers and the
+    embedding's rows, with ``grad_clip`` a slab a parameter. Four layers: the ring is then smaller than the slabs."""
+    arch = load_architecture(make_config("llama", num_hidden_layers=4))
+    ring, slabs = _store_bytes(arch, optimizer_state=state), _store_bytes(arch, optimizer_state=state, grad_clip=1.0)
+    assert ring < slabs
     cfg = _fake_cuda(monkeypatch, 1 << 40)
-    assert preflight.resolve_pinning(cfg, arch, optimizer_state=state) == want
+    other = "int8" if state == "fp32" else "fp32"  # RAM between two states' stores: the smaller one alone casts
+    theirs = _store_bytes(arch, optimizer_state=other)
+    _fake_ram(monkeypatch, available=1 << 40, total=int((ring + theirs) / 2 / 0.9))
+    assert ring != theirs and preflight.resolve_pinning(cfg, arch, optimizer_state=state) == (False, ring < theirs)
+    _fake_ram(monkeypatch, available=1 << 40, total=int((ring + slabs) / 2 / 0.9))  # between the two
+    assert preflight.resolve_pinning(cfg, arch, optimizer_state=state) == (False, True)
+    assert preflight.resolve_pinning(cfg, arch, optimizer_state=state, grad_clip=1.0) == (False, False)
+    assert estimate(arch, cfg, optimizer_state=state)["settings"]["cast_on_device"]
+    assert not estimate(arch, cfg, optimizer_state=state, grad_clip=1.0)["settings"]["cast_on_device"]
 
 
 def test_host_table_extrapolates_layers_exactly(monkeypatch):
