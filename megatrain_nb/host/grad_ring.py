@@ -104,9 +104,32 @@ def ring_bytes(numel: dict[int, int], dtype_bytes: int, buffers: int = BUFFERS) 
     return ((buffers if big is None else buffers - 1) * width + region) * dtype_bytes
 
 
-def spill_bytes(numel: dict[int, int], dtype_bytes: int) -> int:
-    """Host bytes a step that holds every ring unit's gradients at once takes beyond the ring (at most)."""
-    return sum(ring_units(numel).values()) * dtype_bytes
+def spill_bytes(numel: dict[int, int], dtype_bytes: int, buffers: int = BUFFERS) -> int:
+    """Host bytes a step that holds every ring unit's gradients at once takes beyond the ring (at most): the
+    units that find no free slot when they land. Such a step starts with every slot free (the forward waited
+    for each unit's last update) and releases none before its end; its units land in the backward's order,
+    the head first, then the layers from the last (``GradRing.take`` in that order), so the largest unit (an
+    untied head) takes the region and the next ``buffers - 1`` the plain buffers. Fewer bytes where a unit
+    does not land on the host at all (one the device updates).
+
+    Example:
+        >>> spill_bytes({-1: 9999, 0: 100, 1: 100, 2: 100, 3: 300}, 1)  # the head 3 the region, 2 and 1 the buffers
+        100
+        >>> spill_bytes({0: 100, 1: 100, 2: 100, 3: 100, 4: 100}, 1)  # tied: 4, 3 and 2 take the three buffers
+        200
+    """
+    units = ring_units(numel)
+    width, big, region = layout(units, buffers)
+    plain = buffers if big is None else buffers - 1
+    pieces = set(range(plain, plain + (0 if big is None else region // width)))
+    free, spilled = list(range(plain + len(pieces))), 0
+    for u in sorted(units, reverse=True):  # as GradRing._wanted chooses
+        got = (pieces if pieces <= set(free) else None) if u == big else ({free[0]} if free else None)
+        if got is None:
+            spilled += units[u]
+        else:
+            free = [k for k in free if k not in got]
+    return spilled * dtype_bytes
 
 
 def _round(n: int) -> int:
@@ -155,6 +178,7 @@ class GradRing:
         self.waits = 0  # copies out that waited for a free buffer (back-pressure), since construction
         self.wait_s = 0.0
         self.spilled = 0  # spill buffers taken, since construction
+        self.spilled_numel = 0  # their elements
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +245,7 @@ class GradRing:
                 if view is None:
                     view = torch.empty(n, dtype=self.dtype)
                 self.spilled += 1
+                self.spilled_numel += n
             self.held[unit], self._index[unit] = view, got
             return view
 

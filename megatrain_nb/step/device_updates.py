@@ -356,7 +356,7 @@ class DeviceUpdates:
         if need + SPILL_HOST_MARGIN <= room:
             return None
         under = f" under host_memory={self.ecfg.host_memory}" if self.ecfg.host_memory is not None else ""
-        return (f"every unit's gradients at once take {need / 2**30:.1f} GiB, and the host has "
+        return (f"every unit's gradients at once take {need / 2**30:.1f} GiB beyond the gradient ring, and the host has "
                 f"{room / 2**30:.1f} GiB free{under}")
 
     def _predictor(self, mbs, device_bytes: int, adam_rate: float | None):
