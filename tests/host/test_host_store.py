@@ -131,3 +131,62 @@ def test_a_session_on_carved_slabs_trains_checkpoints_resumes_and_exports(monkey
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ref = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(ref.detach(), exported)
+
+
+# ---- random init (HostStore.init_random) ------------------------------------------------------------
+def _peak_cpu_bytes(fn) -> int:
+    """The most bytes torch held allocated on the CPU at once while ``fn`` ran, from the profiler's allocation
+    and free records (leaf events only, so an op's nested allocations count once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage and not e.cpu_children),
+                    key=lambda e: e.time_range.start)
+    held = peak = 0
+    for e in events:
+        held += e.cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def _init_by_copies(store, seed: int) -> dict[str, torch.Tensor]:
+    """Each unit initialised as a module of its own (``to_empty`` + ``_init_weights``, the unit's seed), the
+    way a copy of the unit would be: the values ``init_random`` must write into the masters."""
+    import copy
+
+    arch, L, out = store.arch, store.num_layers, {}
+    for u in store.order:
+        torch.manual_seed(seed * 1_000_003 + u + 1)
+        if 0 <= u < L:
+            mods = [(arch.layers[u], store.units[u].prefix)]
+        elif u == -1:
+            mods = [(arch.embed, arch.embed_name.removesuffix("weight"))]
+        else:
+            mods = [(arch.norm, arch.norm_prefix)] + ([] if arch.tied else [(arch.head, arch.head_name.removesuffix("weight"))])
+        for template, prefix in mods:
+            mod = copy.deepcopy(template).to_empty(device="cpu")
+            mod.apply(arch.model._init_weights)
+            out.update({prefix + n: p.detach().clone() for n, p in mod.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("gpt_oss", False), ("qwen3_moe", False)])
+def test_random_init_writes_into_the_masters_what_a_copy_of_each_unit_draws_and_holds_no_copy(family, tied):
+    """``init_random`` equals initialising a copy of each unit (same seeds, bit for bit), without one: the most it
+    holds at once is a small part of its largest unit (gpt-oss-20b's layer in fp32 was 3.1 GiB at the load's peak)."""
+    from megatrain_nb import Session
+
+    s = Session.from_config(make_config(family, tie_word_embeddings=tied, intermediate_size=256), seed=0, device="cpu")
+    try:
+        store = s.store
+        largest = max(u.layout.numel for u in store.units.values()) * 4
+        peak = _peak_cpu_bytes(lambda: store.init_random(7))
+        want = _init_by_copies(store, 7)
+        got = {k: v for u in store.order for k, v in store.views(u).items()}
+        assert set(want) <= set(got) and all(torch.equal(got[k], v) for k, v in want.items())
+        assert store.arch.tied == tied
+        assert peak < largest // 4, (peak, largest)
+        assert _peak_cpu_bytes(lambda: _init_by_copies(store, 7)) >= largest  # what the bound tells apart
+    finally:
+        s.close()
