@@ -29,9 +29,10 @@ belongs to a unit that has landed (the unpacker takes one at a time, after the l
 an ungated worker updates every landed unit without waiting for any other.
 A step that needs every gradient at once (an "auto" placement's trial step is gated; "auto"'s passes
 keep each unit's gradients over passes) takes ``spill`` buffers beyond the ring (plain host memory, kept
-while the steps after it spill too, dropped by the first that does not): that step's host RAM peaks as slabs
-would, and ``spilled`` counts them.
-"auto" enters a trial only where the host has room for that (``spill_bytes`` within ``host_available``,
+while the steps after it spill too, dropped by the first that does not) for the units that find every buffer
+held: the ring and its spill together peak as slabs would, and ``spilled`` counts them.
+"auto" enters a trial only where the host has room for the spill (``spill_bytes``, which leaves out what the
+ring's own buffers hold, within ``host_available``,
 the ``host_memory`` budget included); elsewhere its search keeps "activations first" and says why
 (``Session.placement``): a host that holds the store without slabs may not hold them for one step.
 The embedding's gradient is not in the ring: an untied one's is the rows a step touched (Note: [Embedding rows] in

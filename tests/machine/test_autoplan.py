@@ -121,7 +121,7 @@ def test_7b_x8_takes_the_forwards_head_resident_at_the_measured_host_rate(monkey
 
 
 def test_a_trial_that_the_host_cannot_hold_is_not_entered(monkeypatch):
-    """With the gradient ring, C's trial step holds 7B's every gradient at once (14.2 GiB of bf16, 12.3 beyond what
+    """With the gradient ring, C's trial step holds 7B's every gradient at once (13.2 GiB of bf16, 11.3 beyond what
     the ring's buffers hold): entered where the host has that and the margin free, else A, saying why (a slower
     step, not a host out of memory)."""
     s7 = planner.model_shape(SHAPES["7b"])
