@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import compact_state, embed_grad, grad_ring, split_master
+from ..model import binding
 from ..model.binding import Layout
 from ..model.hf import Architecture, checkpoint_map, convert_to_checkpoint
 
@@ -106,29 +107,6 @@ def put(flat: torch.Tensor, where, tensor: torch.Tensor, name: str) -> None:
     else:
         off, shape = where
         flat[off:off + shape.numel()].view(shape).copy_(tensor)
-
-
-def bound(template: torch.nn.Module, params: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A copy of ``template`` (its parameters on the meta device) whose parameters named in ``params`` (by the
-    template's own names) are those tensors: what is done to them is done to the tensors.
-
-    Example:
-        >>> w = torch.zeros(2, 3)
-        >>> _ = bound(torch.nn.Linear(3, 2, bias=False, device="meta"), {"weight": w}).weight.data.fill_(1.0)
-        >>> w.sum().item()
-        6.0
-    """
-    import copy
-
-    mod = copy.deepcopy(template)
-    own = dict(mod.named_parameters())
-    for name, t in params.items():
-        owner, _, leaf = name.rpartition(".")
-        p = own[name]
-        if t.shape != p.shape:
-            raise ValueError(f"{name}: the store's view is {tuple(t.shape)}, the module's parameter {tuple(p.shape)}")
-        (mod.get_submodule(owner) if owner else mod)._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
-    return mod
 
 
 class HostStore:
@@ -417,7 +395,7 @@ class HostStore:
         Each unit draws from its own seed (seed, unit), so the result does not depend on order. The init
         writes straight into the unit's fp32 master (the templates' parameters are fp32 too, so the draws are
         the same): no copy of a unit in between, which at gpt-oss-20b's width was 3.1 GiB of host memory at
-        the load's peak (``bound``).
+        the load's peak (``binding.bound``).
         """
         arch, L = self.arch, self.num_layers
         for u in self.order:
@@ -433,7 +411,7 @@ class HostStore:
                     mods.append((arch.head, {"weight": views[arch.head_name]}))
             with torch.no_grad():
                 for template, params in mods:
-                    bound(template, params).apply(arch.model._init_weights)
+                    binding.bound(template, params).apply(arch.model._init_weights)
 
     # ---- saving --------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,

@@ -1,8 +1,9 @@
 """Bind weightless layer templates to views of a flat weight buffer; never copies.
 
 Owns: the flat layout of a unit's parameters (name, shape, aligned offset), making parameter
-views (leaves that collect gradients into a flat gradient buffer), calling a template with them,
-and the saved-tensor hooks that let an autograd graph outlive the slot its weights came from.
+views (leaves that collect gradients into a flat gradient buffer), calling a template with them, a
+template's copy whose parameters are such views (``bound``: the random init writes through it), and
+the saved-tensor hooks that let an autograd graph outlive the slot its weights came from.
 Does not own: which slot holds which layer (the engine says), nor any copies between devices.
 
 Note: [Binding cost] the driver binds a layer once per layer op, and at small batches the GPU runs
@@ -14,6 +15,7 @@ move (``SlotRefs.hooks``). The design log records what it costs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import weakref
 
@@ -118,6 +120,27 @@ def call(template: nn.Module, params: dict[str, torch.Tensor], *args, **kwargs):
             for (d, a, _), o in zip(where, old):
                 d[a] = o
     return out[0] if isinstance(out, tuple) else out
+
+
+def bound(template: nn.Module, params: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``template`` (its parameters on the meta device) whose parameters named in ``params`` (by the
+    template's own names) are those tensors: what is done to them is done to the tensors.
+
+    Example:
+        >>> w = torch.zeros(2, 3)
+        >>> _ = bound(nn.Linear(3, 2, bias=False, device="meta"), {"weight": w}).weight.data.fill_(1.0)
+        >>> w.sum().item()
+        6.0
+    """
+    mod = copy.deepcopy(template)
+    own = dict(mod.named_parameters())
+    for name, t in params.items():
+        owner, _, leaf = name.rpartition(".")
+        p = own[name]
+        if t.shape != p.shape:
+            raise ValueError(f"{name}: the tensor given is {tuple(t.shape)}, the template's parameter {tuple(p.shape)}")
+        (mod.get_submodule(owner) if owner else mod)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+    return mod
 
 
 def grads_into(params: dict[str, torch.Tensor], flat_grad: torch.Tensor, layout: Layout) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import make_batches
 from megatrain_nb import Session
-from megatrain_nb.model.binding import Layout, SlotRefs, call, grads_into
+from megatrain_nb.model.binding import Layout, SlotRefs, bound, call, grads_into
 from megatrain_nb.model.hf import load_architecture
 from megatrain_nb.host.hostmem import HostRss
 
@@ -169,3 +169,17 @@ def test_a_step_records_host_rss_after_every_layer_op(tiny_config):
     rss = c[c.name == "host_rss_bytes"]
     assert len(rss) == 2 + 2 * 3  # the step's start and end, each layer's forward and backward
     assert rss.value.min() > 0 and rss.value.max() <= psutil.Process().memory_info().rss * 2
+
+
+def test_a_bound_copy_writes_into_the_tensors_and_leaves_the_template_weightless():
+    """``bound``: the copy's parameters are the given tensors (an init through it lands in them); the template keeps
+    its meta parameters; a tensor of another shape is refused naming the parameter."""
+    template = nn.Sequential(nn.Linear(4, 3, device="meta"), nn.LayerNorm(3, device="meta"))
+    w, b = torch.zeros(3, 4), torch.zeros(3)
+    mod = bound(template, {"0.weight": w, "0.bias": b})
+    with torch.no_grad():
+        mod[0].weight.fill_(2.0), mod[0].bias.fill_(-1.0)
+    assert w.eq(2.0).all() and b.eq(-1.0).all() and mod[0].weight.data_ptr() == w.data_ptr()
+    assert template[0].weight.is_meta and mod[1].weight.is_meta  # the template untouched; unnamed ones stay meta
+    with pytest.raises(ValueError, match=r"0\.weight: the tensor given is \(4, 3\), the template's parameter \(3, 4\)"):
+        bound(template, {"0.weight": torch.zeros(4, 3)})
