@@ -122,15 +122,23 @@ def spill_bytes(numel: dict[int, int], dtype_bytes: int, buffers: int = BUFFERS)
     units = ring_units(numel)
     width, big, region = layout(units, buffers)
     plain = buffers if big is None else buffers - 1
-    pieces = set(range(plain, plain + (0 if big is None else region // width)))
+    pieces = tuple(range(plain, plain + (0 if big is None else region // width)))
     free, spilled = list(range(plain + len(pieces))), 0
-    for u in sorted(units, reverse=True):  # as GradRing._wanted chooses
-        got = (pieces if pieces <= set(free) else None) if u == big else ({free[0]} if free else None)
+    for u in sorted(units, reverse=True):
+        got = wanted(u, big, pieces, free)
         if got is None:
             spilled += units[u]
         else:
             free = [k for k in free if k not in got]
     return spilled * dtype_bytes
+
+
+def wanted(unit: int, big: int | None, region: tuple[int, ...], free: list[int]) -> tuple[int, ...] | None:
+    """The free slots ``unit`` takes now: the region's whole for the big unit, else the lowest free slot; None
+    where they are not free (``GradRing.take`` waits, ``spill_bytes`` counts a spill)."""
+    if unit == big:
+        return region if set(region) <= set(free) else None
+    return (free[0],) if free else None
 
 
 def _round(n: int) -> int:
@@ -210,16 +218,10 @@ class GradRing:
             if not on:
                 self._spare.clear()
 
-    def _wanted(self, unit: int) -> tuple[int, ...] | None:
-        """The free slots ``unit`` would take now (the region's for the big unit, else the lowest free), or None."""
-        if unit == self.big:
-            return self.region if set(self.region) <= set(self.free) else None
-        return (self.free[0],) if self.free else None
-
     def would_wait(self, unit: int) -> bool:
         """Whether ``take(unit)`` would wait now (for the caller's trace span)."""
         with self.cond:
-            return unit not in self.held and not self._spill and self._wanted(unit) is None
+            return unit not in self.held and not self._spill and wanted(unit, self.big, self.region, self.free) is None
 
     def take(self, unit: int, abort: threading.Event | None = None) -> torch.Tensor:
         """The buffer unit ``unit``'s gradients go into: the one it holds already (an earlier pass's), free slots
@@ -230,7 +232,7 @@ class GradRing:
             if unit in self.held:
                 return self.held[unit]
             t0 = None
-            while (got := self._wanted(unit)) is None and not self._spill:
+            while (got := wanted(unit, self.big, self.region, self.free)) is None and not self._spill:
                 if abort is not None and abort.is_set():
                     raise RingAborted("step abandoned while waiting for a gradient buffer")
                 t0 = t0 or time.perf_counter()
