@@ -92,13 +92,18 @@ _FIGURES_JS = """() => {
     drawn: [...el.querySelectorAll('g.trace')].filter(g => !g.closest('.legend') && [...g.querySelectorAll('path')]
         .some(p => { const d = p.getAttribute('d') ?? ''; return d.length > 6 && d !== 'M0,0Z'; })).length}));
 }""".replace("%NB", NB)
-# Every text a dashboard header showed, recorded in the page itself as the DOM changes: the Python loop
-# below polls, and a screenshot or a busy box can make it miss a whole short run. At each header of a step
-# mid-run (1 .. STEPS - 1) the page also keeps a copy of the dashboard's DOM as drawn (plotly draws SVG), so the
-# mid-run picture can be taken after the run where no poll caught the live widget.
+# The progress bars on the page (ipywidgets' IntProgress), width and the text beside each.
+_BARS_JS = """[...document.querySelectorAll('%NB .widget-hprogress')].map(el => ({
+    width: el.querySelector('.progress-bar')?.style.width ?? '',
+    text: el.closest('.widget-hbox')?.innerText ?? ''}))""".replace("%NB", NB)
+# Every text a dashboard header showed, and the progress bars beside it, recorded in the page itself as the DOM
+# changes: the Python loop below polls, and a screenshot or a busy box can make it miss a whole short run. At each
+# header of a step mid-run (1 .. STEPS - 1) the page also keeps a copy of the dashboard's DOM as drawn (plotly
+# draws SVG), so the mid-run picture can be taken after the run where no poll caught the live widget.
 _WATCH_HEADERS_JS = """() => {
   window.__mtHeaders = [];
   window.__mtLive = null;
+  window.__mtBars = [];
   const note = () => document.querySelectorAll('%NB .megatrain-header').forEach(el => {
     const t = el.textContent, h = window.__mtHeaders;
     if (h.length !== 0 && h[h.length - 1] === t) return;
@@ -106,9 +111,11 @@ _WATCH_HEADERS_JS = """() => {
     const m = t.match(/step\\s+(\\d+)/), step = m ? Number(m[1]) : 0;
     const dash = document.querySelector('%NB .widget-vbox:has(.megatrain-header)');
     if (dash && step > 0 && step < %STEPS) window.__mtLive = dash.cloneNode(true);
+    const bars = %BARS;
+    if (bars.length) window.__mtBars = bars;
   });
   new MutationObserver(note).observe(document.body, {subtree: true, childList: true, characterData: true});
-}""".replace("%NB", NB).replace("%STEPS", str(STEPS))
+}""".replace("%NB", NB).replace("%STEPS", str(STEPS)).replace("%BARS", _BARS_JS)
 # The kept copy, shown on top of the page at the live widget's width, for its screenshot.
 _SHOW_LIVE_COPY_JS = """() => {
   if (!window.__mtLive) return false;
@@ -120,9 +127,7 @@ _SHOW_LIVE_COPY_JS = """() => {
   document.body.appendChild(box);
   return true;
 }"""
-_PROGRESS_JS = """() => [...document.querySelectorAll('%NB .widget-hprogress')].map(el => ({
-    width: el.querySelector('.progress-bar')?.style.width ?? '',
-    text: el.closest('.widget-hbox')?.innerText ?? ''}))""".replace("%NB", NB)
+_PROGRESS_JS = "() => " + _BARS_JS
 
 
 @dataclass
@@ -283,6 +288,8 @@ def _run(lab, ctx, name: str) -> Seen:
     drawn = page.evaluate("() => window.__mtHeaders")  # every header the page drew, in order: what the polls
     if drawn:                                            # saw and what they missed
         seen.live_headers = drawn
+    if not seen.live_progress:  # no poll caught a bar while the cell ran: the bars the page drew beside a live header
+        seen.live_progress = page.evaluate("() => window.__mtBars")
     if not shot_live and page.evaluate(_SHOW_LIVE_COPY_JS):  # no poll caught the live widget mid-run (a short
         path = _shot(page.locator("#mt-live-copy"), f"{stem}-dashboard-running.png")  # run, a busy box): the
         page.evaluate("() => document.getElementById('mt-live-copy').remove()")      # page's copy of it
