@@ -301,6 +301,7 @@ def main(argv=None) -> None:
                        split_master=bool(s.store.split),  # Note: [Split master]
                        mapped_reads=s.engine.io.norm_mapped is not None,  # Note: [Mapped reads]
                        state_slots=len(s.engine.device_updates.sslots), placement_search=s.engine.device_updates.search.summary(),
+                       placement_inputs=s.engine.device_updates.search.inputs(),
                        pass_rows=a.pass_batch or du.passes.get((B, a.seq), (B,))[0],  # Note: [Pass choice]
                        pass_reason=du.pass_reason, micro_reason=du.micro_reason,
                        memory_history=bool(a.oom_snapshot),  # stacks recorded: steps slower than without

@@ -412,6 +412,7 @@ class Search:
     seconds: dict = dataclasses.field(default_factory=dict)  # candidate -> measured step (s); inf: ran out of memory
     observed: list = dataclasses.field(default_factory=list)  # the winner's first settled steps (s)
     head: list = dataclasses.field(default_factory=list)  # [(device bytes, host AdamW s)] per group A leaves host
+    adam_rate: float | None = None  # the host's AdamW (params/s) the measuring step measured; None: not measured
     winner: str | None = None
     why: str = ""  # why the winner won, for ``summary``
 
@@ -439,13 +440,15 @@ class Search:
         return self.phase in ("C1", "B1")
 
     def measured(self, *, free: int, keep: list, layer_bytes: int, checkpoint_bytes: int, everything_fits: bool,
-                 host_bound: bool = True, head: list | None = None) -> None:
+                 host_bound: bool = True, head: list | None = None, adam_rate: float | None = None) -> None:
         """After the measuring step: A's and B's budgets (see the Note). ``host_bound``: the host's AdamW
         could hold the step back (else, a long step that hides it, nothing else is worth predicting).
         ``head``: (device bytes, host AdamW seconds) of each group that A leaves on the host, in the
-        order the forward needs them (what C makes resident, as far as A's forward waits). Leaves the
-        phase "plan" (``planned`` decides) or "done" (A)."""
+        order the forward needs them (what C makes resident, as far as A's forward waits). ``adam_rate``:
+        the host's AdamW rate the step measured (params/s), kept for ``inputs``. Leaves the phase "plan"
+        (``planned`` decides) or "done" (A)."""
         kept = sum(keep)
+        self.adam_rate = adam_rate
         self.free["A"], self.keep["A"] = free, list(keep)
         self.free["B"] = free + kept * (layer_bytes - checkpoint_bytes) - layer_bytes
         self.head = list(head or [])
@@ -499,6 +502,24 @@ class Search:
         c = self.phase[0]
         self.seconds[c] = float("inf")
         self.phase, self.winner, self.why = "done", "A", f"{self.NAMES[c]} ran out of device memory"
+
+    def inputs(self) -> dict:
+        """What the measuring step handed the choice, for a benchmark's row: each candidate's GiB for residents,
+        the layers the measuring step's activation policy kept, and the host's AdamW rate (G params/s) it
+        measured; {} before the measuring step. Two runs that chose differently differ here, or in the
+        planner (``autoplan.candidate_step``), which these inputs reproduce.
+
+        Example:
+            >>> s = Search()
+            >>> s.measured(free=3 << 30, keep=[True, False], layer_bytes=1 << 30, checkpoint_bytes=0,
+            ...            everything_fits=False, adam_rate=2.5e9)
+            >>> s.inputs()
+            {'free_gib': {'A': 3.0, 'B': 3.0}, 'kept_layers': 1, 'host_adam_G_params_per_s': 2.5}
+        """
+        if "A" not in self.keep:
+            return {}
+        return {"free_gib": {c: round(b / 2**30, 2) for c, b in self.free.items()}, "kept_layers": sum(self.keep["A"]),
+                "host_adam_G_params_per_s": None if self.adam_rate is None else round(self.adam_rate / 1e9, 3)}
 
     def summary(self) -> str:
         """One line for Session.placement: the planner's prediction per candidate, what won and why, and

@@ -335,7 +335,8 @@ class DeviceUpdates:
                                        dtype_bytes=size, tied=self.arch.tied, adam_params_per_s=rate)
             self.search.measured(free=free, keep=keep, layer_bytes=act_bytes, everything_fits=all_in,
                                  host_bound=placing.host_bound(elapsed, adam_s), head=head,
-                                 checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size)
+                                 checkpoint_bytes=tokens * self.arch.embed.weight.shape[1] * size,
+                                 adam_rate=rate if seconds else None)
             if self.search.phase == "plan":  # the one point where the planner decides (autoplan.py)
                 self.search.planned(self._predictor(mbs, total, rate if seconds else None), self._no_room_for_spill())
             self.io.take_update_wait()

@@ -118,6 +118,9 @@ def test_7b_x8_takes_the_forwards_head_resident_at_the_measured_host_rate(monkey
     assert s.predicted and all(f"{v:.3f} s" in s.summary() for v in s.predicted.values()), line
     assert s.winner == "C" and s.phase == "C1" and s.trial, (s.winner, line)
     assert 3.0 < s.predicted["C"] < 3.7 and s.predicted["A"] > 3.5, line
+    inputs = s.inputs()  # what a benchmark row records of the measuring step
+    assert inputs["host_adam_G_params_per_s"] == 2.55 and inputs["kept_layers"] == sum(keep), inputs
+    assert inputs["free_gib"] == {c: round(b / 2**30, 2) for c, b in s.free.items()} and set(inputs["free_gib"]) >= {"A", "B", "C"}
 
 
 def test_a_trial_that_the_host_cannot_hold_is_not_entered(monkeypatch):
