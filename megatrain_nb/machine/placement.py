@@ -2,7 +2,7 @@
 
 Owns: the public ``placement=`` setting (its modes and the expert dict), the device bytes a resident
 unit costs, the order in which units earn residency, and the choice itself with a reason per unit.
-Pure Python: no torch, no devices, no clocks. About 520 lines: the placement notes ([Streamed
+Pure Python: no torch, no devices, no clocks. About 550 lines: the placement notes ([Streamed
 updates], [Held weights], [Auto search]) live here, beside the rules they explain. The engine measures the free device memory and applies
 what this module decides; ``optim.DeviceAdamW`` holds and updates the resident state.
 
