@@ -137,6 +137,9 @@ def main(argv=None) -> None:
                     "with N=0.3 ended in a segmentation fault after its init: use seconds, not fractions)")
     ap.add_argument("--state-chunk-mb", type=int, default=None, help="transfers.STATE_OUT_CHUNK_BYTES in MiB "
                     "(0: one copy per slab, the default)")
+    ap.add_argument("--placement-margin", type=float, default=None,
+                    help="placement.MARGIN: what the planner's best must gain over a candidate with fewer residents "
+                         "(Note [Auto search]; default 0.05; 0: the predicted fastest wins)")
     ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
                     "in the timed steps (torch.cuda.set_sync_debug_mode), counted by stack")
     ap.add_argument("--switch-ms", type=float, nargs="+", default=None,
@@ -166,6 +169,8 @@ def main(argv=None) -> None:
         HostAdamW.chunk_numel = a.adam_chunk
     if a.state_chunk_mb is not None:
         _transfers.STATE_OUT_CHUNK_BYTES = a.state_chunk_mb << 20
+    if a.placement_margin is not None:
+        placing.MARGIN = a.placement_margin
 
     if a.stacks_every:
         import faulthandler
@@ -295,7 +300,7 @@ def main(argv=None) -> None:
                        resident_gib=round(float(s.placement.device_GiB.sum()), 2),
                        streamed_units=int((s.placement.placement == "device").sum()),
                        streamed_head=bool(s.engine.device_updates.head_streamed),  # Note: [Streamed head]
-                       state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, sync_debug=bool(a.sync_debug),
+                       state_chunk_mb=_transfers.STATE_OUT_CHUNK_BYTES >> 20, placement_margin=placing.MARGIN, sync_debug=bool(a.sync_debug),
                        switch_ms=round(sys.getswitchinterval() * 1e3, 3), host_threads=th or torch.get_num_threads(),
                        adam_chunk=HostAdamW.chunk_numel, host_window=placing.HOST_WINDOW,
                        split_master=bool(s.store.split),  # Note: [Split master]
