@@ -140,6 +140,23 @@ class Checked:
         self.marks: dict[int, tuple] = {}  # unit -> its slabs' mark when it last passed
         self.reads = 0  # units read by ``ok`` (what the marks saved shows in tests)
 
+    def ahead(self, units: dict) -> list[int]:
+        """Note: [Checked ahead] ``ok`` for each of ``units`` (index -> host store unit) that has no mark, before a
+        step begins; returns those that failed (they are read again at their landing, where a failure skips the
+        step). Units that passed land with their mark held: nothing is read beside the step's host AdamW.
+        After a load, a resume or a slab written by hand, the step's first landings read every such unit
+        (12 bytes a parameter for fp32 moments) beside the Adam worker's updates of the earlier ones: on the
+        H100 (2026-12-06, 3B x 4) the measuring step of ``auto`` then read the host AdamW at 2.41 G params/s
+        where the same step before the check existed read 2.99 and later steps ran 3.2-3.4; the planner,
+        given the slower rate, predicted a longer wait for host updates and made more units resident than
+        the host needed (Note: [Auto search] in placement.py). Read here, on the driver before the step's
+        clock starts, nothing else runs on the host."""
+        return [u for u in self.unmarked(units) if not self.ok(u, units[u])]
+
+    def unmarked(self, units: dict) -> list[int]:
+        """Those of ``units`` (index -> host store unit) that ``ok`` would read: written since they last passed."""
+        return [u for u, unit in units.items() if not holds(self.marks.get(u), unit)]
+
     def ok(self, u: int, unit) -> bool:
         """Whether host store unit ``unit`` (index ``u``) can take an AdamW step: ``unit_ok``, read only where
         its slabs were written by something other than its own updates since it last passed."""

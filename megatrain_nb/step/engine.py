@@ -165,11 +165,16 @@ class Engine:
             self.store.refresh_shadow(unit)  # the next load reads these bytes straight to the device
         self.device_updates.host_updated(unit, time.perf_counter() - t0)  # what "stream" balances PCIe against
 
+    def _host_checked(self, unit: int) -> bool:
+        """Whether ``unit``'s state is checked on this rank's host before its update: this rank's host AdamW
+        updates it (not the device, another rank of a shared store, nor the device half of a split master)."""
+        return not self.adam.noop(unit) and self.store.owns(unit) and unit not in self.store.split
+
     def _state_ok(self, unit: int) -> bool:
         """Unpacker, as ``unit`` lands: its host state can take its update, on every rank (Note: [State verdicts])."""
         if self.adam.noop(unit):
             return True  # the device updates it: checked there
-        ok = not self.store.owns(unit) or unit in self.store.split or self.checked.ok(unit, self.store.units[unit])
+        ok = not self._host_checked(unit) or self.checked.ok(unit, self.store.units[unit])
         return ok if self.dp is None else self.dp.all_ok(ok, f"unit {unit}'s state verdict")
 
     def _ready(self, box: Box) -> None:
@@ -237,6 +242,10 @@ class Engine:
             self._place_checkpoints(groups[0])  # Note: [Long-context memory] (longcontext.py)
             du.search = placing.Search()  # the activation policy is chosen again: so is the placement
         self.keep = du.place(self.steps_done, self.keep)  # Note: [Placement] in device_updates.py
+        checks = {u: x for u, x in self.store.units.items() if self._host_checked(u)}
+        if self.checked.unmarked(checks):  # Note: [Checked ahead] in state_check.py: after a load, a resume, a
+            with rec.span("driver", "state-check", -1, "optim"):  # write by hand; traced before the step's origin
+                self.checked.ahead(checks)
         if len(groups) > 1:
             passes.check(du, self.dp, self.store.shared is not None)  # before any update of this step begins
         loss_box = Box(self.abort)

@@ -61,7 +61,7 @@ def _session(kind: str, **settings) -> Session:
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Session.from_config(cfg, seed=0, lr=1e-3, optimizer_state=kind, trace=False, **settings)
+    return Session.from_config(cfg, seed=0, lr=1e-3, optimizer_state=kind, **{"trace": False, **settings})
 
 
 def _corrupt(s: Session, unit: int, value: float) -> None:
@@ -384,6 +384,57 @@ def test_checked_reads_a_unit_again_only_once_something_else_wrote_it():
     unit.master = torch.rand(5000)  # another slab (a reallocation): its address differs
     assert c.ok(3, unit) and c.reads == 6
     assert c.ok(4, unit) and c.reads == 7  # each unit its own mark
+
+
+def test_ahead_reads_the_unmarked_units_once_and_names_those_that_fail():
+    """Note: [Checked ahead]: the units without a mark are read, the good ones marked (then not read again),
+    a bad one named and left unmarked, read again by ``ok`` at its landing."""
+    from types import SimpleNamespace
+
+    units = {u: SimpleNamespace(master=torch.rand(3000), exp_avg=torch.rand(3000), exp_avg_sq=torch.rand(3000),
+                                compact=None) for u in range(4)}
+    units[2].exp_avg_sq[5] = -1.0
+    c = state_check.Checked()
+    assert c.ok(0, units[0]) and c.reads == 1
+    assert c.unmarked(units) == [1, 2, 3]
+    assert c.ahead(units) == [2] and c.reads == 4
+    assert c.unmarked(units) == [2]
+    assert c.ok(1, units[1]) and c.ok(3, units[3]) and c.reads == 4  # marked ahead: a landing reads nothing
+    assert not c.ok(2, units[2]) and c.reads == 5
+    units[3].master[0] = 0.5  # by hand
+    assert c.ahead(units) == [2] and c.reads == 7
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_a_step_after_a_load_or_a_write_reads_its_units_on_the_driver_before_the_step(kind, monkeypatch):
+    """Note: [Checked ahead]: the first step reads every host unit before its clock starts, on the driver's thread,
+    and its landings (the unpacker's) read none; a slab written by hand is read ahead of the next step too,
+    and, bad, again at its landing, where its step is skipped."""
+    import threading
+
+    LANDING = "megatrain-host-unpack"  # the unpacker's thread, where units land (transfers.py)
+    readers = []
+    unit_ok = state_check.unit_ok
+    monkeypatch.setattr(state_check, "unit_ok", lambda unit: readers.append(threading.current_thread().name) or unit_ok(unit))
+    s = _session(kind, placement="host", trace=True)
+    try:
+        batches = make_batches(VOCAB, 3)
+        s.step(batches[0])
+        s.engine.drain()
+        ops = {sp[1] for sp in s.engine.trace.spans}
+        assert len(readers) == len(s.store.order) and LANDING not in readers, readers
+        assert "state-check" in ops, "the reads are traced on the driver's lane"
+        del readers[:]
+        assert not s.step(batches[1]).skipped
+        s.engine.drain()
+        assert readers == [] or kind != "fp32"  # compact: torch's ops (no C kernel) advance the mark
+        del readers[:]
+        _corrupt(s, 0, -1.0)
+        r, before, after = _warned_step(s, batches[2], 0)
+        assert r.skipped and _same(before[0], after[0])
+        assert readers.count(LANDING) >= 1 and len(readers) > readers.count(LANDING), readers  # ahead, then landing
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
