@@ -7,6 +7,9 @@ Run from the repository root, e.g. (on the CPU box, 6 layers of the 0.5B's width
         --out out/ring_pressure --rows bench/results/cpu-DATE-ring.jsonl
 writes out/ring_pressure.html (the held-back step's timeline, plotly.js inlined: opens offline) and, with --png,
 out/ring_pressure.png (Chromium's screenshot of that page, where /usr/bin/chromium and playwright are).
+With --trace FILE it runs nothing and draws a step saved elsewhere instead (``bench/throughput.py --save-trace`` on
+a GPU, where the host falls behind with no delay at all), e.g.
+    python bench/ring_pressure.py --trace bench/traces/auto/FILE.json.gz --out docs/img/NAME --png
 
 What a row holds: the step time (median of the timed steps), the ring's layout and bytes, the time the
 unpacker waited for a ring buffer (``wait-ring`` spans on lane "host-unpack"), the time compute waited per cause
@@ -60,6 +63,31 @@ def run(cfg, a, delay: float) -> tuple[dict, Session]:
     return row, s
 
 
+def draw_saved(path: str, out: str, *, png: bool) -> None:
+    """STEM.html (and STEM.png) of a saved step's timeline, its compute stalls banded, with the unpacker's wait for
+    ring buffers summed in the title."""
+    from megatrain_nb.view.trace import Trace, find_stalls
+    from megatrain_nb.view.viz import timeline
+
+    try:
+        tr = Trace.load(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--trace {path}: {e}")
+    df = tr.to_dataframe()
+    ring = df[df.op == "wait-ring"]
+    m = tr.meta
+    fig = timeline(df, stalls=find_stalls(df), title=(
+        f"{m.get('shape', '?')} x {m.get('batch', '?')} x {m.get('seq', '?')}, {m.get('gpu', m.get('device', '?'))}: "
+        f"step {m.get('step_s', float('nan')):.3f} s; the unpacker waited {ring.dur_ms.sum():.0f} ms for ring buffers "
+        f"({len(ring)} times)"))
+    html, shot = Path(out + ".html"), Path(out + ".png")
+    html.parent.mkdir(parents=True, exist_ok=True)
+    fig.write_html(html, include_plotlyjs=True, full_html=True)
+    if png:
+        screenshot(html, shot)
+    print(f"wrote {html}" + (f" and {shot}" if png else ""))
+
+
 def screenshot(html: Path, png: Path) -> None:
     """Chromium's screenshot of ``html`` (headless, through playwright), as tests/test_browser.py drives it."""
     from playwright.sync_api import sync_playwright
@@ -89,7 +117,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="path stem: STEM.html, the held-back step's timeline")
     ap.add_argument("--png", action="store_true", help="also STEM.png, Chromium's screenshot of STEM.html")
     ap.add_argument("--rows", default=None, help="append each setting's JSON row here (bench/rows.py)")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="draw this saved step (Trace.save, e.g. bench/throughput.py --save-trace) instead of running")
     a = ap.parse_args(argv)
+    if a.trace:
+        if not a.out:
+            ap.error("--trace needs --out: the stem of the page it draws")
+        return draw_saved(a.trace, a.out, png=a.png)
     if a.adam_delay <= 0:
         ap.error(f"--adam-delay {a.adam_delay}: give a positive number of seconds (the held-back run's delay)")
     if a.png and not a.out:
