@@ -150,7 +150,8 @@ class Checked:
         where the same step before the check existed read 2.99 and later steps ran 3.2-3.4; the planner,
         given the slower rate, predicted a longer wait for host updates and made more units resident than
         the host needed (Note: [Auto search] in placement.py). Read here, on the driver before the step's
-        clock starts, nothing else runs on the host."""
+        clock starts, nothing else runs on the host: the same measuring step then read 2.76-3.36 G params/s
+        (H100, three leases of 2026-12-06, docs/benchmarks.md)."""
         return [u for u in self.unmarked(units) if not self.ok(u, units[u])]
 
     def unmarked(self, units: dict) -> list[int]:
