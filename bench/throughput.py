@@ -139,7 +139,7 @@ def main(argv=None) -> None:
                     "(0: one copy per slab, the default)")
     ap.add_argument("--placement-margin", type=float, default=None,
                     help="placement.MARGIN: what the planner's best must gain over a candidate with fewer residents "
-                         "(Note [Auto search]; default 0.05; 0: the predicted fastest wins)")
+                         "(Note [Auto search]; default: placement.MARGIN, 0.02; 0: the predicted fastest wins)")
     ap.add_argument("--sync-debug", default=None, help="debug: a file for the stacks of every synchronizing CUDA call "
                     "in the timed steps (torch.cuda.set_sync_debug_mode), counted by stack")
     ap.add_argument("--switch-ms", type=float, nargs="+", default=None,

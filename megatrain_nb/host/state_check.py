@@ -146,12 +146,11 @@ class Checked:
         step). Units that passed land with their mark held: nothing is read beside the step's host AdamW.
         After a load, a resume or a slab written by hand, the step's first landings read every such unit
         (12 bytes a parameter for fp32 moments) beside the Adam worker's updates of the earlier ones: on the
-        H100 (2026-12-06, 3B x 4) the measuring step of ``auto`` then read the host AdamW at 2.41 G params/s
-        where the same step before the check existed read 2.99 and later steps ran 3.2-3.4; the planner,
-        given the slower rate, predicted a longer wait for host updates and made more units resident than
-        the host needed (Note: [Auto search] in placement.py). Read here, on the driver before the step's
-        clock starts, nothing else runs on the host: the same measuring step then read 2.76-3.36 G params/s
-        (H100, three leases of 2026-12-06, docs/benchmarks.md)."""
+        H100 (2026-12-06, 3B x 1 / 4 / 8) the measuring step of ``auto`` then read the host AdamW at 2.41-2.57 G
+        params/s where later steps ran 2.75-3.4; the planner, given the slower rate, predicted a longer wait
+        for host updates and made more units resident than the host needed (Note: [Auto search] in
+        placement.py). Read here, on the driver before the step's clock starts, nothing else runs on the host:
+        the same measuring steps then read 2.68-3.36 G params/s (two more leases that day, docs/benchmarks.md)."""
         return [u for u in self.unmarked(units) if not self.ok(u, units[u])]
 
     def unmarked(self, units: dict) -> list[int]:
