@@ -389,7 +389,7 @@ class Search:
     Timing C and B took ten steps to settle at 7B x 8, with steps of up to 10 s against 3.25. The
     planner predicted the measured step within 10% on 24 of 25 benchmark rows, and its errors run the
     same way for every candidate of a step: the margin leaves ties to the cheaper candidate. It was 5%
-    until an H100 lease of 2026-12-06 (3B x 8): C was predicted 4.2% faster than A, A won, and in the
+    until an H100 lease of 2026-12-06 (3B x 8): C was predicted 4.4% faster than A, A won, and in the
     same lease C measured 324.0 model TFLOPS against A's 300.2 (7.9% faster); at 2% C wins there and at
     14B int8 (predicted 2.7% faster), while 3B x 1's 1.9% stays A's. The winner's first settled steps are still timed (``observed``)
     and reported beside the predictions, so a wrong pick shows in ``Session.placement``.
