@@ -307,14 +307,15 @@ def choose(numel: dict[int, int], *, mode, free_bytes: int | None, dtype_bytes: 
 def head_groups(numel: dict[int, int], resident, *, dtype_bytes: int, tied: bool,
                 adam_params_per_s: float) -> list[tuple[int, float]]:
     """(device bytes resident, host AdamW seconds) of each group not in ``resident``, in the order the
-    forward needs them: what candidate C may make resident (``head_budget``, Note: [Auto search])."""
+    forward needs them: what candidate C may make resident (``head_budgets``, Note: [Auto search])."""
     L = max(numel)
     return [(sum(resident_bytes(u, numel[u], dtype_bytes, tied) for u in g), sum(numel[u] for u in g) / adam_params_per_s)
             for g in groups(L, tied) if not set(g) & set(resident)]
 
 
-def head_budget(free_a: int, free_b: int, head: list, wait: float, step: float) -> int | None:
-    """Candidate C's device bytes for residents (Note: [Auto search]), or None when C is not worth a trial.
+def head_budgets(free_a: int, free_b: int, head: list, wait: float, step: float) -> list[int]:
+    """Candidate C's device bytes for residents to predict (Note: [Auto search]), fewest first; [] when C is
+    not worth predicting.
 
     Args:
         free_a, free_b: candidate A's and B's bytes for residents.
@@ -322,24 +323,39 @@ def head_budget(free_a: int, free_b: int, head: list, wait: float, step: float) 
             the forward needs them.
         wait, step: A's step and how long its forward waits for host updates (seconds; the planner's).
     Returns:
-        ``free_a`` (at least the reserve) plus the bytes of the first groups of ``head`` whose host
-        AdamW adds up to ``wait``;
-        None when the wait is under 3% of the step or the budget would reach B's.
+        ``free_a`` (at least the reserve) plus the bytes of the first one, two, ... groups of ``head``,
+        up to the first groups whose host AdamW adds up to ``wait``, each under B's budget;
+        [] when the wait is under 3% of the step.
 
     Example:
         >>> GiB = 2**30
-        >>> head_budget(5 * GiB, 99 * GiB, [(10 * GiB, 0.1), (4 * GiB, 0.05), (4 * GiB, 0.05)], wait=0.12, step=1.0) // GiB
-        19
+        >>> [b // GiB for b in head_budgets(5 * GiB, 99 * GiB, [(10 * GiB, 0.1), (4 * GiB, 0.05), (4 * GiB, 0.05)],
+        ...                                 wait=0.12, step=1.0)]
+        [15, 19]
     """
-    if wait < 0.03 * step or not head:
-        return None
-    need = covered = 0
+    if wait < 0.03 * step:
+        return []
+    out, need, covered = [], max(free_a, RESERVE_BYTES), 0.0  # A may have overshot its budget: C's residents displace activations
     for nbytes, adam_s in head:
-        if covered >= wait:
+        if covered >= wait or need + nbytes >= free_b:
             break
         need, covered = need + nbytes, covered + adam_s
-    free = max(free_a, RESERVE_BYTES) + need  # A may have overshot its budget: C's residents displace activations
-    return free if free < free_b else None
+        out.append(need)
+    return out
+
+
+def best_budget(budgets: list[int], predict) -> tuple[int, tuple[float, float]] | None:
+    """The budget of ``budgets`` whose prediction (``predict(bytes)`` -> (step s, wait s)) has the shortest
+    step, the fewest bytes among equals, with that prediction; None for no budgets.
+
+    Example:
+        >>> best_budget([1, 2, 3, 4], lambda b: ({1: 3.4, 2: 3.3, 3: 3.3, 4: 3.5}[b], 0.0))
+        (2, (3.3, 0.0))
+    """
+    if not budgets:
+        return None
+    tried = [(b, predict(b)) for b in budgets]
+    return min(tried, key=lambda t: t[1][0])
 
 
 HOST_HIDES = 5  # a measuring step this many times the host AdamW of every unit hides it (Note: [Auto search])
@@ -378,9 +394,14 @@ class Search:
     B when the host's AdamW is what the step waits for.
     The engine runs one measuring step (nothing resident): it measures what the activations leave
     free, the policy's kept layers and the host's AdamW rate. The planner (``autoplan.py``), given
-    those, predicts each candidate's steady step: A's from A's budget, C's budget from the wait for
-    host updates the planner predicts in A's step (``head_budget``), B's and C's from theirs. The
-    predicted best wins, except that a candidate holding fewer residents (A before C before B) wins
+    those, predicts each candidate's steady step: A's from A's budget, B's from B's, and C's from each
+    of C's budgets (``head_budgets``: A's plus the forward's first one, two, ... groups, up to those
+    whose host AdamW covers the wait for host updates the planner predicts in A's step); C is the best
+    of them. Covering the whole wait overshoots: each resident also takes activations (recompute) and
+    adds device AdamW at the step's end, so the planner's step is least short of the cover. (H200,
+    7B x 8 fp32, 2026-12-06: the cover made 11 units resident, 3.427 s measured, 3.489 predicted; the
+    planner's own best there is 3 to 4 residents, 3.29 s, and rows with 2 to 6 residents had measured
+    3.23 to 3.27 s.) The predicted best wins, except that a candidate holding fewer residents (A before C before B) wins
     when predicted within ``MARGIN`` of it: it moves less state and needs no trial step. Nothing is
     timed against anything. Timing cannot fit the budget of three steps to settle with no step after
     the first over 1.5 times the steady one: a trial's first step is gated (below), so the next one
@@ -416,6 +437,7 @@ class Search:
     observed: list = dataclasses.field(default_factory=list)  # the winner's first settled steps (s)
     head: list = dataclasses.field(default_factory=list)  # [(device bytes, host AdamW s)] per group A leaves host
     adam_rate: float | None = None  # the host's AdamW (params/s) the measuring step measured; None: not measured
+    c_groups: tuple | None = None  # (head groups C makes resident, budgets predicted for it); None: C not predicted
     winner: str | None = None
     why: str = ""  # why the winner won, for ``summary``
 
@@ -473,10 +495,11 @@ class Search:
             self.phase, self.winner, self.why = "done", "A", "the planner cannot predict this model"
             return
         self.predicted["A"], self.waited["A"] = predict(self.free["A"])
-        c = head_budget(self.free["A"], self.free["B"], self.head, self.waited["A"], self.predicted["A"])
-        if c is not None:
-            self.free["C"] = c
-            self.predicted["C"], self.waited["C"] = predict(c)
+        budgets = head_budgets(self.free["A"], self.free["B"], self.head, self.waited["A"], self.predicted["A"])
+        best = best_budget(budgets, predict)
+        if best is not None:
+            self.free["C"], (self.predicted["C"], self.waited["C"]) = best
+            self.c_groups = (budgets.index(best[0]) + 1, len(budgets))
         self.predicted["B"], self.waited["B"] = predict(self.free["B"])
         self.winner, self.why = pick(self.predicted)
         if self.winner != "A" and no_trial is not None:
@@ -524,6 +547,13 @@ class Search:
         return {"free_gib": {c: round(b / 2**30, 2) for c, b in self.free.items()}, "kept_layers": sum(self.keep["A"]),
                 "host_adam_G_params_per_s": None if self.adam_rate is None else round(self.adam_rate / 1e9, 3)}
 
+    def _groups(self, c: str) -> str:
+        """For C, how many of the forward's first groups it makes resident, of the budgets predicted."""
+        if c != "C" or self.c_groups is None:
+            return ""
+        k, n = self.c_groups
+        return f" with its first {k} group{'s' * (k > 1)} resident, the best of {n}"
+
     def summary(self) -> str:
         """One line for Session.placement: the planner's prediction per candidate, what won and why, and
         the winner's measured step."""
@@ -531,8 +561,8 @@ class Search:
             return ""
         out = "auto chose " + self.NAMES[self.winner]
         if self.predicted:
-            out += " (planner: " + ", ".join(f"{self.NAMES[c]} {self.predicted[c]:.3f} s" for c in self.ORDER
-                                             if c in self.predicted) + " a step)"
+            out += " (planner: " + ", ".join(f"{self.NAMES[c]} {self.predicted[c]:.3f} s" + self._groups(c)
+                                             for c in self.ORDER if c in self.predicted) + " a step)"
         out += f": {self.why}" if self.why else ""
         for c, s in self.seconds.items():
             out += (f"; {self.NAMES[c]} ran out of device memory" if s == float("inf") else

@@ -675,9 +675,9 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         wait_s = float(df.loc[df.op == "wait-update", "dur_ms"].sum()) / 1e3
         head = placing.head_groups(numel, resident, dtype_bytes=d, tied=s["tied"],
                                    adam_params_per_s=hw.host_adam_params_per_s)
-        free_c = placing.head_budget(int(free), int(free_b), head, wait_s, p.steady_step_ms / 1e3)
-        if free_c is not None:
-            tried.append(trial(free_c))  # C, the forward's head resident
+        budgets = placing.head_budgets(int(free), int(free_b), head, wait_s, p.steady_step_ms / 1e3)
+        if budgets:
+            tried.append(min((trial(b) for b in budgets), key=lambda x: x.steady_step_ms))  # C, the forward's head resident
         q = min(tried, key=lambda x: x.steady_step_ms)
         if q.steady_step_ms * (1 + placing.MARGIN) < p.steady_step_ms:  # as placement.pick: A within the margin wins
             q.settings["placement"] = "auto"

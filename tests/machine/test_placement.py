@@ -487,11 +487,14 @@ GiB = 2**30
 HEAD = [(6 * GiB, 0.10)] + [(1 * GiB, 0.02)] * 8  # (device bytes, host AdamW s) of the groups A leaves on the host
 
 
-def _fake_planner(search: placing.Search, steps: dict, wait_a: float = 0.0):
-    """A planner that predicts ``steps[c]`` s for the candidate whose budget it is asked about, and ``wait_a``
-    s of A's forward waiting for host updates (none for the others)."""
+def _fake_planner(search: placing.Search, steps: dict, wait_a: float = 0.0, c_step=None):
+    """A planner that predicts ``steps[c]`` s for the candidate whose budget it is asked about (any budget
+    but A's and B's is one of C's: ``c_step(bytes)`` where given), and ``wait_a`` s of A's forward waiting
+    for host updates (none for the others)."""
     def predict(free):
-        c = next(k for k in search.ORDER if search.free.get(k) == free)
+        c = next((k for k in ("A", "B") if search.free.get(k) == free), "C")
+        if c == "C" and c_step is not None:
+            return c_step(free), 0.0
         return steps[c], wait_a if c == "A" else 0.0
     return predict
 
@@ -542,10 +545,23 @@ def test_a_candidate_with_fewer_residents_wins_within_the_margin():
     assert placing.pick({"A": 1.0, "B": 0.94}) == ("B", "predicted fastest")
 
 
-def test_c_budget_follows_the_predicted_wait_of_a():
+def test_c_budget_is_the_planners_best_up_to_the_predicted_wait_of_a():
     s, _ = _run_search({"A": 1.0, "C": 0.9, "B": 1.3}, wait_a=0.15)
-    # the reserve (A overshot nothing: 1 GiB < 2 GiB reserve) plus the head group and three layers: 0.10 + 3 * 0.02 >= 0.15
-    assert s.free["C"] == placing.RESERVE_BYTES + 6 * GiB + 3 * GiB and s.winner == "C"
+    # every budget predicted alike: the fewest bytes, the reserve (A overshot nothing: 1 GiB < 2 GiB) and the head group
+    assert s.free["C"] == placing.RESERVE_BYTES + 6 * GiB and s.winner == "C" and s.c_groups == (1, 4)
+    # budgets up to the cover: the head group and three layers, 0.10 + 3 * 0.02 >= 0.15; the planner's best is the second
+    asked = []
+
+    def c_step(free):
+        asked.append((free - placing.RESERVE_BYTES) // GiB)
+        return {6: 0.95, 7: 0.90, 8: 0.92, 9: 0.93}[(free - placing.RESERVE_BYTES) // GiB]
+    s = placing.Search()
+    s.measured(free=1 * GiB, keep=[True] * 40 + [False], layer_bytes=2 * GiB, checkpoint_bytes=GiB // 64,
+               everything_fits=False, head=HEAD)
+    s.planned(_fake_planner(s, {"A": 1.0, "B": 1.3}, 0.15, c_step))
+    assert asked == [6, 7, 8, 9] and s.free["C"] == placing.RESERVE_BYTES + 7 * GiB and s.predicted["C"] == 0.90
+    assert s.winner == "C" and "the forward's head resident 0.900 s with its first 2 groups resident, the best of 4" \
+        in s.summary(), s.summary()
     s, _ = _run_search({"A": 1.0, "B": 1.3}, wait_a=0.02)  # under 3% of A's step: C is not a candidate
     assert "C" not in s.predicted and "C" not in s.free and s.winner == "A"
     s, _ = _run_search({"A": 1.0, "B": 1.3}, wait_a=0.15, kept=2)  # C's budget would reach B's
