@@ -128,6 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device-memory", default=None, help="EngineConfig.device_memory, e.g. 24GiB (a smaller card, emulated)")
     ap.add_argument("--host-memory", default=None, help="EngineConfig.host_memory, e.g. 64GiB (a smaller host, emulated)")
     ap.add_argument("--grad-ring", choices=("on", "off"), default="on", help="EngineConfig.grad_ring (default on)")
+    ap.add_argument("--ring-overflow", choices=("on", "off"), default="on",
+                    help="EngineConfig.grad_ring_overflow (default on; off: the ring's back-pressure alone)")
     ap.add_argument("--oom-snapshot", default=None, metavar="FILE",
                     help="record the device allocations' stacks (slower steps) and write to FILE what held the memory: "
                          "at the first failed allocation, else the recorded peak at the end (bench/memory_snapshot.py)")
@@ -195,6 +197,7 @@ def main(argv=None) -> None:
                             placement=a.placement,
                             optimizer_state=a.optimizer_state, device_memory=a.device_memory,
                             host_memory=a.host_memory, grad_ring=a.grad_ring == "on",
+                            grad_ring_overflow=a.ring_overflow == "on",
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])
     init_s = time.perf_counter() - t0
     peak_gib = lambda: round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1)  # noqa: E731
@@ -288,6 +291,9 @@ def main(argv=None) -> None:
                        peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
                        device_memory=a.device_memory, host_memory=a.host_memory, grad_ring=a.grad_ring,
+                       ring_overflow=a.ring_overflow, ring_overflow_peak_gib=None if s.store.ring is None else
+                       round(s.store.ring.overflow_peak / 2**30, 2), ring_overflowed=None if s.store.ring is None
+                       else s.store.ring.overflowed, ring_waits=None if s.store.ring is None else s.store.ring.waits,
                        host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                        host_rss_peak_gib=peak_gib(), host_rss_peak_init_gib=init_peak,
                        host_rss_peak_steps_gib=peaks, host_rss_steps_gib=rss,  # after each step, the untimed first

@@ -242,6 +242,11 @@ class EngineConfig:
     largest unit from their copy out until their AdamW has read them, not in a slab per unit (2 bytes a
     parameter less; Note: [Gradient ring] in host/grad_ring.py). ``Session.memory_report()["gradients"]``
     says which and why. False: slabs always."""
+    grad_ring_overflow: bool = True
+    """With the ring: a copy out that finds every ring buffer held takes a plain host buffer while the host has
+    room (within ``host_memory`` where set, 4 GiB left free) rather than stall the backward until the host's
+    AdamW frees one; as many as that AdamW is behind, kept for the next step (Note: [Ring overflow] in
+    host/grad_ring.py). False: the copy out waits (a fixed host footprint; the backward runs at the host's pace)."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
     placement: str | dict = "auto"
@@ -311,6 +316,9 @@ class EngineConfig:
         if self.split_master and (self.dtype != torch.bfloat16 or self.pin_store):
             raise ValueError(f"split_master=True needs dtype=torch.bfloat16 (got {self.dtype}) and no pin_store "
                              "(its bf16 copy already is the weights); use split_master=None")
+        if not isinstance(self.grad_ring_overflow, bool):
+            raise ValueError(f"grad_ring_overflow={self.grad_ring_overflow!r}: use True (plain host buffers where the "
+                             "ring is full and the host has room) or False (wait for a ring buffer)")
         if not isinstance(self.grad_ring, bool):
             raise ValueError(f"grad_ring={self.grad_ring!r}: use True (a ring where nothing needs gradients at rest) "
                              "or False (a gradient slab per unit)")

@@ -27,6 +27,17 @@ for that update). Back-pressure: if the host AdamW falls behind, the unpacker wa
 slot: the device never runs more than the ring ahead of the host. No deadlock: every buffer taken
 belongs to a unit that has landed (the unpacker takes one at a time, after the last one's landing), and
 an ungated worker updates every landed unit without waiting for any other.
+Note: [Ring overflow] back-pressure is right where the host has no room; where it has, it stalls the backward
+for nothing. On an H100 (2026-12-06, 3B x 4) the host's AdamW fell behind the backward and the copies out waited
+42-56 ms a step for the ring's three buffers (318 ms at the unpacker), 1-3% below the slabs that the ring
+replaced; with 12 units resident instead of 14-15 the backward waited 428 ms a step (224.1 model TFLOPS against
+314.7). So a copy out that finds every buffer held takes an overflow buffer instead (plain host memory, as
+a spill buffer: its copy goes through the pinned staging) while ``overflow`` bytes allow, and waits only
+beyond that. The engine sets ``overflow`` before each step from what the host has free, within
+``host_memory`` where set, less ``OVERFLOW_HOST_MARGIN`` (``room``); released overflow buffers stay for
+the next step (pooled: no page faults each step) as far as the allowance keeps them. The host holds only
+as many as its AdamW is behind: at most the slabs' bytes, and none where it keeps up.
+``EngineConfig.grad_ring_overflow=False`` keeps pure back-pressure (a fixed host footprint).
 A step that needs every gradient at once (an "auto" placement's trial step is gated; "auto"'s passes
 keep each unit's gradients over passes) takes ``spill`` buffers beyond the ring (plain host memory, kept
 while the steps after it spill too, dropped by the first that does not) for the units that find every buffer
@@ -47,6 +58,8 @@ import torch
 
 BUFFERS = 3
 """Buffers in the ring: one being read by AdamW, one landing, one for the next copy out."""
+OVERFLOW_HOST_MARGIN = 4 << 30
+"""Host bytes the ring's overflow leaves free (Note: [Ring overflow])."""
 
 
 def slab_reason(*, enabled: bool, grad_clip, overlap_optimizer: bool, nonfinite: str, pass_batch_size,
@@ -188,13 +201,52 @@ class GradRing:
         self.wait_s = 0.0
         self.spilled = 0  # spill buffers taken, since construction
         self.spilled_numel = 0  # their elements
+        self.overflow = 0  # bytes of overflow buffers the ring may hold at once (Note: [Ring overflow]; ``room``)
+        self._over: dict[int, torch.Tensor] = {}  # unit -> the overflow buffer it holds (a pooled tensor)
+        self._pool: list[torch.Tensor] = []  # overflow buffers released, kept for the next take
+        self.overflowed = 0  # copies out that took an overflow buffer instead of waiting, since construction
+        self.overflow_peak = 0  # most bytes of overflow buffers held at once, since construction
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the ring's buffers, and of spill buffers kept for the next spill step."""
+        """Host bytes of the ring's buffers, and of spill buffers kept for the next spill step (not the
+        overflow's: ``overflow_bytes``)."""
         with self.cond:
             spare = sum(b.numel() * b.element_size() for b in self._spare.values())
         return sum(b.numel() * b.element_size() for b in self.bufs) + spare
+
+    @property
+    def overflow_bytes(self) -> int:
+        """Host bytes of overflow buffers allocated now, held or pooled (Note: [Ring overflow])."""
+        with self.cond:
+            return sum(b.numel() * b.element_size() for b in [*self._over.values(), *self._pool])
+
+    def room(self, free: int) -> int:
+        """Set ``overflow`` from ``free`` host bytes this process may still take (``host_available``, within
+        ``host_memory``): the overflow buffers allocated now plus ``free`` less ``OVERFLOW_HOST_MARGIN``, no
+        more than every ring unit's gradients at once. Pooled buffers beyond it are dropped. Returns it."""
+        with self.cond:
+            size = self.dtype.itemsize
+            most = sum(self.numel.values()) * size
+            self.overflow = max(0, min(most, self._allocated() * size + free - OVERFLOW_HOST_MARGIN))
+            while self._pool and self._allocated() * size > self.overflow:
+                self._pool.pop()
+            return self.overflow
+
+    def _allocated(self) -> int:
+        """Elements of overflow buffers allocated, held or pooled (held under ``cond``)."""
+        return sum(b.numel() for b in [*self._over.values(), *self._pool])
+
+    def _overflow_buffer(self, n: int, take: bool = True) -> torch.Tensor | bool | None:
+        """A pooled overflow buffer of at least ``n`` elements, else a new one where the allocated ones and it
+        stay within ``overflow``; None where neither (held under ``cond``). ``take=False``: only whether one
+        would be given."""
+        fits = [k for k, b in enumerate(self._pool) if b.numel() >= n]
+        if fits:
+            return self._pool.pop(min(fits, key=lambda k: self._pool[k].numel())) if take else True
+        if (self._allocated() + n) * self.dtype.itemsize > self.overflow:
+            return None
+        return torch.empty(n, dtype=self.dtype) if take else True
 
     def describe(self) -> str:
         """The ring's buffers in words, e.g. "2 buffers of 233,057,792 elements and unit 28's 545,001,472"."""
@@ -221,18 +273,22 @@ class GradRing:
     def would_wait(self, unit: int) -> bool:
         """Whether ``take(unit)`` would wait now (for the caller's trace span)."""
         with self.cond:
-            return unit not in self.held and not self._spill and wanted(unit, self.big, self.region, self.free) is None
+            return (unit not in self.held and not self._spill and wanted(unit, self.big, self.region, self.free) is None
+                    and not (self.overflow and self._overflow_buffer(self.numel[unit], take=False)))
 
     def take(self, unit: int, abort: threading.Event | None = None) -> torch.Tensor:
         """The buffer unit ``unit``'s gradients go into: the one it holds already (an earlier pass's), free slots
-        (waiting for them where there are none: back-pressure), or with ``spill`` set a new plain one.
+        (where there are none, an overflow buffer while ``overflow`` allows, Note: [Ring overflow], else waiting
+        for them: back-pressure), or with ``spill`` set a new plain one.
         Raises ``workers.Aborted``-like RuntimeError where ``abort`` is set while it waits."""
         n = self.numel[unit]
         with self.cond:
             if unit in self.held:
                 return self.held[unit]
-            t0 = None
+            t0 = over = None
             while (got := wanted(unit, self.big, self.region, self.free)) is None and not self._spill:
+                if self.overflow and (over := self._overflow_buffer(n)) is not None:
+                    break  # Note: [Ring overflow]: the host has room, the backward need not wait
                 if abort is not None and abort.is_set():
                     raise RingAborted("step abandoned while waiting for a gradient buffer")
                 t0 = t0 or time.perf_counter()
@@ -243,6 +299,11 @@ class GradRing:
             if got is not None:
                 self.free = [k for k in self.free if k not in got]
                 view = (self.bufs[-1] if unit == self.big else self.slots[got[0]])[:n]
+            elif over is not None:
+                self._over[unit] = over
+                self.overflowed += 1
+                self.overflow_peak = max(self.overflow_peak, sum(b.numel() for b in self._over.values()) * self.dtype.itemsize)
+                view = over[:n]
             else:
                 view = self._spare.pop(unit, None)
                 if view is None:
@@ -270,6 +331,8 @@ class GradRing:
             got = self._index.pop(unit)
             if got is not None:
                 self.free = sorted(self.free + list(got))
+            elif unit in self._over:
+                self._pool.append(self._over.pop(unit))
             elif self._spill:
                 self._spare[unit] = view
             self.cond.notify_all()
@@ -277,7 +340,8 @@ class GradRing:
     def reset(self) -> None:
         """After a failed step, once no copy into a buffer is in flight: every slot is free."""
         with self.cond:
-            self.held.clear(), self._index.clear(), self._spare.clear()
+            self._pool += self._over.values()
+            self.held.clear(), self._index.clear(), self._spare.clear(), self._over.clear()
             self.free = list(range(len(self.slots)))
             self.cond.notify_all()
 

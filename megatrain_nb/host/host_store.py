@@ -280,11 +280,13 @@ class HostStore:
 
     def bytes_report(self) -> dict[str, float]:
         """Bytes by category (master, grad, exp_avg, exp_avg_sq, shadow, grad_ring: the ring's buffers, Note:
-        [Gradient ring]; grad_rows: the embedding's touched rows, Note: [Embedding rows]; total) and bytes per parameter. ``gradients`` says in words which holds them."""
+        [Gradient ring]; grad_ring_overflow: plain buffers it took while the host's AdamW was behind, held or
+        kept for the next step, Note: [Ring overflow]; grad_rows: the embedding's touched rows, Note: [Embedding rows]; total) and bytes per parameter. ``gradients`` says in words which holds them."""
         rep = {k: sum(getattr(u, k).numel() * getattr(u, k).element_size() for u in self.units.values()
                       if getattr(u, k) is not None)
                for k in ("master", "grad", "exp_avg", "exp_avg_sq", "shadow")}
         rep["grad_ring"] = 0 if self.ring is None else self.ring.nbytes
+        rep["grad_ring_overflow"] = 0 if self.ring is None else self.ring.overflow_bytes  # Note: [Ring overflow]
         rep["grad_rows"] = 0 if self.rows is None else self.rows.nbytes  # the embedding's touched rows
         rep["total"] = sum(rep.values())
         rep["params"] = self.num_params()

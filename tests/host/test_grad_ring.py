@@ -11,7 +11,7 @@ import torch
 from conftest import VOCAB, load_reference, make_batches, rel, train_reference, train_session
 from helpers import BETAS, EPS, LR
 from megatrain_nb import Session
-from megatrain_nb.host.grad_ring import BUFFERS, GradRing, RingAborted, layout, ring_bytes, slab_reason
+from megatrain_nb.host.grad_ring import BUFFERS, OVERFLOW_HOST_MARGIN, GradRing, RingAborted, layout, ring_bytes, slab_reason
 
 DEEP = 6  # layers: more ring units than buffers, so the ring is reused within a step
 WIDE_VOCAB = 640  # an untied head of 640 x 32 = 20,480 values beside a llama layer's 9,344: the ring's largest unit
@@ -35,6 +35,42 @@ def test_take_waits_for_a_release_and_reuses_the_buffer():
     ring.release(5)  # a unit that holds nothing (the device updated it): no-op
     with pytest.raises(RuntimeError, match="unit 0 holds no gradient buffer"):
         ring.get(0)
+
+
+def test_overflow_takes_plain_buffers_while_the_allowance_holds_then_waits():
+    ring = GradRing({0: 100, 1: 100, 2: 100, 3: 100}, torch.float32, buffers=1)  # 128 elements a buffer, 400 B a unit
+    assert ring.room(OVERFLOW_HOST_MARGIN + 900) == 900 and ring.room(10**12) == 1600  # at most every unit at once
+    ring.room(OVERFLOW_HOST_MARGIN + 800)  # two units' overflow
+    a = ring.take(0)  # the ring's buffer
+    b, c = ring.take(1), ring.take(2)  # no free buffer: overflow, no wait
+    assert ring.waits == 0 and ring.overflowed == 2 and ring.overflow_bytes == 800 and ring.overflow_peak == 800
+    assert all(x.data_ptr() != a.data_ptr() for x in (b, c)) and not ring.would_wait(0)
+    assert ring.would_wait(3)  # the allowance is spent: back-pressure again
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("d", ring.take(3)))
+    t.start()
+    time.sleep(0.2)
+    assert "d" not in got
+    ring.release(1)  # its overflow buffer goes to the pool, and unit 3 takes it
+    t.join(5)
+    assert got["d"].data_ptr() == b.data_ptr() and ring.waits == 1 and ring.overflow_bytes == 800
+    for u in (0, 2, 3):
+        ring.release(u)
+    assert ring.overflow_bytes == 800 and not ring.held  # pooled for the next step: no page faults each step
+    ring.room(OVERFLOW_HOST_MARGIN - 100)  # the host filled up: what is pooled beyond the allowance goes
+    assert ring.overflow == 700 and ring.overflow_bytes == 400
+    ring.room(0)
+    assert ring.overflow == 0 and ring.overflow_bytes == 0 and ring.would_wait(1) is False  # a free buffer: no wait
+    ring.take(0)
+    assert ring.would_wait(1)  # no allowance: the ring alone, as before
+
+
+def test_reset_returns_overflow_buffers_to_the_pool():
+    ring = GradRing({0: 8, 1: 8}, torch.float32, buffers=1)
+    ring.room(OVERFLOW_HOST_MARGIN + 64)
+    ring.take(0), ring.take(1)
+    ring.reset()  # a failed step
+    assert not ring.held and ring.free == [0] and ring.overflow_bytes == 32 and ring._over == {}
 
 
 def test_spill_and_abort_and_reset():
@@ -209,13 +245,15 @@ def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, mon
         return slow(self, u, lr, grad_scale)
 
     monkeypatch.setattr(optim.HostAdamW, "update", sleepy)
-    s = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS)
+    s = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS,
+                                grad_ring_overflow=False)
     try:
         got = train_session(s, batches)
         trace = s.trace.to_dataframe()
         s.engine.drain()
         ring_w = {u: s.store.units[u].master.clone() for u in s.store.order}
         assert s.store.ring.waits > 0 and s.store.ring.spilled == 0  # back-pressure, never a spill
+        assert s.store.ring.overflowed == 0 and s.memory_report()["grad_ring_overflow"] == 0
         assert s.store.ring.big == (None if vocab == VOCAB else DEEP)
         assert (trace.op == "wait-ring").any() and set(trace[trace.op == "wait-ring"].lane) == {"host-unpack"}
         out = d.parent / f"{d.name}-ring-slow"
@@ -232,6 +270,49 @@ def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, mon
 
     saved = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
     assert max(rel(saved[k], v) for k, v in ref.state_dict().items()) < 1e-4
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, WIDE_VOCAB])
+def test_slow_host_adamw_overflows_where_the_host_has_room_and_still_equals_the_slabs(hf_dir, monkeypatch, vocab):
+    """The default: the host AdamW sleeps, every ring buffer is held, and the copies out take overflow buffers
+    instead of waiting (no ``wait-ring`` span); the weights equal the slabs' bit for bit. Under a ``host_memory``
+    that leaves nothing past the margin, the same steps wait as with the overflow off."""
+    from megatrain_nb.host import optim
+
+    d = hf_dir("llama", num_hidden_layers=DEEP, **({} if vocab == VOCAB else {"vocab_size": vocab}))
+    batches = make_batches(VOCAB, 3)
+    slow = optim.HostAdamW.update
+
+    def sleepy(self, u, lr, grad_scale=1.0):
+        time.sleep(0.05)
+        return slow(self, u, lr, grad_scale)
+
+    monkeypatch.setattr(optim.HostAdamW, "update", sleepy)
+    s = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS)
+    try:
+        got = train_session(s, batches)
+        trace = s.trace.to_dataframe()
+        s.engine.drain()
+        ring = s.store.ring
+        over_w = {u: s.store.units[u].master.clone() for u in s.store.order}
+        assert ring.overflowed > 0 and ring.waits == 0 and not (trace.op == "wait-ring").any()
+        biggest = max(ring.numel.values()) * 4
+        assert 0 < ring.overflow_peak <= s.memory_report()["grad_ring_overflow"] <= sum(ring.numel.values()) * 4
+        assert ring.overflow_peak >= biggest and not ring.held  # at least one unit's; each update released its buffer
+    finally:
+        s.close()
+    from megatrain_nb.machine.budget import host_rss
+
+    tight = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS,
+                                    host_memory=host_rss() + (1 << 30))  # under the 4 GiB margin: no room
+    try:
+        train_session(tight, batches[:1])
+        assert tight.store.ring.overflow == 0 and tight.store.ring.overflowed == 0 and tight.store.ring.waits > 0
+    finally:
+        tight.close()
+    monkeypatch.undo()
+    _, slab_losses, slab_w = _train(d, batches, grad_ring=False)
+    assert got == slab_losses and all(torch.equal(over_w[u], slab_w[u]) for u in over_w)
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, WIDE_VOCAB])
