@@ -37,13 +37,14 @@ def test_replay_reproduces_each_rows_prediction_for_a_and_c_is_no_worse_than_the
         if "C" in then:  # the cover of A's wait is C's largest budget: the best of them is no slower
             assert search.predicted["C"] <= then["C"] + 5e-4 and search.free["C"] <= row["placement_inputs"]["free_gib"]["C"] * 2**30 + 2**20
             assert search.residents["C"] <= search.residents["B"]
-    assert replayed == 18  # every row of the file that recorded its inputs
+    assert replayed == sum(bool(r.get("placement_inputs")) for r in rows) >= 18  # every row that recorded its inputs
 
 
 def test_the_command_prints_each_row_then_and_now(capsys):
     auto_replay.main([str(ROWS), "--margin", "0.05"])
     out = capsys.readouterr().out
-    assert out.count("  then: auto chose") == 18 and out.count("  now:  auto chose") == 18
+    n = sum(bool(json.loads(line).get("placement_inputs")) for line in ROWS.read_text().splitlines())
+    assert n >= 18 and out.count("  then: auto chose") == n and out.count("  now:  auto chose") == n
     assert "within 5%" in out.split("now:", 1)[1]  # the margin given reaches the search
 
 

@@ -275,6 +275,7 @@ def _store(layouts: dict, d: int, pin: bool, words: dict[int, int], ring: bool =
              + (0 if ring else d * (N - numel[-1])),
              "exp_avg": 4 * sum(words.values()), "exp_avg_sq": 4 * sum(words.values()), "shadow": d * N if pin else 0,
              "grad_ring": grad_ring.ring_bytes(numel, d) if ring else 0,
+             "grad_ring_overflow": 0,  # at rest: only while the host's AdamW is behind (Note: [Ring overflow])
              "grad_rows": 0 if embed_rows is None else embed_rows * (4 * width + 8)}
     store["total"] = sum(store.values())
     store["params"] = sum(s.numel() for lay, _ in layouts.values() for s in lay.shapes)
