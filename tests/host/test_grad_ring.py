@@ -229,22 +229,27 @@ def test_a_head_wider_than_the_layers_trains_through_its_region_as_slabs(hf_dir,
     assert not ring.store.ring.held
 
 
+def _slow_host_adamw(monkeypatch, seconds: float = 0.05) -> None:
+    """The host AdamW sleeps ``seconds`` before each unit's update (undone by ``monkeypatch.undo``)."""
+    from megatrain_nb.host import optim
+
+    slow = optim.HostAdamW.update
+
+    def sleepy(self, u, lr, grad_scale=1.0):
+        time.sleep(seconds)
+        return slow(self, u, lr, grad_scale)
+
+    monkeypatch.setattr(optim.HostAdamW, "update", sleepy)
+
+
 @pytest.mark.parametrize("vocab", [VOCAB, WIDE_VOCAB])
 def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, monkeypatch, vocab):
     """The host AdamW sleeps before each update: the ring fills, copies out wait (``wait-ring`` spans), and the
     weights still equal HF + torch.optim.AdamW's and the slabs' bit for bit; with equal buffers, and with a head
     wider than the layers (its region)."""
-    from megatrain_nb.host import optim
-
     d = hf_dir("llama", num_hidden_layers=DEEP, **({} if vocab == VOCAB else {"vocab_size": vocab}))
     batches = make_batches(VOCAB, 3)
-    slow = optim.HostAdamW.update
-
-    def sleepy(self, u, lr, grad_scale=1.0):
-        time.sleep(0.05)
-        return slow(self, u, lr, grad_scale)
-
-    monkeypatch.setattr(optim.HostAdamW, "update", sleepy)
+    _slow_host_adamw(monkeypatch)
     s = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS,
                                 grad_ring_overflow=False)
     try:
@@ -277,17 +282,9 @@ def test_slow_host_adamw_overflows_where_the_host_has_room_and_still_equals_the_
     """The default: the host AdamW sleeps, every ring buffer is held, and the copies out take overflow buffers
     instead of waiting (no ``wait-ring`` span); the weights equal the slabs' bit for bit. Under a ``host_memory``
     that leaves nothing past the margin, the same steps wait as with the overflow off."""
-    from megatrain_nb.host import optim
-
     d = hf_dir("llama", num_hidden_layers=DEEP, **({} if vocab == VOCAB else {"vocab_size": vocab}))
     batches = make_batches(VOCAB, 3)
-    slow = optim.HostAdamW.update
-
-    def sleepy(self, u, lr, grad_scale=1.0):
-        time.sleep(0.05)
-        return slow(self, u, lr, grad_scale)
-
-    monkeypatch.setattr(optim.HostAdamW, "update", sleepy)
+    _slow_host_adamw(monkeypatch)
     s = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS)
     try:
         got = train_session(s, batches)
