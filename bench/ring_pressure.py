@@ -38,7 +38,7 @@ from megatrain_nb import Session  # noqa: E402
 def run(cfg, a, delay: float) -> tuple[dict, Session]:
     """(row, session) of ``a.warmup`` + ``a.steps`` steps with ``delay`` seconds before each host update."""
     s = Session.from_config(cfg, seed=0, device=a.device, lr=1e-5, optimizer_state=a.optimizer_state,
-                            grad_ring_overflow=a.overflow == "on")
+                            grad_ring_overflow=a.ring_overflow == "on")
     if s.store.ring is None:
         raise SystemExit(f"the gradient ring is off here ({s.memory_report()['gradients']}): nothing to show")
     s.engine.delays = {"host-adam": delay} if delay else {}
@@ -54,7 +54,7 @@ def run(cfg, a, delay: float) -> tuple[dict, Session]:
     stalls = s.stalls()
     waits = {} if not len(stalls) else stalls.groupby("waited_on").dur_ms.sum().round(1).to_dict()
     row = dict(subject="ring", shape=a.shape, layers=cfg.num_hidden_layers, batch=a.batch, seq=a.seq,
-               device=a.device, optimizer_state=a.optimizer_state, adam_delay_s=delay, grad_ring_overflow=a.overflow,
+               device=a.device, optimizer_state=a.optimizer_state, adam_delay_s=delay, grad_ring_overflow=a.ring_overflow,
                step_s=round(statistics.median(times), 4), step_s_all=[round(x, 4) for x in times],
                ring=s.store.ring.describe(), ring_bytes=s.store.ring.nbytes,
                wait_ring_ms=round(float(ring.dur_ms.sum()), 1), wait_ring_spans=int(len(ring)),
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: %(default)s)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8", "int4"))
-    ap.add_argument("--overflow", choices=("on", "off"), default="off",
+    ap.add_argument("--ring-overflow", choices=("on", "off"), default="off",
                     help="EngineConfig.grad_ring_overflow: off (default here) shows the ring's back-pressure; on, the "
                          "default elsewhere, takes plain host buffers instead while the host has room (Note: [Ring overflow])")
     ap.add_argument("--adam-delay", type=float, default=0.5,

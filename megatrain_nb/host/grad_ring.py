@@ -219,7 +219,7 @@ class GradRing:
     def overflow_bytes(self) -> int:
         """Host bytes of overflow buffers allocated now, held or pooled (Note: [Ring overflow])."""
         with self.cond:
-            return sum(b.numel() * b.element_size() for b in [*self._over.values(), *self._pool])
+            return self._allocated() * self.dtype.itemsize
 
     def room(self, free: int) -> int:
         """Set ``overflow`` from ``free`` host bytes this process may still take (``host_available``, within
