@@ -56,10 +56,14 @@ class HostAdamW:
     """Elements upcast and updated at a time when grads are not fp32 (64 MiB of fp32 scratch). A
     multiple of 64, so that chunks fall on the kernel's vector lanes as a whole slab does (bitwise equal)."""
 
+    rows_numel = 1 << 22
+    """Elements of each of ``updated_rows``' four copies at a time (16 MiB of fp32 each, kept)."""
+
     def __init__(self, store: HostStore, cfg: OptimConfig):
         self.store, self.cfg = store, cfg
         self.opts: dict[int, torch.optim.AdamW] = {}
         self._scratch: torch.Tensor | None = None  # (chunk_numel,) fp32: low-precision grads upcast here
+        self._rows_bufs: list[torch.Tensor] | None = None  # updated_rows' copies, rows_numel elements each
         self._step = torch.zeros(())  # a chunk's step counter (see _update_in_chunks)
         for u, unit in store.units.items():
             p = unit.master
@@ -123,25 +127,36 @@ class HostAdamW:
     def updated_rows(self, u: int, rows: torch.Tensor, width: int, lr: float, grad_scale: float = 1.0) -> torch.Tensor:
         """Rows ``rows`` of unit ``u``'s master (``width`` elements each), fp32 (len(rows), width), as its next
         ``update`` with these arguments will leave them; computed on gathered copies, the slabs untouched
-        (Note: [Early rows] in early_rows.py: bitwise the slab's values when ``width`` is a multiple of 64)."""
+        (Note: [Early rows] in early_rows.py: bitwise the slab's values when ``width`` is a multiple of 64).
+        The copies go ``rows_numel`` elements at a time through kept buffers: 30K rows of a 14B table are
+        2.5 GB of copies at once, allocated afresh every step."""
         unit = self.store.units[u]
         if unit.compact is not None:
             raise ValueError(f"unit {u} has compact moments: its rows cannot be updated apart (the engine serves "
                              "early rows only for an embedding with fp32 moments)")
+        held = self.store.rows if u == -1 else None  # Note: [Embedding rows] in embed_grad.py
+        if held is not None and width != held.width:
+            raise ValueError(f"rows of width {width}: the embedding's are {held.width} wide")
         opt = self.opts[u]
         state, group = opt.state[unit.master], opt.param_groups[0]
-        take = lambda t: t.view(-1, width).index_select(0, rows).flatten()  # noqa: E731 - a copy
-        p, m, v = take(unit.master), take(unit.exp_avg), take(unit.exp_avg_sq)
-        if u == -1 and self.store.rows is not None:  # Note: [Embedding rows] in embed_grad.py
-            if width != self.store.rows.width:
-                raise ValueError(f"rows of width {width}: the embedding's are {self.store.rows.width} wide")
-            g = self.store.rows.take(rows).flatten()
-        else:
-            g = take(self.store.grad_of(u)).float()
-        if grad_scale != 1.0:
-            g.mul_(grad_scale)
-        _fused(group, lr, p, g, m, v, state["step"].clone())  # adamw() adds 1 to the copy, as the update will
-        return p.view(-1, width)
+        per = max(1, self.rows_numel // width)
+        if self._rows_bufs is None or self._rows_bufs[0].numel() < per * width:
+            self._rows_bufs = [torch.empty(per * width) for _ in range(4)]  # master, moments, gradients
+        out = torch.empty(rows.numel(), width)
+        for a in range(0, rows.numel(), per):
+            r = rows[a:a + per]
+            p, m, v, g = (b[:r.numel() * width].view(-1, width) for b in self._rows_bufs)
+            for dst, src in ((p, unit.master), (m, unit.exp_avg), (v, unit.exp_avg_sq)):
+                torch.index_select(src.view(-1, width), 0, r, out=dst)
+            if held is not None:
+                held.take(r, out=g)
+            else:
+                g.copy_(self.store.grad_of(u).view(-1, width).index_select(0, r))
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            _fused(group, lr, p.view(-1), g.view(-1), m.view(-1), v.view(-1), state["step"].clone())  # adamw() adds 1
+            out[a:a + per] = p  # to the copy, as the update will
+        return out
 
     def clip_factor(self, norms: dict[int, float]) -> tuple[float, float]:
         """(total norm, factor) from per-unit L2 norms, as ``torch.nn.utils.clip_grad_norm_`` computes them."""

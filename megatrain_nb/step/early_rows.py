@@ -28,8 +28,10 @@ from __future__ import annotations
 import torch
 
 LANES = 64  # rows of a multiple of this many fp32 elements fall on the fused kernel's vector lanes as in the slab
-MAX_BYTES = 1 << 30  # host bytes of the copies (master, moments, gradients: 16 per element) served at most: 3B x 8
-# x 4096 random tokens gather 29.5K of 151936 rows (0.9 GiB); long context asks more, and its step hides the update
+MAX_BYTES = 1 << 30  # host bytes of the rows served (fp32: 4 per element) at most; their copies go a piece at a time
+# (``HostAdamW.updated_rows``). 14B x 8 x 4096 random tokens gather ~30K of 152064 rows of 5120: 0.6 GiB (its 2.5 GB of
+# copies at once were refused until 2026-12-06, and each such step began ~0.2 s late on the H200); long context asks
+# more, and its step hides the update
 
 
 class EarlyRows:
@@ -77,7 +79,7 @@ class EarlyRows:
             if self._updated(version):
                 return False
             want = torch.unique(ids.flatten())
-            if len(want) * self.width * 16 > MAX_BYTES:
+            if len(want) * self.width * 4 > MAX_BYTES:
                 return False
             self.wanted = (version, want)
             if self._served(version) is not None:

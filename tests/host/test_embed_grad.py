@@ -15,6 +15,7 @@ from conftest import VOCAB, make_batches
 from helpers import LR
 from megatrain_nb import Session
 from megatrain_nb.config import OptimConfig
+from megatrain_nb.host import embed_grad
 from megatrain_nb.host.embed_grad import RowGrad
 from megatrain_nb.host.optim import HostAdamW, grad_norm
 
@@ -37,11 +38,16 @@ def _dense(ids, rows, piece: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_hold_the_slabs_bits_and_its_norm(dtype):
+@pytest.mark.parametrize("cast_numel", [None, WIDTH * 37])
+def test_rows_hold_the_slabs_bits_and_its_norm(dtype, cast_numel, monkeypatch):
+    """The slab's bits whether the rows come 512 at a time or ``CAST_NUMEL`` elements' worth (37 rows) through
+    the kept fp32 buffer."""
+    if cast_numel:
+        monkeypatch.setattr(embed_grad, "CAST_NUMEL", cast_numel)
     r = RowGrad(ROWS, WIDTH)
     for seed in (0, 1):  # a second step overwrites the first: no row of it stays
         ids, rows = _step_rows(seed, dtype=dtype)
-        flat = r.scatter(ids, rows, piece=512)
+        flat = r.scatter(ids, rows, piece=None if cast_numel else 512)
         slab = _dense(ids, rows, 512)
         touched = torch.unique(ids)
         assert torch.equal(r.ids, touched)
@@ -101,6 +107,7 @@ def test_the_update_and_early_rows_from_rows_equal_the_slabs_bitwise(width, scal
     """Chunks that cut rows (as a 151936-row table's do): every chunk made dense equals the slab's piece, so the
     fused AdamW writes the same bits; the early rows (Note: [Early rows]) too."""
     monkeypatch.setattr(HostAdamW, "chunk_numel", 64 * 41)
+    monkeypatch.setattr(HostAdamW, "rows_numel", width * 2)  # the early rows' copies two rows at a time
     cfg = OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     (slab, rows), want = _stores(width), torch.tensor([0, 3, 4, 600, 999])  # touched, untouched, past the last
     a, b = HostAdamW(slab, cfg), HostAdamW(rows, cfg)

@@ -38,6 +38,7 @@ def test_updated_rows_equal_the_slab_update_bitwise(width, grad_dtype, scale, mo
     store = _store(997, width, grad_dtype)
     opt = HostAdamW(store, OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     monkeypatch.setattr(HostAdamW, "chunk_numel", 64 * 41)  # chunks that cut rows, as a 151936-row table's do
+    monkeypatch.setattr(HostAdamW, "rows_numel", width * 7)  # the rows' copies 7 rows at a time: 37 pieces and a part
     rows = torch.unique(torch.randint(0, 997, (300,), generator=torch.Generator().manual_seed(1)))
     before = {k: getattr(store.units[-1], k).clone() for k in ("master", "exp_avg", "exp_avg_sq", "grad")}
     early = opt.updated_rows(-1, rows, width, lr=2e-3, grad_scale=scale)
@@ -80,8 +81,9 @@ def test_take_waits_for_the_served_rows_or_the_whole_update(worker):
     assert not EarlyRows(48, worker).request(1, ids)  # not whole lanes: never
     from megatrain_nb.step import early_rows
 
-    many = torch.arange(early_rows.MAX_BYTES // (64 * 16) + 1)
-    assert not EarlyRows(64, worker).request(1, many)  # copies past MAX_BYTES
+    many = torch.arange(early_rows.MAX_BYTES // (64 * 4) + 1)
+    assert not EarlyRows(64, worker).request(1, many)  # rows past MAX_BYTES
+    assert EarlyRows(64, worker).request(1, many[:-1])  # up to it
 
 
 @pytest.mark.parametrize("family,grad_clip", [("llama_tied", None), ("llama", None), ("llama", 0.05)])
