@@ -21,12 +21,18 @@ tied head still waits for the whole update (``Engine._load_head``), at the end o
 so do its gradients; an untied embedding's gradients of the new step wait for it before they are
 written into the slab that update reads (``embedding.scatter_grads``). With a gate (grad_clip, say) the
 worker reaches the embedding the moment the last gradient lands, most often before the next step
-has asked: its rows then wait for the whole update, as before.
+has asked: its rows then wait for the whole update, as before. Where the host keeps up, the worker is idle
+when the embedding's gradients land, and reaches it a few ms before the next step asks (the driver returns at
+that landing, then prepares the batch): on the H200 at 14B x 8 it started the whole update 4 ms before the step
+did, and layer 0 waited 0.29 s. So when the embedding is the last unit left, the worker waits for the next
+step's request up to ``WAIT_S`` (``serve``'s ``wait``): served, or refused (too many rows), it goes on at once;
+with no next step (the end of a run), the update is ``WAIT_S`` late, nothing else.
 """
 from __future__ import annotations
 
 import torch
 
+WAIT_S = 0.1  # how long an otherwise idle worker waits for the next step to ask for its rows (see the Note)
 LANES = 64  # rows of a multiple of this many fp32 elements fall on the fused kernel's vector lanes as in the slab
 MAX_BYTES = 1 << 30  # host bytes of the rows served (fp32: 4 per element) at most; their copies go a piece at a time
 # (``HostAdamW.updated_rows``). 14B x 8 x 4096 random tokens gather ~30K of 152064 rows of 5120: 0.6 GiB (its 2.5 GB of
@@ -60,6 +66,7 @@ class EarlyRows:
         self.on = width % LANES == 0
         self.wanted: tuple[int, torch.Tensor] | None = None  # (version, sorted unique row ids) asked for
         self.served: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, ids, fp32 rows)
+        self.asked = 0  # the latest version a step asked rows for, served or refused
         self.count = 0  # requests served (tests, traces)
 
     def _updated(self, version: int) -> bool:
@@ -78,6 +85,8 @@ class EarlyRows:
         with self.cond:
             if self._updated(version):
                 return False
+            self.asked = max(self.asked, version)
+            self.cond.notify_all()  # a worker waiting for this request goes on, served or not
             want = torch.unique(ids.flatten())
             if len(want) * self.width * 4 > MAX_BYTES:
                 return False
@@ -87,9 +96,12 @@ class EarlyRows:
             self.cond.notify_all()
         return True
 
-    def serve(self, version: int, compute) -> bool:
+    def serve(self, version: int, compute, wait: float = 0.0) -> bool:
         """Worker, before the unit's update that brings it to ``version``: ``compute(ids)`` -> the rows as
-        that update leaves them, for the ids asked for. Returns False when nothing was asked for it."""
+        that update leaves them, for the ids asked for. Returns False when nothing was asked for it,
+        after waiting up to ``wait`` seconds for a request (see the Note)."""
+        if wait > 0 and self.on:
+            self.worker.wait_until(lambda: self.asked >= version, timeout=wait)
         with self.cond:
             want = self.wanted
         if want is None or want[0] != version:

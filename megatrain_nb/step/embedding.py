@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..host.optim import grad_norm
+from . import early_rows as early_rows_mod
 from .transfers import chunks
 from .workers import Box
 
@@ -123,9 +124,10 @@ def scatter_grads(eng: Engine, ids: torch.Tensor, dE: torch.Tensor, keepalive, v
         return float(grad_norm(grad.index_select(0, touched).flatten()))  # the other rows are zero
 
 
-def early_rows(eng: Engine, unit: int, step: int, lr: float, grad_scale: float) -> bool:
+def early_rows(eng: Engine, unit: int, step: int, lr: float, grad_scale: float, last: bool = False) -> bool:
     """Worker, before ``unit``'s update of step ``step``: serve the embedding rows the next forward
-    asked for (Note: [Early rows]); False where this process does not update it on the host."""
+    asked for (Note: [Early rows]), waiting for the request where ``last`` (no other unit left to update);
+    False where this process does not update it on the host."""
     if (unit != -1 or -1 in eng.dev_opt.of or -1 in eng.dev_opt.streamed or not eng.store.owns(-1)
             or eng.store.units[-1].compact is not None):  # compact moments: no row-wise update
         return False
@@ -133,4 +135,4 @@ def early_rows(eng: Engine, unit: int, step: int, lr: float, grad_scale: float) 
     def rows(ids):
         with eng.rec.span("host-adam", "adam-rows", -1, "optim"):
             return eng.optim.updated_rows(-1, ids, eng.early.width, lr, grad_scale)
-    return eng.early.serve(step + 1, rows)
+    return eng.early.serve(step + 1, rows, wait=early_rows_mod.WAIT_S if last else 0.0)

@@ -130,7 +130,8 @@ class AdamWorker:
         self.closed = False
         self.shared = shared  # shared_store.SharedHost: another local rank updates the units it owns
         self.target: dict[int, int] = {}  # unit owned elsewhere -> updates processed here (its owner's to come)
-        self.early: Callable[[int, int, float, float], bool] | None = None  # Note: [Early rows] (the engine's)
+        self.early: Callable[[int, int, float, float, bool], bool] | None = None  # Note: [Early rows] (the engine's;
+        # its last argument: no other unit is left to update, so it may wait for the next step's request)
         self.threads: int | None = None  # intra-op threads of the updates (None: torch's default); set per step
         self.noop: Callable[[int], bool] | None = None  # units the device updates: the host's update is a no-op
         self.guard: Callable[[int], bool] | None = None  # whether a landing unit's state can take its update
@@ -284,7 +285,7 @@ class AdamWorker:
             skip = skip or off  # Note: [Non-finite gradients] see docs/engine.md: u is skipped when it, or a unit
             # that landed before it, has a non-finite norm, whichever the worker reaches first
             if (not off and u not in deferred and self.early is not None and len(self.landed) == len(self.order)
-                    and self.early(u, cfg["step"], cfg["lr"], scale)):
+                    and self.early(u, cfg["step"], cfg["lr"], scale, len(done) + 1 == len(self.order))):
                 deferred.add(u)  # Note: [Early rows] the rows the next forward gathers are out; the rest waits
                 continue
             if not off:  # a deferred unit's rows went out with this same verdict: its update runs

@@ -86,6 +86,71 @@ def test_take_waits_for_the_served_rows_or_the_whole_update(worker):
     assert EarlyRows(64, worker).request(1, many[:-1])  # up to it
 
 
+def test_an_idle_worker_waits_for_the_request_and_goes_on_when_it_is_refused(worker):
+    """The embedding is the last unit left: ``serve`` waits for the next step's request, served or refused."""
+    e = EarlyRows(64, worker)
+    got = []
+    t = threading.Thread(target=lambda: got.append(e.serve(1, lambda ids: ids[:, None].float().expand(-1, 64), wait=30)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # nothing asked yet: it waits
+    assert e.request(1, torch.tensor([[4, 1, 4]]))
+    t.join(5)
+    assert got == [True] and e.ready(1)
+    assert torch.equal(e.take(torch.tensor([[1, 4]]), 1, master=None)[:, 0], torch.tensor([1.0, 4.0]))
+    from megatrain_nb.step import early_rows
+
+    t = threading.Thread(target=lambda: got.append(e.serve(2, lambda ids: 1 / 0, wait=30)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()
+    assert not e.request(2, torch.arange(early_rows.MAX_BYTES // (64 * 4) + 1))  # too many rows: refused
+    t.join(5)
+    assert not t.is_alive() and got == [True, False]  # it went on at once, nothing computed
+
+
+def test_the_worker_waits_for_the_request_only_with_no_other_unit_left():
+    from megatrain_nb.step.workers import AdamWorker, Box
+
+    calls = []
+    abort = threading.Event()
+    w = AdamWorker([-1, 0, 1], lambda u, lr, scale: calls.append(("adam", u)), abort)
+    w.early = lambda u, step, lr, scale, last: u == -1 and calls.append(("rows", u, last))  # none served
+    try:
+        for gate in (False, True):
+            loss = Box(abort)
+            w.begin(step=int(gate), lr=1e-3, gate=gate, clip=lambda norms: (0.0, 1.0), loss=loss)
+            loss.put(1.0)
+            for u in (1, 0):
+                w.land(u, 1.0)
+            if not gate:
+                w.wait_version(0, 1)  # the host kept up: 1 and 0 are updated when the embedding lands
+            w.land(-1, 1.0)
+            w.wait_all(int(gate) + 1)
+    finally:
+        w.close()
+    assert calls == [("adam", 1), ("adam", 0), ("rows", -1, True), ("adam", -1),  # the last unit: it may wait
+                     ("rows", -1, False), ("adam", -1), ("adam", 0), ("adam", 1)]  # gated: the others are left
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_rows_go_early_where_the_host_keeps_up(hf_dir, monkeypatch, family):
+    """No delay anywhere: the worker is idle when the embedding lands and waits for the next step's request
+    (the rows are served every step but the first; a tied head still waits for the whole update, at its load).
+    Without the wait (``WAIT_S`` 0) none is served here."""
+    from megatrain_nb.step import early_rows
+
+    monkeypatch.setattr(early_rows, "WAIT_S", 10.0)  # a slow machine's request comes in time
+    s = Session.from_pretrained(hf_dir(family, hidden_size=64), lr=1e-3)
+    try:
+        batches = make_batches(VOCAB, 4)
+        train_session(s, batches)
+        served = s.engine.early.count
+    finally:
+        s.close()
+    assert served == len(batches) - 1
+
+
 @pytest.mark.parametrize("family,grad_clip", [("llama_tied", None), ("llama", None), ("llama", 0.05)])
 def test_a_forward_on_early_rows_trains_equal_to_one_that_waits(hf_dir, family, grad_clip):
     d = hf_dir(family, hidden_size=64)
@@ -116,7 +181,7 @@ def test_the_worker_updates_the_others_before_the_embedding_whose_rows_went_firs
     calls = []
     abort = threading.Event()
     w = AdamWorker([-1, 0, 1, 2], lambda u, lr, scale: calls.append(("adam", u)), abort)
-    w.early = lambda u, step, lr, scale: u == -1 and not calls.append(("rows", u, step))
+    w.early = lambda u, step, lr, scale, last: u == -1 and not calls.append(("rows", u, step))
     try:
         loss = Box(abort)
         w.begin(step=0, lr=1e-3, gate=True, clip=lambda norms: (0.0, 1.0), loss=loss)  # gate: all land first
@@ -142,7 +207,7 @@ def test_a_non_finite_unit_skips_the_units_that_landed_after_it_whatever_the_upd
     calls = []
     abort = threading.Event()
     w = AdamWorker([-1, 0, 1], lambda u, lr, scale: calls.append(("adam", u)), abort)
-    w.early = lambda u, step, lr, scale: u == -1 and not calls.append(("rows", u))
+    w.early = lambda u, step, lr, scale, last: u == -1 and not calls.append(("rows", u))
     try:
         loss = Box(abort)
         w.begin(step=0, lr=1e-3, gate=False, clip=lambda norms: (0.0, 1.0), loss=loss)
