@@ -57,7 +57,8 @@ class HostAdamW:
     multiple of 64, so that chunks fall on the kernel's vector lanes as a whole slab does (bitwise equal)."""
 
     rows_numel = 1 << 22
-    """Elements of each of ``updated_rows``' four copies at a time (16 MiB of fp32 each, kept)."""
+    """Elements of each of ``updated_rows``' copies of the moments and gradients at a time (16 MiB of fp32
+    each, kept)."""
 
     def __init__(self, store: HostStore, cfg: OptimConfig):
         self.store, self.cfg = store, cfg
@@ -141,11 +142,11 @@ class HostAdamW:
         state, group = opt.state[unit.master], opt.param_groups[0]
         per = max(1, self.rows_numel // width)
         if self._rows_bufs is None or self._rows_bufs[0].numel() < per * width:
-            self._rows_bufs = [torch.empty(per * width) for _ in range(4)]  # master, moments, gradients
-        out = torch.empty(rows.numel(), width)
+            self._rows_bufs = [torch.empty(per * width) for _ in range(3)]  # the moments and gradients
+        out = torch.empty(rows.numel(), width)  # the master's rows: updated in place, piece by piece
         for a in range(0, rows.numel(), per):
-            r = rows[a:a + per]
-            p, m, v, g = (b[:r.numel() * width].view(-1, width) for b in self._rows_bufs)
+            r, p = rows[a:a + per], out[a:a + per]
+            m, v, g = (b[:r.numel() * width].view(-1, width) for b in self._rows_bufs)
             for dst, src in ((p, unit.master), (m, unit.exp_avg), (v, unit.exp_avg_sq)):
                 torch.index_select(src.view(-1, width), 0, r, out=dst)
             if held is not None:
@@ -155,8 +156,7 @@ class HostAdamW:
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
             _fused(group, lr, p.view(-1), g.view(-1), m.view(-1), v.view(-1), state["step"].clone())  # adamw() adds 1
-            out[a:a + per] = p  # to the copy, as the update will
-        return out
+        return out  # to the copy, as the update will
 
     def clip_factor(self, norms: dict[int, float]) -> tuple[float, float]:
         """(total norm, factor) from per-unit L2 norms, as ``torch.nn.utils.clip_grad_norm_`` computes them."""
