@@ -21,6 +21,7 @@ recorded step; the pure rules it shares with the engine live in placement.py and
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,11 +35,14 @@ from ..config import OPTIMIZER_STATES, pinned_budget
 from .budget import hardware_within, parse_bytes
 from .longcontext import (DEVICE_RESERVE, HOST_MARGIN, PlacementError, backward_peak, cache_bytes, cache_first, choose_share, keep_cap, keep_share, layer_bytes,
                           parked_bytes, pinned_bytes, place_long)
+from ..step import early_rows
 from ..step.schedule import make_blocks
 from .simulate import GRAD_SLOTS, simulate, simulate_steady
 from ..view.trace import Trace
 
 _GIB = 1 << 30
+EARLY_ROWS_COST = 2.0  # a gathered embedding row's host AdamW (its state and gradient copied in, then updated) against
+# a slab element's, by the bytes each moves (Note: [Early rows]); an estimate, not yet timed on the GPU host
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
 
 
@@ -622,9 +626,14 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     pinned_store = pin_store or cast_on_device
     refresh = (lambda n: n / cast) if pin_store else (lambda n: 0.0)
     tied_grads = V * h if s["tied"] else 0  # a tied head's embedding grads go through staging into fp32
+    touched = V * -math.expm1(T * math.log1p(-1 / V))  # rows T uniform tokens touch: real text touches fewer
+    rows_path = ring and not s["tied"]  # the gradient as touched rows: zeroed, added and normed, not a table
+    if overlap_optimizer and not grad_clip and h % early_rows.LANES == 0 and touched * h * 4 <= early_rows.MAX_BYTES:
+        t["embed_rows_adam"] = EARLY_ROWS_COST * touched * h / adam32  # Note: [Early rows]
     units = {  # unit -> (bytes loaded, pack ms, h2d ms, grad bytes, d2h ms, unpack ms, adam ms)
         -1: (T * h * d, T * h / cast, T * h * d / up / 1e6, T * h * 4, T * h * 4 / both_down / 1e6,  # dE is fp32
-             (T * h + V * h * (1 if s["tied"] else 2)) / cast, E / adam32 + refresh(E)),
+             (T * h + (2 * touched * h if rows_path else V * h * (1 if s["tied"] else 2))) / cast,
+             E / adam32 + refresh(E)),
         L: (head_n * wb, 0.0 if pinned_store else head_n / cast, head_n * wb / up / 1e6, head_n * d,
             head_n * d / both_down / 1e6, (tied_grads if pinned_store or ring else head_n) / cast,
             s["head_params"] / adam + refresh(s["head_params"])),

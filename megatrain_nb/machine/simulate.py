@@ -223,7 +223,8 @@ class _Sim:
         if hs and self.tied:
             rows = self.t0 if head is None else head
         else:
-            rows = self.t0 if -1 in res else self.load(-1, "fwd", *units[-1][:3], waits=(-1,))  # host-gathered rows
+            rows = self.t0 if -1 in res else self.load(-1, "fwd", *units[-1][:3], waits=("rows",))  # host-gathered rows
+            # once they are updated: early (Note: [Early rows]), else with the whole embedding
         have = lambda s: 0.0 if s is None else self.have[s]  # noqa: E731  (a resident layer: always there)
         end: dict[int, float] = {}
         at = {ld.before: ld for ld in f_loads}
@@ -331,10 +332,20 @@ class _Sim:
             return
         todo, last = list(self.landed), max(u for _, u, _ in self.landed)
         a = self.free.get("host-adam", 0.0) if self.overlap else max(self.free.get("host-adam", 0.0), last)
+        early = self.t.get("embed_rows_adam", 0.0) if self.overlap else 0.0  # Note: [Early rows]: gated, the
+        rows_out = False  # worker reaches the embedding before the next step asks
         while todo:
             quick = [x for x in todo if x[2] == 0.0 and x[1] <= a]  # the device's units count at once (Note: [Early state])
             a = a if quick else max(a, todo[0][1])  # with every landed unit done, the worker waits for the next arrival
             pick = quick[0] if quick else min(todo, key=lambda x: rank[x[0]]) if a >= last else todo[0]
-            todo.remove(pick)
             unit, _, ms = pick
+            if unit == -1 and early and not rows_out and a >= last and ms:  # its rows first, its whole update last
+                self.updated["rows"] = a = self.put("host-adam", "adam-rows", -1, "optim", a, a + early)
+                rows_out = True
+                if len(todo) > 1:
+                    rank[-1] = len(rank)
+                    continue
+            todo.remove(pick)
             self.updated[unit] = a = self.put("host-adam", "adam", unit, "optim", a, a + ms)
+            if unit == -1 and not rows_out:
+                self.updated["rows"] = a

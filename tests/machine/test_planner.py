@@ -303,19 +303,25 @@ def test_fp32_adam_rate_defaults_to_the_main_rate():
 
 def _previous_updates(df) -> dict:
     """unit -> end of the previous step's update of it, for those that end within the steady step (a
-    step's own update of a unit starts only after the compute that made its gradients: bwd, loss, embed_bwd)."""
+    step's own update of a unit starts only after the compute that made its gradients: bwd, loss, embed_bwd);
+    "rows": the end of the embedding's early rows (Note: [Early rows]), else of its whole update."""
     made = df[(df.lane == "compute") & df.op.isin(["bwd", "loss", "embed_bwd"])]
     made = dict(zip(made.layer, made.end_ms))
     adam = df[df.lane == "host-adam"]
     prev = adam[adam.start_ms < adam.layer.map(made)]
-    assert prev.layer.is_unique
-    return dict(zip(prev.layer, prev.end_ms))
+    whole, rows = prev[prev.op == "adam"], prev[prev.op == "adam-rows"]
+    assert whole.layer.is_unique and len(rows) <= 1
+    out = dict(zip(whole.layer, whole.end_ms))
+    if len(rows) or -1 in out:
+        out["rows"] = rows.end_ms.iloc[0] if len(rows) else out[-1]
+    return out
 
 
 def _units_of_load(layer: int, p) -> tuple:
-    """Units whose update a load of `layer` waits for: a tied head's slot also holds the embedding."""
+    """Units whose update a load of `layer` waits for: a tied head's slot also holds the embedding; the
+    embedding's rows wait for its early rows (or its whole update)."""
     L = p.shape["layers"]
-    return (L, -1) if layer == L and p.shape["tied"] else (layer,)
+    return (L, -1) if layer == L and p.shape["tied"] else ("rows",) if layer == -1 else (layer,)
 
 
 @pytest.mark.parametrize("config, batch", [(QWEN25_3B, 1), (QWEN25_3B, 4), (QWEN25_7B, 2)])
@@ -364,11 +370,12 @@ def test_steady_wait_update_spans_are_exactly_where_the_loader_waited():
 
 def test_steady_updates_go_in_forward_order_once_every_unit_landed():
     p = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True)
-    order = p.simulate_steady().query("lane == 'host-adam'").sort_values("start_ms").layer.tolist()
-    i = order.index(-1)
-    before, m = order[:i], min(order[:i])  # the last step's updates still running in landing order (..., m)
-    assert before == sorted(before, reverse=True) and order[i + 1:i + 1 + m] == list(range(m))
-    own = order[i + 1 + m:]  # this step's, in landing order: head first
+    adam = p.simulate_steady().query("lane == 'host-adam'").sort_values("start_ms")
+    order = list(zip(adam.op, adam.layer))
+    i = order.index(("adam-rows", -1))  # Note: [Early rows]: the next forward's rows first, the whole table last
+    before, m = [u for _, u in order[:i]], min(u for _, u in order[:i])  # the last step's, in landing order (..., m)
+    assert before == sorted(before, reverse=True) and order[i + 1:i + 2 + m] == [("adam", u) for u in [*range(m), -1]]
+    own = [u for _, u in order[i + 2 + m:]]  # this step's, in landing order: head first
     assert own == list(range(36, 36 - len(own), -1)) and len(own) > 5
     # gated (grad_clip): no update before the last landing, then all in forward order, during the next step
     clip = plan(QWEN25_3B, batch=1, seq=4096, cast_on_device=True, grad_clip=True).simulate_steady()
@@ -384,7 +391,7 @@ def test_steady_and_cold_agree_when_the_optimizer_is_fast(pinning):
     steady, cold = p.simulate_steady(), p.simulate()
     assert steady.query("op == 'wait-update'").dur_ms.sum() < 0.01  # the embedding's update: ~0.3 µs
     assert (steady.start_ms >= -0.01).all()  # nothing of the last step is left to run into this one
-    work = steady[steady.op != "wait-update"]
+    work = steady[~steady.op.isin(["wait-update", "adam-rows"])]  # early rows: for a next step, which cold has not
     assert work.groupby(["lane", "op"]).size().to_dict() == cold.groupby(["lane", "op"]).size().to_dict()
     a, b = (x[x.lane != "host-adam"].sort_values(["lane", "start_ms"], kind="stable") for x in (work, cold))
     assert a[["lane", "op", "layer"]].values.tolist() == b[["lane", "op", "layer"]].values.tolist()
@@ -603,3 +610,27 @@ def test_gpt_oss_20b_shape_counts_as_the_released_model():
     arch = load_architecture(gpt_oss_config())  # a skeleton on the meta device: nothing allocated
     assert s["n_params"] == sum(p.numel() for p in arch.model.parameters()) == 20_914_757_184
     assert s["active_params"] == arch.active_params() == 4_187_440_704
+
+
+def test_the_next_forwards_rows_wait_for_the_early_rows_not_the_whole_embedding():
+    """Note: [Early rows]: the worker updates the rows the next forward gathers, then every other unit, then the
+    whole table; the forward's rows load waits for the first. Gated (grad_clip) it waits for the whole update."""
+    p = plan(QWEN25_7B, batch=8, seq=4096, cast_on_device=True)
+    df = p.simulate_steady()
+    rows = df[df.op == "adam-rows"]
+    whole = df[(df.op == "adam") & (df.layer == -1)]
+    load = df[(df.lane == "h2d") & (df.layer == -1) & (df.phase == "fwd")]
+    assert len(rows) == len(load) == 1 and len(whole) >= 1
+    assert rows.end_ms.iloc[0] <= load.start_ms.iloc[0] + 1e-3 < whole.end_ms.max()  # the rows, not the table
+    assert rows.dur_ms.iloc[0] < whole.dur_ms.max()  # ~30K of 152064 rows
+    clip = plan(QWEN25_7B, batch=8, seq=4096, cast_on_device=True, grad_clip=True)
+    assert "embed_rows_adam" not in clip.layer_ms and "adam-rows" not in set(clip.simulate_steady().op)
+
+
+def test_an_untied_embeddings_gradient_as_rows_costs_the_rows_not_the_table():
+    """Note: [Embedding rows]: with the ring, the host adds the step's rows into touched rows, no table-sized slab."""
+    dur = {}
+    for ring in (True, False):
+        df = plan(QWEN25_7B, batch=8, seq=4096, cast_on_device=True, grad_ring=ring).simulate()
+        dur[ring] = df[(df.op == "embed_grad") & (df.layer == -1)].dur_ms.sum()
+    assert 0 < dur[True] < 0.5 * dur[False]
