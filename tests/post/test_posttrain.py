@@ -278,7 +278,10 @@ def test_hook_under_placements_and_micro_batches(hf_dir, name, setting, tmp_path
         r = s.step(batch, loss=fn)
         # Adam's first step divides by |g| + eps: where a k_proj gradient is near eps, fp32 noise in g moves the
         # update; the ratio-weighted KL's extra term (k3 * grad logp) roughly doubles that noise (2.1e-5 seen)
-        tol = 5e-5 if name == "grpo_grpo_kl" else TOL
+        # clipped, the updates are the gradients scaled (lr * c g / (|c g| + 1) with c g small), not squashed
+        # towards +-lr: fp32 noise in a small gradient shows whole (dpo's layer-0 q_proj: 1.74e-5 on an AMD EPYC
+        # host, every other tensor within 5.4e-6, their scale within 1.7e-6 of the reference's)
+        tol = 5e-5 if name == "grpo_grpo_kl" or setting == "auto_clipped" else TOL
         assert_step_equal(d, tmp_path, f"{name}, {setting}", batch, r, s, fn, tol=tol)
     finally:
         s.close()
