@@ -68,7 +68,9 @@ class RowGrad:
             self._cast = torch.empty(min(piece, rows.shape[0]) * self.width)
         for a in range(0, rows.shape[0], piece):
             b = min(rows.shape[0], a + piece)
-            src = rows[a:b] if rows.dtype == torch.float32 else self._cast[:(b - a) * self.width].view(b - a, -1).copy_(rows[a:b])
+            src = rows[a:b]
+            if src.dtype != torch.float32:
+                src = self._cast[:(b - a) * self.width].view(b - a, -1).copy_(src)
             vals.index_add_(0, inv[a:b], src)
         return vals.flatten()
 
