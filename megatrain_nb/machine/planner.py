@@ -42,7 +42,7 @@ from ..view.trace import Trace
 
 _GIB = 1 << 30
 EARLY_ROWS_COST = 2.0  # a gathered embedding row's host AdamW (its state and gradient copied in, then updated) against
-# a slab element's, by the bytes each moves (Note: [Early rows]); an estimate, not yet timed on the GPU host
+# a slab element's (Note: [Early rows]): on an H100 host at 7B x 8, 1.1 G elements/s against the table's 2.2 (2026-12-06)
 _KEEP_HEADROOM = 4 * _GIB  # the engine keeps a layer only with this much (plus 2 layers) to spare
 
 
