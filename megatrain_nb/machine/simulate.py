@@ -107,7 +107,8 @@ class _Sim:
         self.n, self.t0 = 0, 0.0  # current step and its start
         self.loads: list[tuple] = []  # (h2d end, bytes) per load in packer order: the pinned ring
         self.landed: list[tuple] = []  # (unit, unpack end, adam ms) in landing order, this step
-        self.updated: dict[int, float] = {}  # unit -> end of its latest update (steady: the next load waits)
+        self.updated: dict = {}  # unit -> end of its latest update (steady: the next load waits); "rows": the
+        # embedding's rows the next forward gathers (Note: [Early rows] in step/early_rows.py)
         self.gslot_free = [0.0] * GRAD_SLOTS
         self.slot_end = [0.0] * S  # compute end of each weight slot's latest user
         self.have = [0.0] * S  # h2d end of each slot's current weights

@@ -96,12 +96,12 @@ class EarlyRows:
             self.cond.notify_all()
         return True
 
-    def serve(self, version: int, compute, wait: float = 0.0) -> bool:
+    def serve(self, version: int, compute, wait: bool = False) -> bool:
         """Worker, before the unit's update that brings it to ``version``: ``compute(ids)`` -> the rows as
         that update leaves them, for the ids asked for. Returns False when nothing was asked for it,
-        after waiting up to ``wait`` seconds for a request (see the Note)."""
-        if wait > 0 and self.on:
-            self.worker.wait_until(lambda: self.asked >= version, timeout=wait)
+        after waiting up to ``WAIT_S`` for a request where ``wait`` (see the Note)."""
+        if wait and self.on:
+            self.worker.wait_until(lambda: self.asked >= version, timeout=WAIT_S)
         with self.cond:
             want = self.wanted
         if want is None or want[0] != version:

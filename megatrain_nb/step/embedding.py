@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..host.optim import grad_norm
-from . import early_rows as early_rows_mod
 from .transfers import chunks
 from .workers import Box
 
@@ -135,4 +134,4 @@ def early_rows(eng: Engine, unit: int, step: int, lr: float, grad_scale: float, 
     def rows(ids):
         with eng.rec.span("host-adam", "adam-rows", -1, "optim"):
             return eng.optim.updated_rows(-1, ids, eng.early.width, lr, grad_scale)
-    return eng.early.serve(step + 1, rows, wait=early_rows_mod.WAIT_S if last else 0.0)
+    return eng.early.serve(step + 1, rows, wait=last)

@@ -86,11 +86,14 @@ def test_take_waits_for_the_served_rows_or_the_whole_update(worker):
     assert EarlyRows(64, worker).request(1, many[:-1])  # up to it
 
 
-def test_an_idle_worker_waits_for_the_request_and_goes_on_when_it_is_refused(worker):
+def test_an_idle_worker_waits_for_the_request_and_goes_on_when_it_is_refused(worker, monkeypatch):
     """The embedding is the last unit left: ``serve`` waits for the next step's request, served or refused."""
+    from megatrain_nb.step import early_rows
+
+    monkeypatch.setattr(early_rows, "WAIT_S", 30.0)
     e = EarlyRows(64, worker)
     got = []
-    t = threading.Thread(target=lambda: got.append(e.serve(1, lambda ids: ids[:, None].float().expand(-1, 64), wait=30)))
+    t = threading.Thread(target=lambda: got.append(e.serve(1, lambda ids: ids[:, None].float().expand(-1, 64), wait=True)))
     t.start()
     t.join(0.2)
     assert t.is_alive()  # nothing asked yet: it waits
@@ -98,9 +101,7 @@ def test_an_idle_worker_waits_for_the_request_and_goes_on_when_it_is_refused(wor
     t.join(5)
     assert got == [True] and e.ready(1)
     assert torch.equal(e.take(torch.tensor([[1, 4]]), 1, master=None)[:, 0], torch.tensor([1.0, 4.0]))
-    from megatrain_nb.step import early_rows
-
-    t = threading.Thread(target=lambda: got.append(e.serve(2, lambda ids: 1 / 0, wait=30)))
+    t = threading.Thread(target=lambda: got.append(e.serve(2, lambda ids: 1 / 0, wait=True)))
     t.start()
     t.join(0.2)
     assert t.is_alive()
