@@ -9,6 +9,13 @@ Does not own: the early rows' bookkeeping (``early_rows.py``), the device-side g
 (``device_updates.py``), the copies and their waits (``transfers.py``). The engine calls ``gather`` at the
 start of a step (``Engine._gather``), ``backward`` at the last op of the backward, and hands
 ``early_rows`` to the Adam worker; ``scatter_grads`` runs on the unpacker thread.
+
+Note: [Unique rows] a streamed embedding sends each distinct row of a micro-batch once, in id order, and the
+h2d stream spreads them to their tokens on the device (``index_select``, ``Transfers.load``'s ``then``), where the
+host used to gather a row for every token: fp32, 0.47 GB at 7B x 8 x 4096, 45 ms on the H100's host before
+packing, on the path from the embedding's update to layer 0. The early rows (Note: [Early rows]) come as they were
+served, with no copy at all. Random tokens are ~90% distinct at that batch (29.4K of 32K rows of 152K); text
+repeats its common tokens, and sends a fraction. The values are the same rows cast as before: the same bits.
 """
 from __future__ import annotations
 
@@ -37,14 +44,28 @@ def gather(eng: Engine, mb: dict, head_box: Box | None = None, ids_dev=None) -> 
         return eng.device_updates.embed_rows(ids if ids_dev is None else ids_dev, eng.head_slot), Box(ready=True)
     dst = torch.empty(ids.numel() * H, dtype=eng.dtype, device=eng.dev.device)
     master, v = eng.store.units[-1].master, eng.steps_done
-    if eng.early.request(v, ids):  # Note: [Early rows] its host update is pending: these rows come first
+    uniq, inv = torch.unique(ids.flatten(), sorted=True, return_inverse=True)  # Note: [Unique rows]
+    k = uniq.numel()
+    rows_dev = torch.empty(k * H, dtype=eng.dtype, device=eng.dev.device)
+    with eng.dev.on(eng.dev.compute):  # before any load of this step is queued there (as ``_small_inputs``)
+        inv_dev = inv.to(eng.dev.device, non_blocking=True)
+        inv_ev = eng.dev.record(eng.dev.compute)
+
+    def spread():  # the h2d stream, after the rows' copy: each token's row
+        eng.dev.wait(eng.dev.h2d, inv_ev)
+        if eng.dev.cuda:  # made on the compute stream, last read here
+            rows_dev.record_stream(eng.dev.h2d), inv_dev.record_stream(eng.dev.h2d)
+        torch.index_select(rows_dev.view(k, H), 0, inv_dev, out=dst.view(-1, H))
+
+    if eng.early.request(v, uniq):  # Note: [Early rows] its host update is pending: these rows come first
         def rows():
             if not eng.early.ready(v):
                 eng.io.wait_update(-1, "fwd", lambda: eng.early.wait(v))  # traced as a load's wait
-            return eng.early.take(ids, v, master).flatten()
-        return dst.view(*ids.shape, H), eng.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", 0)
-    rows = lambda: master.view(-1, H).index_select(0, ids.flatten()).flatten()  # noqa: E731
-    box = eng.io.load(-1, dst, [(-1, rows, 0)], Box(ready=True), "fwd", v)
+            return eng.early.take(uniq, v, master).flatten()
+        box = eng.io.load(-1, rows_dev, [(-1, rows, 0)], Box(ready=True), "fwd", 0, then=spread)
+        return dst.view(*ids.shape, H), box
+    rows = lambda: master.view(-1, H).index_select(0, uniq).flatten()  # noqa: E731
+    box = eng.io.load(-1, rows_dev, [(-1, rows, 0)], Box(ready=True), "fwd", v, then=spread)
     return dst.view(*ids.shape, H), box
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import threading
 import time
 import weakref
+from typing import Callable
 
 import torch
 
@@ -184,6 +185,7 @@ class PendingLoad:
     phase: str
     version: int
     op: str
+    then: Callable[[], None] | None = None  # on the h2d stream after the copies, before the event (``load``)
     started: bool = False
     event: tuple | None = None  # (the copy's event,) once enqueued
 
@@ -233,13 +235,15 @@ class Transfers:
 
     # ---- weights in (packer thread) --------------------------------------------------------
     def load(self, layer: int, dst: torch.Tensor, segments, after: Box, phase: str, version: int,
-             op: str = "h2d") -> Box:
+             op: str = "h2d", then: Callable[[], None] | None = None) -> Box:
         """Copy ``segments`` into ``dst`` once each unit has ``version`` updates and ``after`` is released.
 
-        segments: [(unit, src_fn, dst_offset)]; src_fn() -> the host flat tensor to send. Returns the
-        box of the "loaded" event on the h2d stream (put once every copy is enqueued).
+        segments: [(unit, src_fn, dst_offset)]; src_fn() -> the host flat tensor to send. ``then()`` is enqueued
+        on the h2d stream after the copies (the embedding's unique rows spread to their tokens: Note: [Unique
+        rows] in embedding.py). Returns the box of the "loaded" event on the h2d stream (put once every copy is
+        enqueued).
         """
-        return self.queue(PendingLoad(layer, dst, segments, after, phase, version, op))
+        return self.queue(PendingLoad(layer, dst, segments, after, phase, version, op, then))
 
     def queue(self, p: PendingLoad) -> Box:
         """Packer, in order: wait for ``p``'s units' updates and its ``after``, then its copy; the box of its
@@ -255,7 +259,7 @@ class Transfers:
 
     def _start(self, p: PendingLoad) -> None:
         """Packer: ``p``'s copy, once its units and its ``after`` are ready (the slot's release)."""
-        p.event = (self._copy_in(p.layer, p.dst, p.segments, p.after.get(), p.phase, p.op),)
+        p.event = (self._copy_in(p.layer, p.dst, p.segments, p.after.get(), p.phase, p.op, p.then),)
 
     def _wait_versions(self, layer: int, phase: str, segments, version: int) -> None:
         """Packer: host waits until each unit of ``segments`` has ``version`` updates."""
@@ -264,8 +268,9 @@ class Transfers:
                 self.wait_update(layer, phase, lambda u=unit: self.adam.wait_version(u, version),
                                  ready=lambda u=unit: self.adam.version[u] >= version)
 
-    def _copy_in(self, layer: int, dst: torch.Tensor, segments, prev, phase: str, op: str):
-        """Packer: ``segments`` into ``dst`` on the h2d stream after event ``prev``; returns the event after."""
+    def _copy_in(self, layer: int, dst: torch.Tensor, segments, prev, phase: str, op: str, then=None):
+        """Packer: ``segments`` into ``dst`` on the h2d stream after event ``prev``, then ``then()`` there;
+        returns the event after."""
         self.delay("host-pack")
         srcs = [(src_fn(), off) for _, src_fn, off in segments]
         nbytes = sum(src.numel() * (src.element_size() if src.is_pinned() else dst.element_size())
@@ -292,6 +297,8 @@ class Transfers:
                         buf.copy_(src[a:b])  # fp32 -> compute dtype while packing
                     dst[off + a:off + b].copy_(buf, non_blocking=True)
                     self.staging.release(k, self.dev.record(self.dev.h2d))
+            if then is not None:
+                then()
             self.rec.cuda_end(tok, self.dev.h2d)
             return self.dev.record(self.dev.h2d)
 
