@@ -631,7 +631,8 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     if overlap_optimizer and not grad_clip and h % early_rows.LANES == 0 and touched * h * 4 <= early_rows.MAX_BYTES:
         t["embed_rows_adam"] = EARLY_ROWS_COST * touched * h / adam32  # Note: [Early rows]
     units = {  # unit -> (bytes loaded, pack ms, h2d ms, grad bytes, d2h ms, unpack ms, adam ms)
-        -1: (T * h * d, T * h / cast, T * h * d / up / 1e6, T * h * d, T * h * d / both_down / 1e6,  # dE: compute dtype
+        -1: (touched * h * d, touched * h / cast, touched * h * d / up / 1e6,  # its distinct rows in (Note: [Unique
+             T * h * d, T * h * d / both_down / 1e6,  # rows] in step/embedding.py); dE out: every token's, compute dtype
              (T * h + (2 * touched * h if rows_path else V * h * (1 if s["tied"] else 2))) / cast,
              E / adam32 + refresh(E)),
         L: (head_n * wb, 0.0 if pinned_store else head_n / cast, head_n * wb / up / 1e6, head_n * d,
