@@ -43,7 +43,7 @@ class RowGrad:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held: the rows' buffer (as large as the most rows a step has touched) and the ids."""
+        """Host bytes held: the rows' buffer (the most rows a step has touched, and a zero row) and the ids."""
         return self._vals.numel() * 4 + self.ids.numel() * 8
 
     def scatter(self, ids: torch.Tensor, rows: torch.Tensor, *, piece: int | None = None) -> torch.Tensor:
@@ -59,8 +59,8 @@ class RowGrad:
             raise ValueError(f"rows of shape {tuple(rows.shape)} for {ids.numel()} ids of width {self.width}")
         uniq, inv = torch.unique(ids.flatten(), sorted=True, return_inverse=True)
         k = uniq.numel()
-        if self._vals.numel() < k * self.width:
-            self._vals = torch.empty(k * self.width)  # the most rows yet: kept for the steps after
+        if self._vals.numel() < (k + 1) * self.width:  # and a row of zeros after them for ``take``
+            self._vals = torch.empty((k + 1) * self.width)  # the most rows yet: kept for the steps after
         self.ids = uniq
         vals = self.vals.zero_()
         piece = piece or max(1, CAST_NUMEL // self.width)
@@ -87,13 +87,16 @@ class RowGrad:
 
     def take(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(len(rows), width) fp32: the gradient of each of ``rows`` (zeros where the step did not touch it),
-        written into ``out`` where given."""
-        out = torch.zeros(rows.numel(), self.width) if out is None else out.zero_()
-        if self.ids.numel():
-            pos = torch.searchsorted(self.ids, rows).clamp_(max=self.ids.numel() - 1)
-            hit = self.ids[pos] == rows
-            out[hit] = self.vals[pos[hit]]
-        return out
+        written into ``out`` where given. One ``index_select`` from the touched rows and a zero row after them
+        (untouched rows point there): half the time of zeroing ``out`` and assigning the touched ones by mask."""
+        out = torch.empty(rows.numel(), self.width) if out is None else out
+        k = self.ids.numel()
+        if not k:
+            return out.zero_()
+        table = self._vals[:(k + 1) * self.width].view(k + 1, self.width)
+        table[k].zero_()
+        pos = torch.searchsorted(self.ids, rows).clamp_(max=k - 1)
+        return torch.index_select(table, 0, torch.where(self.ids[pos] == rows, pos, k), out=out)
 
     def clear(self) -> None:
         """No rows touched (the buffer stays)."""

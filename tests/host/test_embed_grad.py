@@ -53,7 +53,7 @@ def test_rows_hold_the_slabs_bits_and_its_norm(dtype, cast_numel, monkeypatch):
         assert torch.equal(r.ids, touched)
         assert torch.equal(r.vals, slab[touched])
         assert torch.equal(grad_norm(flat), grad_norm(slab.index_select(0, touched).flatten()))
-    assert r.nbytes == touched.numel() * (4 * WIDTH + 8)
+    assert r.nbytes == (touched.numel() + 1) * 4 * WIDTH + touched.numel() * 8  # and take's zero row
 
 
 def test_dense_pieces_are_the_slab_wherever_they_start_and_end():
@@ -73,6 +73,8 @@ def test_take_gives_touched_rows_and_zeros_elsewhere():
     slab = _dense(ids, rows, 1 << 16)
     want = torch.tensor([0, 1, 3, 999, 3, 600, 747])  # touched, untouched, repeated, past the last touched
     assert torch.equal(r.take(want), slab[want])
+    out = torch.full((len(want), WIDTH), float("nan"))  # whatever the kept buffer held: every row is written
+    assert r.take(want, out=out) is out and torch.equal(out, slab[want])
     r.clear()
     assert torch.equal(r.take(want), torch.zeros(len(want), WIDTH))
 
