@@ -24,6 +24,8 @@ import torch
 
 
 CAST_NUMEL = 1 << 22  # elements of rows cast to fp32 at a time in ``scatter`` (16 MiB, kept)
+ADD = "index_add"  # how ``scatter`` adds a piece: "index_add" (``index_add_``) or "scatter_add" (``scatter_add_``
+# over the ids expanded along the row): the same adds in the same order per element, so the same bits (tested)
 
 
 class RowGrad:
@@ -71,7 +73,10 @@ class RowGrad:
             src = rows[a:b]
             if src.dtype != torch.float32:
                 src = self._cast[:(b - a) * self.width].view(b - a, -1).copy_(src)
-            vals.index_add_(0, inv[a:b], src)
+            if ADD == "scatter_add":
+                vals.scatter_add_(0, inv[a:b].view(-1, 1).expand(-1, self.width), src)
+            else:
+                vals.index_add_(0, inv[a:b], src)
         return vals.flatten()
 
     def dense(self, a: int, b: int, scratch: torch.Tensor) -> torch.Tensor:

@@ -37,11 +37,13 @@ def _dense(ids, rows, piece: int) -> torch.Tensor:
     return slab
 
 
+@pytest.mark.parametrize("add", ["index_add", "scatter_add"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cast_numel", [None, WIDTH * 37])
-def test_rows_hold_the_slabs_bits_and_its_norm(dtype, cast_numel, monkeypatch):
+def test_rows_hold_the_slabs_bits_and_its_norm(dtype, cast_numel, add, monkeypatch):
     """The slab's bits whether the rows come 512 at a time or ``CAST_NUMEL`` elements' worth (37 rows) through
-    the kept fp32 buffer."""
+    the kept fp32 buffer, added by either op."""
+    monkeypatch.setattr(embed_grad, "ADD", add)
     if cast_numel:
         monkeypatch.setattr(embed_grad, "CAST_NUMEL", cast_numel)
     r = RowGrad(ROWS, WIDTH)
@@ -54,6 +56,20 @@ def test_rows_hold_the_slabs_bits_and_its_norm(dtype, cast_numel, monkeypatch):
         assert torch.equal(r.vals, slab[touched])
         assert torch.equal(grad_norm(flat), grad_norm(slab.index_select(0, touched).flatten()))
     assert r.nbytes == (touched.numel() + 1) * 4 * WIDTH + touched.numel() * 8  # and take's zero row
+
+
+def test_scatter_add_has_the_bits_of_index_add_at_a_step_s_size(monkeypatch):
+    """Large enough for torch's parallel paths (40K tokens of 512 distinct ids, rows of 256): the same sums, bit
+    for bit, whichever op adds them (each element's adds in token order)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (40000,), generator=g) * 7
+    rows = torch.randn(40000, 256, generator=g).to(torch.bfloat16)
+    got = {}
+    for add in ("index_add", "scatter_add"):
+        monkeypatch.setattr(embed_grad, "ADD", add)
+        r = RowGrad(4096, 256)
+        got[add] = r.scatter(ids, rows).view(torch.int32).clone()
+    assert torch.equal(got["index_add"], got["scatter_add"])
 
 
 def test_dense_pieces_are_the_slab_wherever_they_start_and_end():
