@@ -28,6 +28,12 @@ ADD = "index_add"  # how ``scatter`` adds a piece: "index_add" (``index_add_``) 
 # over the ids expanded along the row): the same adds in the same order per element, so the same bits (tested)
 
 
+def rows_bytes(rows: int, width: int) -> int:
+    """Host bytes ``RowGrad`` holds for ``rows`` touched rows of ``width``: their fp32 sums, a zero row after them
+    (``take``'s) and their ids."""
+    return (rows + 1) * 4 * width + 8 * rows if rows else 0
+
+
 class RowGrad:
     """One step's gradient of a (rows, width) embedding: the touched rows' ids and fp32 sums."""
 
@@ -46,7 +52,7 @@ class RowGrad:
     @property
     def nbytes(self) -> int:
         """Host bytes held: the rows' buffer (the most rows a step has touched, and a zero row) and the ids."""
-        return self._vals.numel() * 4 + self.ids.numel() * 8
+        return self._vals.numel() * 4 + self.ids.numel() * 8  # ``rows_bytes`` of the most rows a step touched
 
     def scatter(self, ids: torch.Tensor, rows: torch.Tensor, *, piece: int | None = None) -> torch.Tensor:
         """This step's gradient from ``rows`` (n, width), row i the gradient of token ``ids[i]`` (n,); returns

@@ -29,6 +29,7 @@ import pandas as pd
 
 from ..host import compact_state
 from ..host.split_master import enabled as split_enabled
+from ..host.embed_grad import rows_bytes
 from ..host.grad_ring import ring_bytes
 from . import placement as placing
 from ..config import OPTIMIZER_STATES, pinned_budget
@@ -492,7 +493,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     head_state = 4 * head_n + moments[L] + (moments[-1] if s["tied"] else 0)  # the head group's (Note: [Streamed head])
     host = {"master_fp32": 4 * N, "adam_moments": sum(moments.values()),  # embedding grads: fp32
             "grads": (ring_bytes({**dict.fromkeys(range(L), P), L: s["head_params"]}, d) if ring else d * (N - E))
-            + (min(V, T) * (4 * h + 8) if ring and not s["tied"] else 4 * E),  # the embedding's touched rows, or its
+            + (rows_bytes(min(V, T), h) if ring and not s["tied"] else 4 * E),  # the embedding's touched rows, or its
             # fp32 slab (Note: [Embedding rows] in host/embed_grad.py)
             "pinned_pool": pinned_budget_bytes}
     if pin_store:

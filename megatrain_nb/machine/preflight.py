@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..host import compact_state, grad_ring
+from ..host.embed_grad import rows_bytes
 from . import budget as budgets
 from ..model.binding import Layout
 from ..config import MOMENT_STAGING_BYTES, OPTIMIZER_STATES, EngineConfig, pinned_budget
@@ -276,7 +277,7 @@ def _store(layouts: dict, d: int, pin: bool, words: dict[int, int], ring: bool =
              "exp_avg": 4 * sum(words.values()), "exp_avg_sq": 4 * sum(words.values()), "shadow": d * N if pin else 0,
              "grad_ring": grad_ring.ring_bytes(numel, d) if ring else 0,
              "grad_ring_overflow": 0,  # at rest: only while the host's AdamW is behind (Note: [Ring overflow])
-             "grad_rows": 0 if embed_rows is None else embed_rows * (4 * width + 8)}
+             "grad_rows": 0 if embed_rows is None else rows_bytes(embed_rows, width)}
     store["total"] = sum(store.values())
     store["params"] = sum(s.numel() for lay, _ in layouts.values() for s in lay.shapes)
     store["bytes_per_param"] = store["total"] / store["params"]

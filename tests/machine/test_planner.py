@@ -54,8 +54,8 @@ def test_host_bytes_per_param_is_14_plus_fp32_embedding_grads():
     assert round(plan(QWEN25_3B, batch=1, seq=4096, grad_ring=False).host_bytes_per_param, 2) == 14.2
     ring = plan(QWEN25_7B, batch=1, seq=4096, pinned_budget_bytes=2 << 30)  # Note: [Gradient ring]: two layers' buffers
     layer, head = ring.shape["params_per_layer"], ring.shape["head_params"]  # and the head's region (the largest unit)
-    rows = 4096 * (4 * 3584 + 8)  # the embedding's gradient: the rows a step's 4096 tokens touch, at most (Note:
-    assert head > layer and ring.host_bytes["grads"] == rows + 2 * (2 * layer + head)  # [Embedding rows]); both x 64
+    rows = 4097 * 4 * 3584 + 8 * 4096  # the embedding's gradient: the rows a step's 4096 tokens touch, at most, (Note:
+    assert head > layer and ring.host_bytes["grads"] == rows + 2 * (2 * layer + head)  # [Embedding rows]) and a zero row
     assert plan(QWEN25_7B, batch=1, seq=4096, grad_clip=True).host_bytes["grads"] == 2 * n + 2 * e  # clip: slabs
     assert p.fits_host and p.fits_device
     # the default staging pool: 2 GiB with pageable slabs (every load is packed), 512 MiB with pinned ones (config.pinned_budget)

@@ -27,7 +27,7 @@ def _bound(store: HostStore) -> dict:
     rep = store.bytes_report()
     if store.rows is None:
         return rep
-    bound = store.rows.rows * (4 * store.rows.width + 8)
+    bound = (store.rows.rows + 1) * 4 * store.rows.width + 8 * store.rows.rows  # and take's zero row
     total = rep["total"] - rep["grad_rows"] + bound
     return {**rep, "grad_rows": bound, "total": total, "bytes_per_param": total / rep["params"]}
 
@@ -60,9 +60,9 @@ def test_store_estimate_equals_bytes_report(family, dtype):
     if arch.tied:  # only the embedding's fp32 slab: the head's gradient lands in it whole
         assert store.rows is None and ring["grad"] == 4 * V * H and ring["grad_rows"] == 0
     else:  # no slab at all: the embedding's touched rows, at most the whole table
-        assert ring["grad"] == 0 and ring["grad_rows"] == V * (4 * H + 8)
+        assert ring["grad"] == 0 and ring["grad_rows"] == (V + 1) * 4 * H + 8 * V
     assert estimate(arch, EngineConfig(dtype=dtype), batch=2, seq=8)["store"]["grad_rows"] == (
-        0 if arch.tied else min(V, 16) * (4 * H + 8))  # a step's shape bounds them by its tokens
+        0 if arch.tied else (min(V, 16) + 1) * 4 * H + 8 * min(V, 16))  # a step's shape bounds them by its tokens
     assert estimate(arch, EngineConfig(dtype=dtype), grad_clip=1.0)["store"] == want  # clipping keeps the slabs
 
 
@@ -260,7 +260,7 @@ def test_cuda_estimate_equals_what_the_session_allocates():
     est, rep = estimate(s), s.memory_report()
     V, H = s.arch.embed.weight.shape
     assert rows(est["store"]) == rows(rep) and est["store"]["shadow"] > 0  # pin_store: auto without the cast
-    assert est["store"]["grad_rows"] == V * (4 * H + 8) and rep["grad_rows"] == 0
+    assert est["store"]["grad_rows"] == (V + 1) * 4 * H + 8 * V and rep["grad_rows"] == 0
     assert est["store"]["total"] - est["store"]["grad_rows"] == rep["total"]
     s.close()
     s = Session.from_config(make_config("llama"), seed=0, device="cuda", cast_on_device=True)
@@ -436,7 +436,8 @@ def test_host_table_with_grad_clip_counts_slabs_as_estimate_does(monkeypatch):
         # slabs: a bf16 gradient for every non-embedding parameter, fp32 for the embedding's; the ring: its buffers
         N = EMBED + 2 * sum(LAYER) + HEAD
         assert slabs.loc[state, "grad"] * N == 4 * EMBED + 2 * (N - EMBED)
-        assert ring.loc[state, "grad"] * N == 4 * EMBED + 8 * 1000  # the embedding's rows, the whole table's
+        assert ring.loc[state, "grad"] * N == pytest.approx(4 * EMBED + 4 * 128 + 8 * 1000)  # the embedding's rows,
+        # the whole table's, and a zero row
         assert slabs.loc[state, "max_layers"] <= ring.loc[state, "max_layers"]
 
 
