@@ -441,7 +441,7 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
         >>> p = plan(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         ...     num_attention_heads=4, vocab_size=100), batch=1, seq=16, cast_on_device=True)
         >>> round(p.host_bytes_per_param, 3), p.layer_ms["pack"], list(p.simulate().columns)[:3]
-        (14.638, 0.0, ['step', 'lane', 'op'])
+        (14.641, 0.0, ['step', 'lane', 'op'])
     """
     device_memory, host_memory = parse_bytes(device_memory, "device_memory"), parse_bytes(host_memory, "host_memory")
     hardware = hardware_within(hardware, device_memory, host_memory)  # the user's budgets, where smaller
