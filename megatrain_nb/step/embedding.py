@@ -47,14 +47,12 @@ def gather(eng: Engine, mb: dict, head_box: Box | None = None, ids_dev=None) -> 
     uniq, inv = torch.unique(ids.flatten(), sorted=True, return_inverse=True)  # Note: [Unique rows]
     k = uniq.numel()
     rows_dev = torch.empty(k * H, dtype=eng.dtype, device=eng.dev.device)
-    with eng.dev.on(eng.dev.compute):  # before any load of this step is queued there (as ``_small_inputs``)
-        inv_dev = inv.to(eng.dev.device, non_blocking=True)
-        inv_ev = eng.dev.record(eng.dev.compute)
+    inv_host = inv.pin_memory() if eng.dev.cuda else inv  # torch's caching host allocator: reused once its copy is done
 
-    def spread():  # the h2d stream, after the rows' copy: each token's row
-        eng.dev.wait(eng.dev.h2d, inv_ev)
-        if eng.dev.cuda:  # made on the compute stream, last read here
-            rows_dev.record_stream(eng.dev.h2d), inv_dev.record_stream(eng.dev.h2d)
+    def spread():  # the h2d stream, after the rows' copy: each token's row (no wait on another stream)
+        if eng.dev.cuda:
+            rows_dev.record_stream(eng.dev.h2d)  # made on the driver's stream, last read here
+        inv_dev = inv_host.to(eng.dev.device, non_blocking=True)
         torch.index_select(rows_dev.view(k, H), 0, inv_dev, out=dst.view(-1, H))
 
     if eng.early.request(v, uniq):  # Note: [Early rows] its host update is pending: these rows come first
