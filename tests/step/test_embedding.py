@@ -73,3 +73,32 @@ def test_early_rows_asked_as_served_come_uncopied():
         assert torch.equal(e.take(torch.tensor([9, 2, 2]), 1, master=None), rows[[2, 0, 0]])  # per token: gathered
     finally:
         w.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("early", [False, True])
+def test_each_token_gets_its_row_on_cuda_behind_a_slow_copy(hf_dir, early):
+    """On CUDA the spread runs on the h2d stream after the rows' copy, which a sleep delays: a compute stream that
+    did not wait for the load's event would read the buffer before the rows are in it. With ``early``, the rows
+    come as the worker served them, ahead of the embedding's update."""
+    s = Session.from_pretrained(hf_dir("llama", hidden_size=64), device="cuda", lr=1e-3, weight_decay=0.1)
+    try:
+        batches = _repeating(2, distinct=5)
+        s.engine.early.on = early
+        s.engine.delays = {"h2d": 20_000_000, "host-adam": 0.1 if early else 0.0}
+        s.step(batches[0])
+        ids = batches[1]["input_ids"]
+        E, box = embedding.gather(s.engine, {"input_ids": ids})
+        dev = s.engine.dev
+        dev.wait(dev.compute, box.get())
+        with torch.cuda.stream(dev.compute):
+            got = E.clone()
+        torch.cuda.synchronize()
+        served = s.engine.early.count
+        s.engine.drain()  # the embedding's update applied: the rows the forward must have read
+        want = s.store.units[-1].master.view(-1, 64).index_select(0, ids.flatten()).to(s.engine.dtype)
+        assert torch.equal(got.reshape(-1, 64).cpu(), want)
+        assert served == (1 if early else 0)
+    finally:
+        s.close()
