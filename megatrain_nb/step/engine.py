@@ -427,7 +427,7 @@ class Engine:
         for (E, box), inputs in zip(embeds, small):
             self._ready(box)
             mask, pos = inputs["mask"], inputs["pos"]
-            E.requires_grad_()  # (b, T, H) rows gathered on the host: the leaf the embedding's grads land on
+            E.requires_grad_()  # (b, T, H): the leaf the embedding's grads land on (Note: [Unique rows])
             with torch.enable_grad(), rec.span("driver", "prelude", -1, "fwd"):
                 h0, calls = arch.prelude(arch.embed_rows(E.view(-1, E.shape[-1]), tuple(E.shape[:2])), mask, **pos)
             st["E"].append(E), st["h0"].append(h0), st["calls"].append(calls), st["ids"].append(inputs["ids"])
