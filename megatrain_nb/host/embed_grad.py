@@ -101,7 +101,7 @@ class RowGrad:
     def take(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(len(rows), width) fp32: the gradient of each of ``rows`` (zeros where the step did not touch it),
         written into ``out`` where given. One ``index_select`` from the touched rows and a zero row after them
-        (untouched rows point there): half the time of zeroing ``out`` and assigning the touched ones by mask."""
+        (untouched rows point there), where zeroing ``out`` and assigning the touched ones by mask took two passes."""
         out = torch.empty(rows.numel(), self.width) if out is None else out
         k = self.ids.numel()
         if not k:
