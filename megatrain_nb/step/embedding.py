@@ -55,15 +55,16 @@ def gather(eng: Engine, mb: dict, head_box: Box | None = None, ids_dev=None) -> 
         inv_dev = inv_host.to(eng.dev.device, non_blocking=True)
         torch.index_select(rows_dev.view(k, H), 0, inv_dev, out=dst.view(-1, H))
 
-    if eng.early.request(v, uniq):  # Note: [Early rows] its host update is pending: these rows come first
-        def rows():
-            if not eng.early.ready(v):
-                eng.io.wait_update(-1, "fwd", lambda: eng.early.wait(v))  # traced as a load's wait
-            return eng.early.take(uniq, v, master).flatten()
-        box = eng.io.load(-1, rows_dev, [(-1, rows, 0)], Box(ready=True), "fwd", 0, then=spread)
-        return dst.view(*ids.shape, H), box
-    rows = lambda: master.view(-1, H).index_select(0, uniq).flatten()  # noqa: E731
-    box = eng.io.load(-1, rows_dev, [(-1, rows, 0)], Box(ready=True), "fwd", v, then=spread)
+    early = eng.early.request(v, uniq)  # Note: [Early rows] its host update is pending: these rows come first
+
+    def rows():
+        if not early:
+            return master.view(-1, H).index_select(0, uniq).flatten()
+        if not eng.early.ready(v):
+            eng.io.wait_update(-1, "fwd", lambda: eng.early.wait(v))  # traced as a load's wait
+        return eng.early.take(uniq, v, master).flatten()
+
+    box = eng.io.load(-1, rows_dev, [(-1, rows, 0)], Box(ready=True), "fwd", 0 if early else v, then=spread)
     return dst.view(*ids.shape, H), box
 
 
