@@ -82,8 +82,10 @@ def test_each_token_gets_its_row_on_cuda_behind_a_slow_copy(hf_dir, early):
     """On CUDA the spread runs on the h2d stream after the rows' copy, which a sleep delays: a compute stream that
     did not wait for the load's event would read the buffer before the rows are in it. With ``early``, the rows
     come as the worker served them, ahead of the embedding's update."""
-    s = Session.from_pretrained(hf_dir("llama", hidden_size=64), device="cuda", lr=1e-3, weight_decay=0.1)
+    s = Session.from_pretrained(hf_dir("llama", hidden_size=64), device="cuda", lr=1e-3, weight_decay=0.1,
+                                placement="host")  # "auto" keeps a model this small on the card: no load at all
     try:
+        assert -1 not in s.engine.dev_opt.of  # the embedding is updated on the host and its rows loaded
         batches = _repeating(2, distinct=5)
         s.engine.early.on = early
         s.engine.delays = {"h2d": 20_000_000, "host-adam": 0.1 if early else 0.0}
