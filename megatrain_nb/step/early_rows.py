@@ -79,7 +79,9 @@ class EarlyRows:
 
     def request(self, version: int, ids: torch.Tensor) -> bool:
         """Driver: the forward of the step that needs ``version`` updates gathers ``ids``. Returns whether
-        the rows may come early (False: the unit is updated already, or rows of this width never do)."""
+        the rows may come early (False: the unit is updated already, or rows of this width never do). A request
+        replaces the last one, unless the last one (or the rows served for it) covers it: a pass of several
+        micro-batches asks for the union of their ids first, then each micro-batch for its own."""
         if not self.on:
             return False
         with self.cond:
@@ -88,6 +90,8 @@ class EarlyRows:
             self.asked = max(self.asked, version)
             self.cond.notify_all()  # a worker waiting for this request goes on, served or not
             want = torch.unique(ids.flatten())
+            if self._covers(version, want):
+                return True  # a micro-batch of a pass that asked for all its rows at once (``embedding.request_rows``)
             if len(want) * self.width * 4 > MAX_BYTES:
                 return False
             self.wanted = (version, want)
@@ -95,6 +99,13 @@ class EarlyRows:
                 self.served = None  # served for a step that failed: this batch may gather other rows
             self.cond.notify_all()
         return True
+
+    def _covers(self, version: int, want: torch.Tensor) -> bool:
+        """Under ``cond``: every id of ``want`` is asked for at ``version`` already, or was served for it."""
+        for got in (self.wanted, self.served):
+            if got is not None and got[0] == version and bool(torch.isin(want, got[1]).all()):
+                return True
+        return False
 
     def serve(self, version: int, compute, wait: bool = False) -> bool:
         """Worker, before the unit's update that brings it to ``version``: ``compute(ids)`` -> the rows as

@@ -31,6 +31,20 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+def _on_device(eng: Engine, head_box: Box | None) -> bool:
+    """Whether a pass's rows are gathered on the device: the embedding resident, or streamed in a tied head's slot."""
+    return -1 in eng.dev_opt.of or (head_box is not None and eng.arch.tied)
+
+
+def request_rows(eng: Engine, mbs: list[dict], head_box: Box | None = None) -> None:
+    """Driver, before a pass's ``gather``s: ask for the rows of all its micro-batches at once (Note: [Early
+    rows]), so that one set is served for them all; each ``gather`` then asks for its own, which that set covers.
+    Asked one by one, each request would replace the last, and only the last micro-batch's rows would come
+    early: the first forward would wait for the embedding's whole update."""
+    if len(mbs) > 1 and not _on_device(eng, head_box):
+        eng.early.request(eng.steps_done, torch.cat([mb["input_ids"].flatten() for mb in mbs]))
+
+
 def gather(eng: Engine, mb: dict, head_box: Box | None = None, ids_dev=None) -> tuple[torch.Tensor, Box]:
     """Embedding rows for a micro-batch, gathered on the host from the fp32 master (no full table moves);
     on the device where the embedding is resident, or streamed and tied (from the head slot, once
@@ -39,7 +53,7 @@ def gather(eng: Engine, mb: dict, head_box: Box | None = None, ids_dev=None) -> 
     H = eng.arch.embed.weight.shape[1]
     if -1 in eng.dev_opt.of:  # resident: gathered on the device from the current weights
         return eng.device_updates.embed_rows(ids), Box(ready=True)
-    if head_box is not None and eng.arch.tied:  # Note: [Streamed head]: the head slot holds the embedding
+    if _on_device(eng, head_box):  # Note: [Streamed head]: the head slot holds the embedding
         eng._ready(head_box)
         return eng.device_updates.embed_rows(ids if ids_dev is None else ids_dev, eng.head_slot), Box(ready=True)
     dst = torch.empty(ids.numel() * H, dtype=eng.dtype, device=eng.dev.device)

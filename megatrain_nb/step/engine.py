@@ -310,6 +310,7 @@ class Engine:
             head_box = None  # Note: [Streamed head] in placement.py: its slot is loaded first, or already current
             if du.head_streamed:
                 head_box = Box(ready=True) if self.head_current else self._load_head()
+            embedding.request_rows(self, mbs, head_box)  # embedding.py: one request for every micro-batch's rows
             embeds = [self._gather(mb, head_box, sm["ids"]) for mb, sm in zip(mbs, small)]
             fops = forward_ops(L)
             fboxes = self._plan(fops, [l if c else None for l, c in zip(self.slot_layer, self.slot_current)])

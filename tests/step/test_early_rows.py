@@ -284,3 +284,45 @@ def test_a_resumed_run_takes_early_rows_and_equals_the_uninterrupted_one(hf_dir,
     finally:
         s.close()
     assert head + tail == want
+
+
+def test_a_union_asked_first_serves_each_micro_batch(worker):
+    """A pass asks for its micro-batches' rows at once, then each micro-batch for its own: the union stays the
+    request (one asked alone would replace it) and every micro-batch takes its rows from the one set served."""
+    e = EarlyRows(64, worker)
+    master = torch.arange(10 * 64, dtype=torch.float32)
+    a, b = torch.tensor([[7, 2, 7]]), torch.tensor([[3, 2, 9]])
+    assert e.request(1, torch.cat([a, b]))
+    assert e.request(1, a) and e.request(1, b)
+    assert e.wanted[1].tolist() == [2, 3, 7, 9]  # not replaced by either micro-batch's own
+    assert e.serve(1, lambda ids: -master.view(-1, 64)[ids])
+    for ids in (a, b):
+        assert torch.equal(e.take(ids, 1, master), -master.view(-1, 64)[ids.flatten()])  # served: no whole update
+    assert e.request(1, a) and e.served is not None  # covered by what was served: kept
+    assert e.request(1, torch.tensor([4])) and e.served is None  # not covered: asked anew, as a step run again
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_micro_batches_take_one_served_set_and_train_equal_to_waiting(hf_dir, family):
+    """``micro_batch_size=1`` splits each batch of 2 into two forwards: both gather from the one set of rows served
+    for the pass (the union of their ids), and training is bitwise that of a session that waits."""
+    d = hf_dir(family, hidden_size=64)
+    batches = make_batches(VOCAB, 4, batch=2)
+    runs = {}
+    for early in (True, False):
+        s = Session.from_pretrained(d, lr=1e-3, weight_decay=0.1, micro_batch_size=1)
+        try:
+            s.engine.early.on = early
+            s.engine.delays = {"host-adam": 0.03}  # the next step asks for its rows before the worker gets there
+            losses = train_session(s, batches)
+            s.engine.drain()
+            served = s.engine.early.served
+            runs[early] = (losses, s.engine.early.count, {u: s.store.units[u].master.clone() for u in s.store.units})
+        finally:
+            s.close()
+        if early:
+            assert served is not None and served[1].tolist() == batches[-1]["input_ids"].unique().tolist()
+    (l1, n1, m1), (l0, n0, m0) = runs[True], runs[False]
+    assert n0 == 0 and n1 >= len(batches) - 1
+    assert l1 == l0
+    assert all(torch.equal(m1[u], m0[u]) for u in m1)
