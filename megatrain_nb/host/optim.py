@@ -65,6 +65,7 @@ class HostAdamW:
         self.opts: dict[int, torch.optim.AdamW] = {}
         self._scratch: torch.Tensor | None = None  # (chunk_numel,) fp32: low-precision grads upcast here
         self._rows_bufs: list[torch.Tensor] | None = None  # updated_rows' copies, rows_numel elements each
+        self._rows_out: torch.Tensor | None = None  # updated_rows' result, kept: the largest asked for so far
         self._step = torch.zeros(())  # a chunk's step counter (see _update_in_chunks)
         for u, unit in store.units.items():
             p = unit.master
@@ -130,7 +131,9 @@ class HostAdamW:
         ``update`` with these arguments will leave them; computed on gathered copies, the slabs untouched
         (Note: [Early rows] in early_rows.py: bitwise the slab's values when ``width`` is a multiple of 64).
         The copies go ``rows_numel`` elements at a time through kept buffers: 30K rows of a 14B table are
-        2.5 GB of copies at once, allocated afresh every step."""
+        2.5 GB of copies at once, allocated afresh every step. The result is a view of a kept buffer too, which
+        the next call overwrites: 0.4-0.6 GB of fresh pages a step were faulted in (zeroed by the kernel) and
+        unmapped again, and the rows of one step are never read once the next step's are asked for."""
         unit = self.store.units[u]
         if unit.compact is not None:
             raise ValueError(f"unit {u} has compact moments: its rows cannot be updated apart (the engine serves "
@@ -143,7 +146,11 @@ class HostAdamW:
         per = max(1, self.rows_numel // width)
         if self._rows_bufs is None or self._rows_bufs[0].numel() < per * width:
             self._rows_bufs = [torch.empty(per * width) for _ in range(3)]  # the moments and gradients
-        out = torch.empty(rows.numel(), width)  # the master's rows: updated in place, piece by piece
+        n = rows.numel() * width
+        if self._rows_out is None or self._rows_out.numel() < n:
+            self._rows_out = None  # the smaller one goes before the larger one comes
+            self._rows_out = torch.empty(n)
+        out = self._rows_out[:n].view(-1, width)  # the master's rows: updated in place, piece by piece
         for a in range(0, rows.numel(), per):
             r, p = rows[a:a + per], out[a:a + per]
             m, v, g = (b[:r.numel() * width].view(-1, width) for b in self._rows_bufs)

@@ -110,7 +110,9 @@ class EarlyRows:
     def serve(self, version: int, compute, wait: bool = False) -> bool:
         """Worker, before the unit's update that brings it to ``version``: ``compute(ids)`` -> the rows as
         that update leaves them, for the ids asked for. Returns False when nothing was asked for it,
-        after waiting up to ``WAIT_S`` for a request where ``wait`` (see the Note)."""
+        after waiting up to ``WAIT_S`` for a request where ``wait`` (see the Note). ``compute`` may write
+        where the rows served for an earlier version are (``HostAdamW.updated_rows`` keeps its result's
+        buffer): nothing reads those once a later version is asked for."""
         if wait and self.on:
             self.worker.wait_until(lambda: self.asked >= version, timeout=WAIT_S)
         with self.cond:
@@ -119,9 +121,10 @@ class EarlyRows:
             return False
         rows = compute(want[1])
         with self.cond:
-            self.served, self.wanted = (version, want[1], rows), None
+            old, self.served, self.wanted = self.served, (version, want[1], rows), None
             self.count += 1
             self.cond.notify_all()
+        del old  # the last step's rows, where they were a tensor of their own, are freed with the packer awake
         return True
 
     def ready(self, version: int) -> bool:
