@@ -53,7 +53,7 @@ def gather(eng: Engine, mb: dict, head_box: Box | None = None, ids_dev=None) -> 
     H = eng.arch.embed.weight.shape[1]
     if -1 in eng.dev_opt.of:  # resident: gathered on the device from the current weights
         return eng.device_updates.embed_rows(ids), Box(ready=True)
-    if _on_device(eng, head_box):  # Note: [Streamed head]: the head slot holds the embedding
+    if head_box is not None and eng.arch.tied:  # Note: [Streamed head]: the head slot holds the embedding
         eng._ready(head_box)
         return eng.device_updates.embed_rows(ids if ids_dev is None else ids_dev, eng.head_slot), Box(ready=True)
     dst = torch.empty(ids.numel() * H, dtype=eng.dtype, device=eng.dev.device)
