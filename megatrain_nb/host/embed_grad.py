@@ -25,9 +25,9 @@ import torch
 
 CAST_NUMEL = 1 << 22  # elements of rows cast to fp32 at a time in ``scatter`` (16 MiB, kept)
 ADD = "index_add"  # how ``scatter`` adds a piece: "index_add" (``index_add_``) or "scatter_add" (``scatter_add_``
-# over the ids expanded along the row): the same adds in the same order per element, so the same bits (tested). Equal
-# on the CPU box (2 cores, torch 2.13); the H200 host's scatter took 143 ms at 14B x 8, so `bench/embed_grad_cost.py
-# --add index_add scatter_add` is to say on that host which to keep
+# over the ids expanded along the row): the same adds in the same order per element, so the same bits (tested).
+# `bench/embed_grad_cost.py --add index_add scatter_add`, a step of 8 x 4096: 0.042 s against 0.044 on the H200's host
+# (the 14B table), 0.093 against 0.102 on the CPU box (the 7B table; docs/benchmarks.md, "The rows' op"): index_add stays
 
 
 def rows_bytes(rows: int, width: int) -> int:

@@ -31,17 +31,13 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-def _on_device(eng: Engine, head_box: Box | None) -> bool:
-    """Whether a pass's rows are gathered on the device: the embedding resident, or streamed in a tied head's slot."""
-    return -1 in eng.dev_opt.of or (head_box is not None and eng.arch.tied)
-
-
 def request_rows(eng: Engine, mbs: list[dict], head_box: Box | None = None) -> None:
     """Driver, before a pass's ``gather``s: ask for the rows of all its micro-batches at once (Note: [Early
     rows]), so that one set is served for them all; each ``gather`` then asks for its own, which that set covers.
     Asked one by one, each request would replace the last, and only the last micro-batch's rows would come
     early: the first forward would wait for the embedding's whole update."""
-    if len(mbs) > 1 and not _on_device(eng, head_box):
+    on_device = -1 in eng.dev_opt.of or (head_box is not None and eng.arch.tied)  # as ``gather`` reads it
+    if len(mbs) > 1 and not on_device:
         eng.early.request(eng.steps_done, torch.cat([mb["input_ids"].flatten() for mb in mbs]))
 
 
