@@ -33,8 +33,9 @@ for nothing. On an H100 (2026-12-06, 3B x 4) the host's AdamW fell behind the ba
 replaced; with 12 units resident instead of 14-15 the backward waited 428 ms a step (224.1 model TFLOPS against
 314.7). So a copy out that finds every buffer held takes an overflow buffer instead (plain host memory, as
 a spill buffer: its copy goes through the pinned staging) while ``overflow`` bytes allow, and waits only
-beyond that. The engine sets ``overflow`` before each step from what the host has free, within
-``host_memory`` where set, less ``OVERFLOW_HOST_MARGIN`` (``room``); released overflow buffers stay for
+beyond that. The engine sets ``overflow`` before each step from what the host can spare (``host_spare``:
+within ``host_memory`` where set, else within 90% of the machine's RAM, Note: [Spare host] in
+``machine/budget.py``), less ``OVERFLOW_HOST_MARGIN`` (``room``); released overflow buffers stay for
 the next step (pooled: no page faults each step) as far as the allowance keeps them. The host holds only
 as many as its AdamW is behind: at most the slabs' bytes, and none where it keeps up.
 ``EngineConfig.grad_ring_overflow=False`` keeps pure back-pressure (a fixed host footprint).
@@ -222,8 +223,8 @@ class GradRing:
             return self._allocated() * self.dtype.itemsize
 
     def room(self, free: int) -> int:
-        """Set ``overflow`` from ``free`` host bytes this process may still take (``host_available``, within
-        ``host_memory``): the overflow buffers allocated now plus ``free`` less ``OVERFLOW_HOST_MARGIN``, no
+        """Set ``overflow`` from ``free`` host bytes this process may still take for speed (``host_spare``,
+        within ``host_memory``): the overflow buffers allocated now plus ``free`` less ``OVERFLOW_HOST_MARGIN``, no
         more than every ring unit's gradients at once. Pooled buffers beyond it are dropped. Returns it."""
         with self.cond:
             size = self.dtype.itemsize

@@ -3,8 +3,9 @@ user allows (``EngineConfig.device_memory``, ``EngineConfig.host_memory``).
 
 Owns: parsing a budget ("24GiB", "64GB", an int of bytes), and the one place every sizing decision asks
 for memory — ``device_total`` / ``device_free`` for the GPU, ``host_total`` / ``host_available`` for host
-RAM — each the smaller of what the machine reports and what the budget leaves; ``cap_device``, the
-allocator's hard cap. Without a budget each answers exactly what the machine says (today's behaviour).
+RAM — each the smaller of what the machine reports and what the budget leaves; ``host_spare``, the host
+bytes that memory taken only for speed may use; ``cap_device``, the allocator's hard cap. Without a budget
+each answers exactly what the machine says (today's behaviour), except ``host_spare`` (Note: [Spare host]).
 Does not own: what the bytes are spent on (preflight, the planner, the activation policy, placement).
 
 Note: [Budgets] ``device_memory`` bounds what the CUDA caching allocator reserves
@@ -119,6 +120,34 @@ def host_available(budget: int | None = None) -> int:
 
     available = int(psutil.virtual_memory().available)
     return available if budget is None else max(0, min(available, budget - host_rss()))
+
+
+HOST_SHARE = 0.9
+"""The share of the machine's RAM this process plans to hold with no ``host_memory`` set: what the store may take
+where it pins (``preflight.resolve_pinning``), and the most that memory taken only for speed lets it reach
+(``host_spare``)."""
+
+
+def host_spare(budget: int | None = None) -> int:
+    """Host bytes this process may take for what only speeds it up (the gradient ring's overflow: Note: [Ring
+    overflow] in ``host/grad_ring.py``): ``host_available``, and with no budget no more than keeps the process
+    within ``HOST_SHARE`` of the machine's RAM. A budget is the user's own bound and stands as it is.
+
+    Note: [Spare host] the ring's overflow first took what psutil called available, less a margin: on an H100
+    host of 126 GiB (2026-12-07) gpt-oss-20b with int4 moments held 117.3 GiB in its steps, and the measuring
+    step's one overflow buffer (a layer's gradients, 1.53 GiB) lifted the peak to 118.7 GiB, where the same row
+    peaked at 117.7 before the overflow existed. The store and the runtime are what the process needs; the
+    overflow only spares the backward a wait, and the room it takes beyond the share is the rest of the
+    machine's (a notebook server, a second kernel, the page cache).
+
+    Example:
+        >>> host_spare() <= host_available()
+        True
+    """
+    free = host_available(budget)
+    if budget is None:
+        free = min(free, max(0, int(HOST_SHARE * host_total()) - host_rss()))
+    return free
 
 
 def memory_total(device, device_budget: int | None = None, host_budget: int | None = None) -> int:

@@ -567,7 +567,7 @@ def resolve_pinning(cfg: EngineConfig, arch, *, optimizer_state: str = "fp32", k
     words = unit_moment_words(arch, optimizer_state, keep_fp32, layouts)
     ring = _ring(cfg, grad_clip)
     store = _store(layouts, d, False, words, ring, _embed_rows(arch, layouts, words, ring, None))
-    ram = 0.9 * budgets.host_total(cfg.host_memory)
+    ram = budgets.HOST_SHARE * budgets.host_total(cfg.host_memory)
     if cfg.cast_on_device is None and cfg.pin_store is None and store["total"] < ram:
         return False, True
     return cfg.pin_store is None and store["total"] + d * store["params"] < ram, False

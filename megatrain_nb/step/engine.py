@@ -51,7 +51,7 @@ from ..host.optim import HostAdamW, grad_norm
 from ..host import state_check
 from . import distributed
 from ..machine import placement as placing
-from ..machine.budget import host_available
+from ..machine.budget import host_spare
 from .schedule import Op, backward_ops, forward_ops, make_blocks
 from ..machine.longcontext import Checkpoints
 from .tiling import SequenceTiling
@@ -258,7 +258,7 @@ class Engine:
         if self.store.ring is not None:  # Note: [Gradient ring]: gated steps and passes hold every gradient at once
             self.store.ring.spill = gate or len(groups) > 1
             if self.cfg.grad_ring_overflow:  # Note: [Ring overflow]: room for what the host's AdamW falls behind
-                self.store.ring.room(host_available(self.cfg.host_memory))
+                self.store.ring.room(host_spare(self.cfg.host_memory))
         adam_step = self.adam.begin(step=self.steps_done, lr=self.ocfg.lr_at(self.steps_done), gate=gate,
                         clip=self.optim.clip_factor, loss=loss_box)
         du.begin(gate)

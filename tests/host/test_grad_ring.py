@@ -281,7 +281,8 @@ def test_slow_host_adamw_fills_the_ring_and_training_still_equals_hf(hf_dir, mon
 def test_slow_host_adamw_overflows_where_the_host_has_room_and_still_equals_the_slabs(hf_dir, monkeypatch, vocab):
     """The default: the host AdamW sleeps, every ring buffer is held, and the copies out take overflow buffers
     instead of waiting (no ``wait-ring`` span); the weights equal the slabs' bit for bit. Under a ``host_memory``
-    that leaves nothing past the margin, the same steps wait as with the overflow off."""
+    that leaves nothing past the margin, the same steps wait as with the overflow off; so they do with no budget
+    where the process already holds its share of the machine (Note: [Spare host] in ``machine/budget.py``)."""
     d = hf_dir("llama", num_hidden_layers=DEEP, **({} if vocab == VOCAB else {"vocab_size": vocab}))
     batches = make_batches(VOCAB, 3)
     _slow_host_adamw(monkeypatch)
@@ -307,6 +308,15 @@ def test_slow_host_adamw_overflows_where_the_host_has_room_and_still_equals_the_
         assert tight.store.ring.overflow == 0 and tight.store.ring.overflowed == 0 and tight.store.ring.waits > 0
     finally:
         tight.close()
+    from megatrain_nb.machine import budget
+
+    monkeypatch.setattr(budget, "HOST_SHARE", host_rss() / 2 / budget.host_total())  # no budget, past the share
+    full = Session.from_pretrained(d, device="cpu", dtype=torch.float32, lr=LR, betas=BETAS, eps=EPS)
+    try:  # Note [Spare host]: the process holds more of the machine than it plans to: no overflow, waits
+        train_session(full, batches[:1])
+        assert full.store.ring.overflow == 0 and full.store.ring.overflowed == 0 and full.store.ring.waits > 0
+    finally:
+        full.close()
     monkeypatch.undo()
     _, slab_losses, slab_w = _train(d, batches, grad_ring=False)
     assert got == slab_losses and all(torch.equal(over_w[u], slab_w[u]) for u in over_w)

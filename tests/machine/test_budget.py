@@ -101,6 +101,24 @@ def test_host_available_is_the_smaller_of_machine_and_budget(monkeypatch):
     assert host_free_bytes(GiB, 2 * GiB, 20 * GiB) == 18 * GiB - HOST_MARGIN
 
 
+def test_host_spare_keeps_the_process_within_its_share_of_the_machine_without_a_budget(monkeypatch):
+    """What only speeds a step (the ring's overflow) stops where the process would pass 90% of the machine's RAM;
+    a budget stands as it is. The H100 row: gpt-oss-20b held 117.3 of 126 GiB, and psutil still called 8 available."""
+    import psutil
+
+    mem = types.SimpleNamespace(available=8 * GiB, total=126 * GiB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem)
+    rss = {"now": 117 * GiB}
+    monkeypatch.setattr(budget, "host_rss", lambda: rss["now"])
+    assert budget.host_available() == 8 * GiB and budget.host_spare() == 0  # past the share: nothing to spare
+    rss["now"], mem.available = 100 * GiB, 20 * GiB
+    assert budget.host_spare() == int(0.9 * 126 * GiB) - 100 * GiB  # the share, under what psutil calls available
+    rss["now"] = 40 * GiB
+    assert budget.host_spare() == 20 * GiB  # far within the share: what is available
+    rss["now"] = 117 * GiB
+    assert budget.host_spare(125 * GiB) == budget.host_available(125 * GiB) == 8 * GiB  # a budget: as it is
+
+
 def _fake_device(monkeypatch, *, free, total, allocated=0, reserved=0):
     """torch.cuda's memory queries answer these numbers on this CPU-only machine."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
