@@ -124,7 +124,8 @@ def main(argv=None) -> None:
                          "placement moves (the driver's arrive spans); reading a trace waits for the GPU")
     ap.add_argument("--profile-step", type=int, nargs="+", default=None,
                     help="debug: run these steps (0-based, warm-up ones count) of each batch under torch.profiler; print "
-                         "the ops that took the most host time and, with --save-trace, save its Chrome trace there")
+                         "the ops that took the most host time, on CUDA also those that took the most device time, and, "
+                         "with --save-trace, save its Chrome trace there")
     ap.add_argument("--device-memory", default=None, help="EngineConfig.device_memory, e.g. 24GiB (a smaller card, emulated)")
     ap.add_argument("--host-memory", default=None, help="EngineConfig.host_memory, e.g. 64GiB (a smaller host, emulated)")
     ap.add_argument("--grad-ring", choices=("on", "off"), default="on", help="EngineConfig.grad_ring (default on)")
@@ -360,6 +361,9 @@ def _profiled(on: bool, folder: str | None, name: str):
         yield
     print(f"    profile of {name}, by host time:\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25),
           file=sys.stderr, flush=True)
+    if torch.cuda.is_available():  # the kernels the step's compute spent its time in (an MoE layer's backward, say)
+        print(f"    profile of {name}, by device time:\n"
+              + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), file=sys.stderr, flush=True)
     if folder:
         os.makedirs(folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(folder, f"profile_{name}.json"))
