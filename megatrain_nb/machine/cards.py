@@ -66,6 +66,7 @@ def card(name: str, *, host_memory: int | str = "128GiB", host_adam_params_per_s
               h2d_beside_d2h_GBps=H200.h2d_beside_d2h_GBps * pcie, d2h_beside_h2d_GBps=H200.d2h_beside_h2d_GBps * pcie,
               bf16_tflops=H200.bf16_tflops * compute, gemm_tflops=H200.gemm_tflops * compute,
               attn_tflops=H200.attn_tflops * compute,
+              experts_tflops=H200.experts_tflops and tuple(r * min(compute, 1 / slower) for r in H200.experts_tflops),
               elementwise_s_per_token_dim=H200.elementwise_s_per_token_dim * slower,
               loss_s_per_logit=H200.loss_s_per_logit * slower,
               device_adam_params_per_s=H200.device_adam_params_per_s / slower,

@@ -104,6 +104,12 @@ class Hardware:
     that rate. None: all of it in `bf16_tflops` (main's model: fwd:bwd = 1:2)."""
     attn_rate_seq: int = 4096
     """Sequence length up to which `bf16_tflops` rates attention (where it was measured)."""
+    experts_tflops: tuple[float, float] | None = None
+    """An MoE layer's experts as they run in the engine (grouped GEMMs, with the routing's sorts and gathers, the
+    per-row expert biases and the gate): effective rates on their forward FLOPs (2 * routed expert parameters *
+    tokens) and on their backward FLOPs (twice that), gating's memory-bound work included. None: the experts
+    at `bf16_tflops` with `elementwise_s_per_token_dim` on their routed width, as a dense MLP (Note: [Experts
+    rate])."""
 
     def __post_init__(self):
         for name in ("h2d_GBps", "d2h_GBps", "duplex_GBps", "pageable_GBps", "bf16_tflops",
@@ -114,6 +120,9 @@ class Hardware:
                      "h2d_beside_d2h_GBps", "d2h_beside_h2d_GBps"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name} must be > 0 or None, got {getattr(self, name)!r}.")
+        if self.experts_tflops is not None and not (len(self.experts_tflops) == 2 and min(self.experts_tflops) > 0):
+            raise ValueError(f"Hardware.experts_tflops must be (forward, backward) rates > 0 or None, got "
+                             f"{self.experts_tflops!r}.")
         if self.duplex_GBps < max(self.h2d_GBps, self.d2h_GBps):
             raise ValueError(f"Hardware.duplex_GBps ({self.duplex_GBps}) must be at least max(h2d_GBps, "
                              f"d2h_GBps) = {max(self.h2d_GBps, self.d2h_GBps)}.")
@@ -131,13 +140,19 @@ _H200_ATTN_TFLOPS = 530.0
 # 3.90 G params/s with fp32 grads, 3.48 with bf16 grads upcast in 16M-element chunks. Inside a training
 # step the same updates run slower (DMA and the unpacker share the host's memory bandwidth):
 # bench/planner_vs_measured.py reports both.
+# An MoE layer's experts (Note: [Experts rate]): gpt-oss-20b x 8 x 4096 in the engine on an H100 80GB HBM3 (code
+# 2bd039d, 2026-12-07, bench/traces/moe/h100-2026-12-07-gpt-oss-20b-b8.json.gz: a layer's forward 38.7 ms and backward
+# 132.1 on average over its 24 layers), less what this profile gives the rest of the layer (5.3 and 10.7 ms), on the
+# experts' 6.52 TFLOP forward: 196 and 107 effective TFLOPS. An H100's, the H200 not measured: the same SMs; its
+# faster memory would speed the memory-bound part.
+_EXPERTS_TFLOPS = (196.0, 107.0)
 H200 = Hardware(
     name="NVIDIA H200 (measured: pinned copies, Qwen2.5-7B layer fwd+bwd at 1-16 x 4096 tokens, "
          "HostAdamW of one layer in isolation)",
     h2d_GBps=55.1, d2h_GBps=55.3, duplex_GBps=99.2, pageable_GBps=6.9,
     h2d_beside_d2h_GBps=40.2, d2h_beside_h2d_GBps=52.1,  # in a step: bench/copy_rates.py on the H200's stream traces of 2026-12-01
     bf16_tflops=609.0, gemm_tflops=774.0, elementwise_s_per_token_dim=2.1e-11, layer_launch_ms=(2.1, 4.1),  # bwd: 4.13-4.19 ms a layer at 3B x 1, auto (3 traces)
-    loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS,
+    loss_s_per_logit=1.45e-11, attn_tflops=_H200_ATTN_TFLOPS, experts_tflops=_EXPERTS_TFLOPS,
     host_adam_params_per_s=3.48e9, host_adam_fp32_params_per_s=3.90e9, host_cast_elems_per_s=12e9,
     device_adam_params_per_s=8.2e10,
     # host: 124.1 GiB available at idle of 125.8 (bench/logs/h200-2026-12-01-512k-memory-idle-host.log); RSS beyond the
@@ -601,9 +616,15 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     flops = 2 * s["active_params_per_layer"] * T + 2 * batch * seq * near * q_dim  # fwd
     far = 2 * batch * seq * (seq - near) * q_dim / (hw.attn_tflops * 1e9) if hw.attn_tflops else 0.0  # fwd ms
     mlp = 2 * 3 * h * inter * T / rate if rows else 0.0
-    elementwise = T * (h + inter) * hw.elementwise_s_per_token_dim * 1e3
-    fwd = flops / rate + far + elementwise / 3
-    bwd = 2 * flops / rate + 2.5 * far + mlp + 2 * elementwise / 3
+    # Note: [Experts rate] an MoE layer's experts ran far below a dense MLP's rate in the engine (gpt-oss-20b on an
+    # H100, 2026-12-07: a layer's forward 38.7 ms and backward 132.1, 3.4x, where the dense model predicted 18.7
+    # and 37.4): with `experts_tflops` their FLOPs leave the layer's and run at those rates, gating included
+    experts = 2 * 3 * h * inter * T if s["experts"] and hw.experts_tflops else 0  # routed experts' fwd FLOPs
+    elementwise = T * (h + (0 if experts else inter)) * hw.elementwise_s_per_token_dim * 1e3
+    fe, be = ((experts / (hw.experts_tflops[0] * 1e9), 2 * experts / (hw.experts_tflops[1] * 1e9)) if experts
+              else (0.0, 0.0))
+    fwd = (flops - experts) / rate + fe + far + elementwise / 3
+    bwd = 2 * (flops - experts) / rate + be + 2.5 * far + mlp + 2 * elementwise / 3
     if lean_activations and not rows:  # lean.py's elementwise recompute in the backward (Note: [Lean auto])
         from ..step.lean import LEAN_COST
 

@@ -613,6 +613,32 @@ def test_gpt_oss_20b_shape_counts_as_the_released_model():
     assert s["active_params"] == arch.active_params() == 4_187_440_704
 
 
+def test_an_moe_layers_experts_run_at_their_measured_rate():
+    """Note: [Experts rate]: with ``experts_tflops`` the gpt-oss-20b layer's forward and backward are the engine's
+    (38.7 and 132.1 ms on an H100, 2026-12-07), where the dense model said 18.7 and 37.4 ms; a dense model's layer
+    is unchanged, a smaller card's rates are scaled down, and bad rates are refused."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "bench"))
+    from shapes import GPT_OSS_20B
+
+    from megatrain_nb.machine.cards import card
+
+    moe = plan(GPT_OSS_20B, batch=8, seq=4096, optimizer_state="int4", placement="auto")
+    dense_rate = plan(GPT_OSS_20B, batch=8, seq=4096, optimizer_state="int4", placement="auto",
+                      hardware=dataclasses.replace(H200, experts_tflops=None))
+    assert moe.layer_ms["fwd"] == pytest.approx(38.7, rel=0.02) and moe.layer_ms["bwd"] == pytest.approx(132.1, rel=0.02)
+    assert dense_rate.layer_ms["bwd"] < 40 < moe.layer_ms["bwd"]
+    assert (dense_rate.bottleneck, moe.bottleneck) == ("host-adam", "compute")  # what bounds the step, as measured
+    for shape in (QWEN25_7B,):  # no experts: the rate does not apply
+        a = plan(shape, batch=8, seq=4096, _advise=False)
+        b = plan(shape, batch=8, seq=4096, _advise=False, hardware=dataclasses.replace(H200, experts_tflops=None))
+        assert a.layer_ms == b.layer_ms
+    rtx = card("RTX 4090")
+    assert all(0 < r < h for r, h in zip(rtx.experts_tflops, H200.experts_tflops))
+    with pytest.raises(ValueError, match="experts_tflops"):
+        dataclasses.replace(H200, experts_tflops=(196.0, 0.0))
+
+
 def test_the_next_forwards_rows_wait_for_the_early_rows_not_the_whole_embedding():
     """Note: [Early rows]: the worker updates the rows the next forward gathers, then every other unit, then the
     whole table; the forward's rows load waits for the first. Gated (grad_clip) it waits for the whole update."""
