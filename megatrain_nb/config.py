@@ -244,9 +244,10 @@ class EngineConfig:
     says which and why. False: slabs always."""
     grad_ring_overflow: bool = True
     """With the ring: a copy out that finds every ring buffer held takes a plain host buffer while the host has
-    room (within ``host_memory`` where set, else within 90% of the machine's RAM; 4 GiB left free) rather than stall the backward until the host's
-    AdamW frees one; as many as that AdamW is behind, kept for the next step (Note: [Ring overflow] in
-    host/grad_ring.py). False: the copy out waits (a fixed host footprint; the backward runs at the host's pace)."""
+    room (within ``host_memory`` where set, else within 90% of the machine's RAM; 4 GiB left free) rather than
+    stall the backward until the host's AdamW frees one; as many as that AdamW is behind, kept for the next step
+    (Note: [Ring overflow] in host/grad_ring.py). False: the copy out waits (a fixed host footprint; the backward
+    runs at the host's pace)."""
     trace: bool = True
     """Record spans and counters of each step (``Session.trace``)."""
     placement: str | dict = "auto"
