@@ -619,12 +619,12 @@ def plan(config, *, batch: int, seq: int, hardware: Hardware = H200, dtype_bytes
     # Note: [Experts rate] an MoE layer's experts ran far below a dense MLP's rate in the engine (gpt-oss-20b on an
     # H100, 2026-12-07: a layer's forward 38.7 ms and backward 132.1, 3.4x, where the dense model predicted 18.7
     # and 37.4): with `experts_tflops` their FLOPs leave the layer's and run at those rates, gating included
-    experts = 2 * 3 * h * inter * T if s["experts"] and hw.experts_tflops else 0  # routed experts' fwd FLOPs
-    elementwise = T * (h + (0 if experts else inter)) * hw.elementwise_s_per_token_dim * 1e3
-    fe, be = ((experts / (hw.experts_tflops[0] * 1e9), 2 * experts / (hw.experts_tflops[1] * 1e9)) if experts
-              else (0.0, 0.0))
-    fwd = (flops - experts) / rate + fe + far + elementwise / 3
-    bwd = 2 * (flops - experts) / rate + be + 2.5 * far + mlp + 2 * elementwise / 3
+    expert_flops = 2 * 3 * h * inter * T if s["experts"] and hw.experts_tflops else 0  # the routed experts' fwd
+    elementwise = T * (h + (0 if expert_flops else inter)) * hw.elementwise_s_per_token_dim * 1e3
+    fe, be = ((expert_flops / (hw.experts_tflops[0] * 1e9), 2 * expert_flops / (hw.experts_tflops[1] * 1e9))
+              if expert_flops else (0.0, 0.0))
+    fwd = (flops - expert_flops) / rate + fe + far + elementwise / 3
+    bwd = 2 * (flops - expert_flops) / rate + be + 2.5 * far + mlp + 2 * elementwise / 3
     if lean_activations and not rows:  # lean.py's elementwise recompute in the backward (Note: [Lean auto])
         from ..step.lean import LEAN_COST
 
