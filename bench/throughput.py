@@ -100,6 +100,7 @@ def main(argv=None) -> None:
     ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8", "int4"),
                     help="OptimConfig.optimizer_state: the Adam moments' form (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=1e-5, help="the learning rate (default: %(default)s)")
+    ap.add_argument("--experts", default=None, help="EngineConfig.experts_implementation (default: auto)")
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--pass-batch", type=int, default=None, help="pass_batch_size (default: one pass, or auto's choice)")
@@ -197,7 +198,7 @@ def main(argv=None) -> None:
                             offload_checkpoints={"auto": None, "on": True, "off": False}[a.offload_checkpoints],
                             placement=a.placement,
                             optimizer_state=a.optimizer_state, device_memory=a.device_memory,
-                            host_memory=a.host_memory, grad_ring=a.grad_ring == "on",
+                            experts_implementation=a.experts, host_memory=a.host_memory, grad_ring=a.grad_ring == "on",
                             grad_ring_overflow=a.ring_overflow == "on",
                             lean_activations=False if a.no_lean else {"auto": None, "on": True, "off": False}[a.lean])
     init_s = time.perf_counter() - t0
@@ -298,7 +299,7 @@ def main(argv=None) -> None:
                        host_rss_gib=round(rss_bytes() / 2**30, 1), host_bytes_per_param=round(rep["bytes_per_param"], 2),
                        host_rss_peak_gib=peak_gib(), host_rss_peak_init_gib=init_peak,
                        host_rss_peak_steps_gib=peaks, host_rss_steps_gib=rss,  # after each step, the untimed first
-                       optimizer_state=a.optimizer_state, lr=a.lr,
+                       optimizer_state=a.optimizer_state, lr=a.lr, experts=s.kernels["experts"],
                        loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
                        checkpoint_every=a.checkpoint_every, slots=len(s.engine.slots), pin_store=s.store.shadow_dtype is not None, cast_on_device=s.engine.cfg.cast_on_device,
                        offload_checkpoints=a.offload_checkpoints, overlap=not a.no_overlap, placement=a.placement,

@@ -201,8 +201,9 @@ class EngineConfig:
     ``Session.engine.tiler.backend``."""
     experts_implementation: str | None = None
     """How MoE experts compute (``model/kernels.py``, Note: [Experts kernel]): "grouped_mm" (one grouped GEMM
-    per projection over the tokens sorted by expert), "eager" (transformers' loop over the experts that got
-    tokens) or "batched_mm" (each token gathers its experts' weights: memory for inference only). None:
+    per projection over the tokens sorted by expert), "megatrain_grouped_mm" (the same GEMMs, the work around
+    them cheaper: ``model/experts.py``), "eager" (transformers' loop over the experts that got tokens) or
+    "batched_mm" (each token gathers its experts' weights: memory for inference only). None:
     grouped_mm where torch runs it (CUDA from compute capability 8.0 in bf16 / fp16; the CPU), else eager.
     Ignored for dense models; ``Session.kernels`` names the choice and why."""
     attention_cache: bool | None = None
@@ -331,9 +332,9 @@ class EngineConfig:
         if self.attention_backend not in (None, "flash", "cudnn", "efficient", "math"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: use 'flash', 'cudnn', 'efficient', 'math' "
                              "or None (the fused kernels in torch's order)")
-        if self.experts_implementation not in (None, "eager", "grouped_mm", "batched_mm"):
-            raise ValueError(f"experts_implementation={self.experts_implementation!r}: use 'grouped_mm', 'eager', "
-                             "'batched_mm' or None (auto)")
+        if self.experts_implementation not in (None, "eager", "grouped_mm", "megatrain_grouped_mm", "batched_mm"):
+            raise ValueError(f"experts_implementation={self.experts_implementation!r}: use 'megatrain_grouped_mm', "
+                             "'grouped_mm', 'eager', 'batched_mm' or None (auto)")
         if not (isinstance(self.placement, dict) or self.placement in ("auto", "host", "stream")):
             raise ValueError(f"placement={self.placement!r}: use 'auto', 'host', 'stream' or a dict "
                              "{unit: 'host' | 'device' | 'resident'}")

@@ -39,7 +39,7 @@ def deterministic():
     torch.use_deterministic_algorithms(before)
 
 
-@pytest.mark.parametrize("experts", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm", "megatrain_grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("family", families("mixtral", "qwen3_moe", "gpt_oss"))
 def test_experts_implementations(hf_dir, family, experts, tmp_path, deterministic):
     """Note: [Experts kernel] in model/kernels.py: each implementation the session can run trains as HF's

@@ -16,7 +16,9 @@ H200 grouped_mm is the CUTLASS grouped GEMM in bf16; on the CPU (torch 2.13) it 
 three too: a tiny Qwen3-MoE / gpt-oss (hidden 256, 8 experts, 4 x 64 tokens, fp32, one thread) ran
 fwd+bwd in 100 / 110 ms against eager's 194 / 149 and batched_mm's 2474 / 3120, gradients within 1e-7.
 So "auto" is grouped_mm wherever torch has it (on CUDA from compute capability 8.0, in bf16 or fp16;
-transformers falls back to its own loop for inputs the kernel refuses), else eager.
+transformers falls back to its own loop for inputs the kernel refuses), else eager. "megatrain_grouped_mm"
+runs the same grouped GEMMs with the work around them made cheaper (``experts.py``, Note: [Experts around the
+GEMMs]); it is registered with transformers when chosen.
 
 Note: [Sink attention] gpt-oss adds a learned "sink" logit per head to each softmax. SDPA cannot
 (transformers refuses it); eager materialises (B, heads, T, T) scores; flex attention runs the
@@ -30,7 +32,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # EngineConfig.experts_implementation's choices
+from megatrain_nb.model import experts as grouped
+
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", grouped.NAME, "batched_mm")  # EngineConfig.experts_implementation's choices
 
 
 def experts_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -73,8 +77,8 @@ def choose_experts(arch, setting: str | None, device, dtype: torch.dtype) -> tup
     if not any(experts_modules(t) for t in arch.templates):
         return None, f"{type(arch.model).__name__} has no experts modules"
     refusal = grouped_mm_refusal(device, dtype)
-    if setting == "grouped_mm" and refusal is not None:
-        raise ValueError(f"experts_implementation='grouped_mm': {refusal}; use 'eager' or None (auto)")
+    if setting in ("grouped_mm", grouped.NAME) and refusal is not None:
+        raise ValueError(f"experts_implementation={setting!r}: {refusal}; use 'eager' or None (auto)")
     if setting is not None:
         return setting, f"experts_implementation={setting!r}"
     if refusal is None:
@@ -129,6 +133,8 @@ def install(arch, *, experts: str | None, device, dtype: torch.dtype) -> dict:
         'grouped_mm'
     """
     impl, why = choose_experts(arch, experts, device, dtype)
+    if impl == grouped.NAME:
+        grouped.register()
     if impl is not None:
         arch.model.set_experts_implementation(impl)
     attn, attn_why = choose_attention(arch, device)

@@ -9,6 +9,7 @@ import torch
 from conftest import make_config
 from helpers import spy_grouped_mm
 from megatrain_nb import Session
+from megatrain_nb.model import experts as grouped
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,17 +44,35 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", grouped.NAME])
 @pytest.mark.parametrize("family", MOE)
-def test_grouped_mm_equals_eager_experts_in_bf16(family):
-    """HF's own forward and backward, bf16 on the GPU: grouped GEMMs vs the loop over experts. Bound: the two
-    sum each expert's products in another order, bf16 rounding (2^-8) at most per element: 2% of the whole gradient."""
+def test_grouped_mm_equals_eager_experts_in_bf16(family, impl):
+    """HF's own forward and backward, bf16 on the GPU: grouped GEMMs (transformers' and ours, with its gate
+    compiled) vs the loop over experts. Bound: the two sum each expert's products in another order, bf16
+    rounding (2^-8) at most per element: 2% of the whole gradient."""
+    grouped.register()
     attn = "eager" if family == "gpt_oss" else "sdpa"
     ids = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
-    loss_g, grads_g = _loss_and_grads(_hf(family, "grouped_mm", attn, torch.bfloat16), ids)
+    loss_g, grads_g = _loss_and_grads(_hf(family, impl, attn, torch.bfloat16), ids)
     loss_e, grads_e = _loss_and_grads(_hf(family, "eager", attn, torch.bfloat16), ids)
     assert abs(loss_g - loss_e) / loss_e <= 1e-2
     flat_g, flat_e = (torch.cat([g[n].flatten() for n in sorted(grads_e)]) for g in (grads_g, grads_e))
     assert _rel(flat_g, flat_e) <= 2e-2, family  # per tensor, a norm's small gradient differs by up to ~7%
+
+
+def test_the_compiled_gpt_oss_gate_equals_its_own_in_bf16():
+    """The gate as one compiled kernel each way against gpt-oss's eager gate: one rounding against several,
+    bf16 (2^-8 relative per element), past the clamp's limit too."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    mod = GptOssExperts(_config("gpt_oss"))
+    h = (torch.randn(4096, 512, device="cuda") * 6).bfloat16().requires_grad_()
+    h2 = h.detach().clone().requires_grad_()
+    dy = torch.randn(4096, 256, device="cuda").bfloat16()
+    y, y2 = grouped.gate(mod, h), mod._apply_gate(h2)
+    (y * dy).sum().backward()
+    (y2 * dy).sum().backward()
+    assert _rel(y.float(), y2.float()) <= 1e-2 and _rel(h.grad.float(), h2.grad.float()) <= 1e-2
 
 
 @pytest.mark.parametrize("family", MOE)

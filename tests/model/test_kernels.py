@@ -44,8 +44,9 @@ def test_grouped_mm_refusals_name_the_reason(monkeypatch):
     assert kernels.grouped_mm_refusal("cpu", torch.float32) is None
     arch = load_architecture(make_config("mixtral"))
     assert kernels.choose_experts(arch, None, "cuda", torch.bfloat16)[0] == "eager"  # auto falls back
-    with pytest.raises(ValueError, match="experts_implementation='grouped_mm'.*8.0"):
-        kernels.choose_experts(arch, "grouped_mm", "cuda", torch.bfloat16)
+    for setting in ("grouped_mm", "megatrain_grouped_mm"):
+        with pytest.raises(ValueError, match=f"experts_implementation='{setting}'.*8.0"):
+            kernels.choose_experts(arch, setting, "cuda", torch.bfloat16)
 
 
 def test_bad_setting_is_refused_by_the_config():
@@ -57,7 +58,7 @@ def test_bad_setting_is_refused_by_the_config():
 
 
 # ---- what runs: grouped GEMMs over views of the slab ------------------------------------------------
-@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("experts", ["grouped_mm", "megatrain_grouped_mm", "eager"])
 @pytest.mark.parametrize("family", MOE)
 def test_session_runs_its_choice_on_views_of_the_slab(family, experts, monkeypatch):
     """Every grouped GEMM's weight is a view of a weight slot (its storage is the slot's, not a copy);
