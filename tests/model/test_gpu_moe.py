@@ -77,14 +77,14 @@ def test_the_compiled_gpt_oss_gate_equals_its_own_in_bf16():
 
 @pytest.mark.parametrize("family", MOE)
 def test_session_runs_grouped_mm_on_cuda_and_trains_as_eager(family, monkeypatch):
-    """Auto picks grouped_mm on CUDA in bf16, its GEMMs read the weight slots (no copies; placement "host":
-    every layer streams), and three steps track a session forced to eager experts, which runs no grouped
-    GEMM, within bf16 rounding (2% of the loss)."""
+    """Auto picks grouped_mm on CUDA in bf16, its GEMMs (and ours, with the gate compiled inside the engine)
+    read the weight slots (no copies; placement "host": every layer streams), and three steps track a session
+    forced to eager experts, which runs no grouped GEMM, within bf16 rounding (2% of the loss)."""
     calls = spy_grouped_mm(monkeypatch)
     g = torch.Generator().manual_seed(2)
     batches = [{"input_ids": torch.randint(0, 96, (4, 64), generator=g)} for _ in range(3)]
     losses, seen = {}, {}
-    for experts in (None, "eager"):
+    for experts in (None, grouped.NAME, "eager"):
         calls.clear()
         s = Session.from_config(_config(family), device="cuda", lr=1e-3, placement="host",
                                 experts_implementation=experts)
@@ -95,9 +95,12 @@ def test_session_runs_grouped_mm_on_cuda_and_trains_as_eager(family, monkeypatch
             s.close()
     impl, grouped_calls, slots = seen[None]
     assert impl == "grouped_mm" and grouped_calls and set(grouped_calls) <= slots, "a weight reached grouped_mm as a copy"
+    impl, grouped_calls, slots = seen[grouped.NAME]
+    assert impl == grouped.NAME and grouped_calls and set(grouped_calls) <= slots
     assert seen["eager"][:2] == ("eager", [])
-    for a, b in zip(losses[None], losses["eager"]):
-        assert abs(a - b) / b <= 2e-2, (losses, family)
+    for ours in (None, grouped.NAME):
+        for a, b in zip(losses[ours], losses["eager"]):
+            assert abs(a - b) / b <= 2e-2, (losses, family)
 
 
 def test_sink_attention_flex_equals_eager_on_cuda():
