@@ -121,7 +121,8 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     onehot = None
     if module.has_bias:
-        onehot = torch.nn.functional.one_hot(ids_sorted, E).to(hidden_states.dtype)  # (S, E)
+        experts_range = torch.arange(E, device=ids.device)
+        onehot = (ids_sorted.unsqueeze(-1) == experts_range).to(hidden_states.dtype)  # (S, E); no host sync
     x = _ToExperts.apply(hidden_states, order, inverse, top_k)  # (S, H)
     if module.has_gate:
         h = _linear(x, module.gate_up_proj, offsets, module.gate_up_proj_bias if module.has_bias else None,
