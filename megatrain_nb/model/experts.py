@@ -29,13 +29,13 @@ NAME = "megatrain_grouped_mm"  # the implementation's name in transformers' Expe
 
 
 class _ToExperts(torch.autograd.Function):
-    """rows[order // top_k]: each token's row once per expert it chose, in expert order; backward sums the top_k."""
+    """rows[src]: each token's row once per expert it chose, in expert order; backward sums the top_k."""
 
     @staticmethod
-    def forward(ctx, rows, order, inverse, top_k):  # rows (T, H); order, inverse (S,) int64, S = T * top_k
+    def forward(ctx, rows, src, inverse, top_k):  # rows (T, H); src (the pairs' tokens), inverse (S,) int64
         ctx.save_for_backward(inverse)
         ctx.top_k = top_k
-        return rows.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+        return rows.index_select(0, src)
 
     @staticmethod
     def backward(ctx, grad):  # grad (S, H) in expert order
@@ -52,15 +52,14 @@ class _FromExperts(torch.autograd.Function):
     """The adjoint of ``_ToExperts``: pairs back to token order, each token's top_k summed."""
 
     @staticmethod
-    def forward(ctx, pairs, order, inverse, top_k):
-        ctx.save_for_backward(order)
-        ctx.top_k = top_k
+    def forward(ctx, pairs, src, inverse, top_k):
+        ctx.save_for_backward(src)
         return _from_experts(pairs, inverse, top_k)
 
     @staticmethod
     def backward(ctx, grad):  # grad (T, H)
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, torch.div(order, ctx.top_k, rounding_mode="floor")), None, None, None
+        (src,) = ctx.saved_tensors
+        return grad.index_select(0, src), None, None, None
 
 
 def _linear(x, weight, offsets, bias, onehot, transposed: bool):
@@ -116,6 +115,7 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     ids_sorted, order = torch.sort(ids)  # pairs in expert order (as transformers sorts); order[j]: the pair at j
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)  # position of each pair
+    src = torch.div(order, top_k, rounding_mode="floor")  # the token of the pair at each position
     # histc, not bincount: bincount's CUDA kernel reads the largest id back to the host (a sync)
     counts = torch.histc(ids_sorted.int() if ids.is_cuda else ids_sorted.float(), bins=E, min=0, max=E - 1)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -123,7 +123,7 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     if module.has_bias:
         experts_range = torch.arange(E, device=ids.device)
         onehot = (ids_sorted.unsqueeze(-1) == experts_range).to(hidden_states.dtype)  # (S, E); no host sync
-    x = _ToExperts.apply(hidden_states, order, inverse, top_k)  # (S, H)
+    x = _ToExperts.apply(hidden_states, src, inverse, top_k)  # (S, H)
     if module.has_gate:
         h = _linear(x, module.gate_up_proj, offsets, module.gate_up_proj_bias if module.has_bias else None,
                     onehot, module.is_transposed)
@@ -134,7 +134,7 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     y = _linear(h, module.down_proj, offsets, module.down_proj_bias if module.has_bias else None, onehot,
                 module.is_transposed)  # (S, H)
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # promoted as transformers does
-    return _FromExperts.apply(y, order, inverse, top_k).to(hidden_states.dtype)
+    return _FromExperts.apply(y, src, inverse, top_k).to(hidden_states.dtype)
 
 
 def register() -> str:

@@ -67,10 +67,10 @@ def test_the_row_moves_are_adjoint_gathers():
     inverse[order] = torch.arange(order.numel())
     rows = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
     pairs = torch.randn(T * k, H, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(experts._ToExperts.apply(rows, order, inverse, k), rows[order // k])
-    assert torch.equal(experts._FromExperts.apply(pairs, order, inverse, k), pairs[inverse].view(T, k, H).sum(1))
-    assert torch.autograd.gradcheck(lambda r: experts._ToExperts.apply(r, order, inverse, k), (rows,))
-    assert torch.autograd.gradcheck(lambda p: experts._FromExperts.apply(p, order, inverse, k), (pairs,))
+    assert torch.equal(experts._ToExperts.apply(rows, order // k, inverse, k), rows[order // k])
+    assert torch.equal(experts._FromExperts.apply(pairs, order // k, inverse, k), pairs[inverse].view(T, k, H).sum(1))
+    assert torch.autograd.gradcheck(lambda r: experts._ToExperts.apply(r, order // k, inverse, k), (rows,))
+    assert torch.autograd.gradcheck(lambda p: experts._FromExperts.apply(p, order // k, inverse, k), (pairs,))
 
 
 def test_the_gpt_oss_gate_is_its_own_on_the_cpu():
